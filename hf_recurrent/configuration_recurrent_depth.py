@@ -1,0 +1,132 @@
+"""Configuration of the recurrent-depth causal LM.
+
+Shape: embedding -> prelude layers -> core block (``n_core_layers`` layers) applied ``num_steps`` times ->
+coda layers -> final norm -> LM head. ``num_steps`` is chosen at run time; ``mean_recurrence`` is its default.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+
+INJECTION_MODES = ("concat", "add")
+STATE_INITS = ("zeros", "normal")
+KV_CACHE_MODES = ("per_step", "shared")
+DEPTH_DISTRIBUTIONS = ("fixed", "poisson_lognormal")
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"RecurrentDepthConfig.{name}={value!r} is not allowed; choose one of {list(allowed)}.")
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"RecurrentDepthConfig.{name}={value!r} must be an integer >= 1.")
+
+
+@strict
+class RecurrentDepthConfig(PreTrainedConfig):
+    r"""
+    Args:
+        n_prelude_layers / n_core_layers / n_coda_layers: layers before, inside and after the recurrent block.
+        mean_recurrence: depth used when `num_steps` is not given, and the centre of the training distribution.
+        backprop_depth: during training only the last `backprop_depth` steps carry gradients (None: all).
+        depth_distribution: `fixed` (always `mean_recurrence`) or `poisson_lognormal` (Huginn's sampler).
+        depth_sigma: log-normal spread of the training depth; `max_recurrence` caps a sampled depth.
+        injection: how the prelude output re-enters every step: `concat` (concat + linear adapter) or `add`.
+        state_init: initial state, `zeros` or `normal` (std `state_init_std`, a fixed function of position and
+            channel seeded by `state_init_seed`, so a forward pass is reproducible and cache-exact).
+        kv_cache_mode: `per_step` (one cache slot per step and core layer, exact) or `shared` (one slot per core
+            layer written by the last step; memory independent of depth, an approximation for n > 1).
+    """
+
+    model_type = "recurrent_depth"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
+
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    intermediate_size: int = 2816
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    n_prelude_layers: int = 2
+    n_core_layers: int = 4
+    n_coda_layers: int = 2
+    num_hidden_layers: int | None = None
+    mean_recurrence: int = 12
+    backprop_depth: int | None = None
+    depth_distribution: str = "poisson_lognormal"
+    depth_sigma: float = 0.5
+    max_recurrence: int | None = None
+    injection: str = "concat"
+    state_init: str = "normal"
+    state_init_std: float = 1.0
+    state_init_seed: int = 0
+    kv_cache_mode: str = "per_step"
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float | int = 0.0
+    mlp_bias: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self._validate_recurrent_fields()
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        # Unique layers: what a cache built from this config has slots for (extra per-step slots are added
+        # by the model at run time).
+        self.num_hidden_layers = self.n_prelude_layers + self.n_core_layers + self.n_coda_layers
+        super().__post_init__(**kwargs)
+
+    def _validate_recurrent_fields(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                     "n_core_layers", "mean_recurrence"):
+            _check_positive(name, getattr(self, name))
+        for name in ("n_prelude_layers", "n_coda_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"RecurrentDepthConfig.{name}={value!r} must be an integer >= 0.")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"RecurrentDepthConfig.num_attention_heads={self.num_attention_heads} must divide "
+                f"hidden_size={self.hidden_size} (or set head_dim explicitly)."
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"RecurrentDepthConfig.num_key_value_heads={self.num_key_value_heads} must divide "
+                f"num_attention_heads={self.num_attention_heads}."
+            )
+        if self.backprop_depth is not None:
+            _check_positive("backprop_depth", self.backprop_depth)
+            if self.backprop_depth > self.mean_recurrence:
+                raise ValueError(
+                    f"RecurrentDepthConfig.backprop_depth={self.backprop_depth} must be <= "
+                    f"mean_recurrence={self.mean_recurrence} (or None for full backpropagation)."
+                )
+        if self.max_recurrence is not None:
+            _check_positive("max_recurrence", self.max_recurrence)
+            if self.max_recurrence < self.mean_recurrence:
+                raise ValueError(
+                    f"RecurrentDepthConfig.max_recurrence={self.max_recurrence} must be >= "
+                    f"mean_recurrence={self.mean_recurrence}."
+                )
+        if not self.depth_sigma >= 0:
+            raise ValueError(f"RecurrentDepthConfig.depth_sigma={self.depth_sigma!r} must be >= 0.")
+        if not self.state_init_std >= 0:
+            raise ValueError(f"RecurrentDepthConfig.state_init_std={self.state_init_std!r} must be >= 0.")
+        _check_choice("injection", self.injection, INJECTION_MODES)
+        _check_choice("state_init", self.state_init, STATE_INITS)
+        _check_choice("kv_cache_mode", self.kv_cache_mode, KV_CACHE_MODES)
+        _check_choice("depth_distribution", self.depth_distribution, DEPTH_DISTRIBUTIONS)
+
+
+__all__ = ["RecurrentDepthConfig"]

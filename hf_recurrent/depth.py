@@ -1,0 +1,31 @@
+"""Training-time depth sampling.
+
+A draw is a pure function of (seed, step): resuming at step s reproduces the depths of an uninterrupted run
+without saving any sampler state.
+"""
+
+import math
+
+import torch
+
+from .configuration_recurrent_depth import RecurrentDepthConfig
+
+
+class DepthSampler:
+    def __init__(self, config: RecurrentDepthConfig, seed: int = 0):
+        self.mean = config.mean_recurrence
+        self.distribution = config.depth_distribution
+        self.sigma = config.depth_sigma
+        self.max_steps = config.max_recurrence or 4 * config.mean_recurrence
+        self.seed = seed
+
+    def __call__(self, step: int) -> int:
+        """Depth for optimizer step `step`: `fixed`, or Huginn's log-normal Poisson (n = 1 + Poisson(exp(tau)),
+        tau ~ N(log(mean - 1) - sigma^2 / 2, sigma), so E[n] = mean)."""
+        if self.distribution == "fixed" or self.mean == 1:
+            return self.mean
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        mu = math.log(self.mean - 1) - self.sigma**2 / 2
+        tau = torch.normal(mu, self.sigma, (1,), generator=generator).exp()
+        depth = 1 + int(torch.poisson(tau, generator=generator).item())
+        return min(depth, self.max_steps)

@@ -1,0 +1,390 @@
+"""Recurrent-depth causal LM: a Llama-style Transformer whose core block is applied `num_steps` times.
+
+    embed -> prelude -> e                                   # (B, T, C)
+    s_0 = initial state (zeros or a fixed pseudo-random normal)
+    s_i = norm(core(inject(s_{i-1}, e)))   for i = 1..n     # the core block is shared by all steps
+    logits = lm_head(norm(coda(s_n)))
+
+This file is self-contained on purpose: `save_pretrained` copies it next to the weights, so a checkpoint loads
+with `trust_remote_code=True` where this package is not installed.
+"""
+
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+try:
+    from .configuration_recurrent_depth import RecurrentDepthConfig
+except ImportError:  # loaded as a flat module by `trust_remote_code`
+    from configuration_recurrent_depth import RecurrentDepthConfig
+
+# transformers >= 5.24 calls the cache argument and output field `cache`; 5.17 calls them `past_key_values`.
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+# Checkpoints saved from a `torch.compile`d model carry this key prefix; loading strips it.
+COMPILED_PREFIX = r"^_orig_mod\."
+
+
+def initial_state(config: RecurrentDepthConfig, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The state before the first step, shape (B, T, C).
+
+    `normal` is a hash of (seed, position, channel) mapped to a Gaussian, not a draw from a global generator:
+    a token gets the same initial state in a full forward pass, in a cached decode step and in a padded batch.
+    """
+    batch, seq = position_ids.shape
+    size = config.hidden_size
+    if config.state_init == "zeros" or config.state_init_std == 0:
+        return torch.zeros(batch, seq, size, dtype=dtype, device=position_ids.device)
+    channels = torch.arange(size, device=position_ids.device)
+    counter = (position_ids.long()[..., None] * size + channels) * 2  # (B, T, C), two draws per element
+    uniforms = [_hash_to_unit(counter + k, config.state_init_seed) for k in (0, 1)]
+    radius = torch.sqrt(-2.0 * torch.log(uniforms[0]))
+    normal = radius * torch.cos(2 * torch.pi * uniforms[1])  # Box-Muller
+    return (normal * config.state_init_std).to(dtype)
+
+
+def _hash_to_unit(counter: torch.Tensor, seed: int) -> torch.Tensor:
+    """A 31-bit integer hash (xorshift-multiply rounds, exact in int64) mapped to (0, 1)."""
+    mask = (1 << 31) - 1
+    x = (counter + seed * 0x9E3779B1) & mask
+    for _ in range(3):
+        x = ((x >> 15) ^ x) * 0x2C1B3C6D & mask
+        x = ((x >> 12) ^ x) * 0x297A2D39 & mask
+    x = (x >> 15) ^ x
+    return (x.double() + 0.5) / (mask + 1)
+
+
+class RecurrentDepthAttention(nn.Module):
+    """Llama attention (rotary, GQA) through transformers' attention dispatch.
+
+    `cache_slot` is the cache layer this call reads and writes; `read_only_cache` means: attend over what the
+    slot holds plus the current keys/values, without writing (earlier steps in `shared` cache mode).
+    """
+
+    def __init__(self, config: RecurrentDepthConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        q_dim, kv_dim = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None = None,
+        cache_slot: int | None = None,
+        read_only_cache: bool = False,
+        **kwargs,
+    ) -> torch.Tensor:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, nh, T, hd)
+        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, nkv, T, hd)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+
+        if cache is not None:
+            slot = cache.layers[cache_slot]
+            if not read_only_cache:
+                key, value = cache.update(key, value, cache_slot)
+            elif slot.is_initialized and slot.keys.numel() > 0:
+                key = torch.cat([slot.keys, key], dim=-2)
+                value = torch.cat([slot.values, value], dim=-2)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        output, _ = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        return self.o_proj(output.reshape(*input_shape, -1).contiguous())
+
+
+class RecurrentDepthDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm Llama block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, config: RecurrentDepthConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = RecurrentDepthAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: Cache | None = None,
+        cache_slot: int | None = None,
+        read_only_cache: bool = False,
+        **kwargs,
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+            cache_slot=cache_slot,
+            read_only_cache=read_only_cache,
+            **kwargs,
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class RecurrentDepthPreTrainedModel(PreTrainedModel):
+    config_class = RecurrentDepthConfig
+    config: RecurrentDepthConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["RecurrentDepthDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = False  # the depth loop and its cache slots change with `num_steps`
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """Also loads weights saved from a `torch.compile`d model (keys prefixed `_orig_mod.`)."""
+        kwargs["key_mapping"] = {COMPILED_PREFIX: "", **(kwargs.get("key_mapping") or {})}
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        # transformers re-applies used renamings in reverse on save; the prefix must not come back.
+        conversions = getattr(model, "_weight_conversions", None)
+        if conversions:
+            model._weight_conversions = [c for c in conversions if COMPILED_PREFIX not in c.source_patterns]
+        return loaded
+
+
+class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
+    def __init__(self, config: RecurrentDepthConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        # Layer indices run prelude, core, coda; cache slots are assigned by `_cache_slot`.
+        num_prelude, num_core = config.n_prelude_layers, config.n_core_layers
+        self.prelude = nn.ModuleList(RecurrentDepthDecoderLayer(config, i) for i in range(num_prelude))
+        self.core = nn.ModuleList(RecurrentDepthDecoderLayer(config, num_prelude + i) for i in range(num_core))
+        self.coda = nn.ModuleList(
+            RecurrentDepthDecoderLayer(config, num_prelude + num_core + i) for i in range(config.n_coda_layers)
+        )
+        if config.injection == "concat":
+            self.adapter = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.prelude_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Normalising the state after every step keeps its scale independent of the depth.
+        self.state_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def _cache_slot(self, section: str, index: int, step: int = 0) -> int:
+        """Cache layout: prelude layers, coda layers, then core layers (one copy per step in `per_step` mode)."""
+        config = self.config
+        if section == "prelude":
+            return index
+        if section == "coda":
+            return config.n_prelude_layers + index
+        per_step = config.kv_cache_mode == "per_step"
+        return config.n_prelude_layers + config.n_coda_layers + (step if per_step else 0) * config.n_core_layers + index
+
+    def inject(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        if self.config.injection == "concat":
+            return self.adapter(torch.cat([state, embedded], dim=-1))
+        return state + embedded
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        num_steps: int | None = None,
+        backprop_depth: int | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """`num_steps`: depth n (default `config.mean_recurrence`). `backprop_depth` k: in training, only the last
+        k steps build a graph; the first n - k run under `no_grad` (default `config.backprop_depth`, None = all)."""
+        config = self.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        num_steps = config.mean_recurrence if num_steps is None else int(num_steps)
+        if num_steps < 1:
+            raise ValueError(f"num_steps={num_steps} must be >= 1.")
+        backprop_depth = config.backprop_depth if backprop_depth is None else int(backprop_depth)
+        if backprop_depth is not None and backprop_depth < 1:
+            raise ValueError(f"backprop_depth={backprop_depth} must be >= 1 (or None for all steps).")
+        # A sampled depth may be shorter than k: then every step carries gradients.
+        no_grad_steps = 0 if backprop_depth is None else max(num_steps - backprop_depth, 0)
+
+        cache = cache if cache is not None else past_key_values
+        use_cache = config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if use_cache and cache is None:
+            cache = DynamicCache(config=config)
+        if not use_cache:
+            cache = None
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
+        past_seen = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = _positions_from_mask(attention_mask, inputs_embeds, past_seen)
+        if cache is not None:
+            _ensure_cache_slots(cache, self._cache_slot("core", config.n_core_layers - 1, num_steps - 1) + 1)
+
+        mask = create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        layer_kwargs = dict(attention_mask=mask, position_embeddings=position_embeddings, cache=cache, **kwargs)
+
+        hidden = inputs_embeds
+        for i, layer in enumerate(self.prelude):
+            hidden = layer(hidden, cache_slot=self._cache_slot("prelude", i), **layer_kwargs)
+        embedded = self.prelude_norm(hidden)
+
+        state = initial_state(config, position_ids.expand(hidden.shape[0], -1), embedded.dtype)
+        shared_cache = config.kv_cache_mode == "shared"
+        for step in range(num_steps):
+            grad_context = torch.no_grad() if step < no_grad_steps else nullcontext()
+            with grad_context:
+                hidden = self.inject(state, embedded)
+                for i, layer in enumerate(self.core):
+                    hidden = layer(
+                        hidden,
+                        cache_slot=self._cache_slot("core", i, step),
+                        read_only_cache=shared_cache and step < num_steps - 1,
+                        **layer_kwargs,
+                    )
+                state = self.state_norm(hidden)
+
+        hidden = state
+        for i, layer in enumerate(self.coda):
+            hidden = layer(hidden, cache_slot=self._cache_slot("coda", i), **layer_kwargs)
+        hidden = self.norm(hidden)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE_FIELD: cache})
+
+
+def _positions_from_mask(attention_mask: torch.Tensor | None, inputs_embeds: torch.Tensor, past_seen: int):
+    """Positions that skip left padding, so a padded sequence sees the same rotary phases as unpadded."""
+    seq = inputs_embeds.shape[1]
+    if attention_mask is None or attention_mask.dim() != 2:
+        return torch.arange(past_seen, past_seen + seq, device=inputs_embeds.device).unsqueeze(0)
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp(min=0)[:, -seq:]
+
+
+def _ensure_cache_slots(cache: Cache, num_slots: int) -> None:
+    """`generate` builds one cache slot per unique layer; `per_step` mode needs one per (step, core layer)."""
+    if not hasattr(cache, "layers") or not isinstance(cache, DynamicCache):
+        raise ValueError(
+            f"RecurrentDepth models need a DynamicCache (got {type(cache).__name__}); leave cache_implementation unset."
+        )
+    while len(cache.layers) < num_slots:
+        cache.layers.append(DynamicLayer())
+
+
+class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+
+    def __init__(self, config: RecurrentDepthConfig):
+        super().__init__(config)
+        self.model = RecurrentDepthModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        num_steps: int | None = None,
+        backprop_depth: int | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            num_steps=num_steps,
+            backprop_depth=backprop_depth,
+            **kwargs,
+        )
+        hidden = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, slice_indices, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)})
+
+
+__all__ = ["RecurrentDepthPreTrainedModel", "RecurrentDepthModel", "RecurrentDepthForCausalLM"]

@@ -1,0 +1,83 @@
+"""Named model shapes. The vocabulary comes from the tokenizer at training time (padded to a multiple of 64).
+
+Recurrent presets and their Transformer peers share hidden size, MLP and attention shapes; the peer has
+`n_prelude + n_core + n_coda` layers, so both hold the same unique parameters up to the small adapter.
+"""
+
+from dataclasses import dataclass
+
+from transformers import LlamaConfig
+
+from .configuration_recurrent_depth import RecurrentDepthConfig
+
+VOCAB_MULTIPLE = 64
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    n_prelude_layers: int
+    n_core_layers: int
+    n_coda_layers: int
+    mean_recurrence: int
+    backprop_depth: int | None
+    vocab_size: int
+    max_position_embeddings: int
+
+
+_RECURRENT = {
+    "debug": Shape(64, 176, 4, 2, 1, 2, 1, 4, None, 512, 512),
+    "recurrent-125m": Shape(768, 3072, 12, 12, 2, 4, 2, 8, 4, 32000, 2048),
+    "recurrent-1b": Shape(2048, 5632, 16, 8, 7, 4, 7, 8, 4, 32000, 4096),
+    # The user's model: about 3.3B unique parameters, about 7B unrolled at n = 12.
+    "recurrent-3.3b": Shape(4096, 11008, 32, 8, 7, 2, 7, 12, 4, 65536, 4096),
+    # About 7B unique parameters: the memory stress case.
+    "recurrent-7b": Shape(4096, 11008, 32, 8, 16, 4, 16, 4, 2, 65536, 4096),
+}
+# Transformer baselines: same shape as their recurrent peer, every layer unique.
+_BASELINE_PEER = {"transformer-125m": "recurrent-125m", "transformer-3.3b": "recurrent-3.3b", "transformer-debug": "debug"}
+
+NAMES = tuple(_RECURRENT) + tuple(_BASELINE_PEER)
+
+
+def pad_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+def get(name: str, vocab_size: int | None = None, **overrides) -> RecurrentDepthConfig | LlamaConfig:
+    """Config for preset `name`; `vocab_size` (a tokenizer's size) is padded to a multiple of 64."""
+    if name not in NAMES:
+        raise ValueError(f"Unknown preset {name!r}; choose one of {list(NAMES)}.")
+    shape = _RECURRENT[_BASELINE_PEER.get(name, name)]
+    vocab = pad_vocab(vocab_size) if vocab_size is not None else shape.vocab_size
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    if name in _BASELINE_PEER:
+        layers = shape.n_prelude_layers + shape.n_core_layers + shape.n_coda_layers
+        return LlamaConfig(**{**common, "num_hidden_layers": layers, **overrides})
+    return RecurrentDepthConfig(
+        **{
+            **common,
+            "n_prelude_layers": shape.n_prelude_layers,
+            "n_core_layers": shape.n_core_layers,
+            "n_coda_layers": shape.n_coda_layers,
+            "mean_recurrence": shape.mean_recurrence,
+            "backprop_depth": shape.backprop_depth,
+            **overrides,
+        }
+    )
+
+
+def is_recurrent(config) -> bool:
+    return getattr(config, "model_type", None) == RecurrentDepthConfig.model_type

@@ -1,0 +1,329 @@
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaForCausalLM
+
+import hf_recurrent
+from hf_recurrent import DepthSampler, RecurrentDepthConfig, RecurrentDepthForCausalLM, flops_per_token, presets
+from hf_recurrent.modeling_recurrent_depth import CACHE_FIELD
+
+
+def tiny(**overrides) -> RecurrentDepthForCausalLM:
+    torch.manual_seed(0)
+    config = presets.get("debug", **overrides)
+    return RecurrentDepthForCausalLM(config).eval()
+
+
+def tokens(batch=2, seq=12, seed=1):
+    return torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_auto_classes_registered():
+    config = AutoConfig.for_model("recurrent_depth", hidden_size=64, num_attention_heads=4, intermediate_size=128)
+    assert isinstance(config, RecurrentDepthConfig)
+    assert isinstance(AutoModelForCausalLM.from_config(config), RecurrentDepthForCausalLM)
+    assert type(AutoModel.from_config(config)).__name__ == "RecurrentDepthModel"
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(hidden_size=66), "num_attention_heads"),
+        (dict(mean_recurrence=0), "mean_recurrence"),
+        (dict(mean_recurrence=4, backprop_depth=5), "backprop_depth"),
+        (dict(kv_cache_mode="paged"), "kv_cache_mode"),
+        (dict(injection="mul"), "injection"),
+        (dict(state_init="uniform"), "state_init"),
+        (dict(depth_distribution="gamma"), "depth_distribution"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+    ],
+)
+def test_invalid_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        presets.get("debug", **overrides)
+
+
+def test_unknown_preset_lists_the_choices():
+    with pytest.raises(ValueError, match="recurrent-3.3b"):
+        presets.get("recurrent-42b")
+
+
+def test_num_steps_must_be_positive():
+    model = tiny()
+    with pytest.raises(ValueError, match="num_steps"):
+        model(tokens(), num_steps=0)
+
+
+def test_output_depends_on_depth_and_state_stays_bounded():
+    model = tiny()
+    x = tokens()
+    with torch.no_grad():
+        logits = {n: model(x, num_steps=n, use_cache=False).logits for n in (1, 4, 64)}
+        hidden = model.model(x, num_steps=64, use_cache=False).last_hidden_state
+    assert not torch.allclose(logits[1], logits[4])
+    assert not torch.allclose(logits[4], logits[64])
+    assert torch.isfinite(logits[64]).all()
+    # RMS of the final hidden state stays at the norm's scale at any depth.
+    rms = hidden.pow(2).mean(-1).sqrt()
+    assert rms.max() < 10
+
+
+def test_state_init_is_reproducible_and_seeded():
+    x = tokens()
+    a, b = tiny(), tiny()
+    with torch.no_grad():
+        assert torch.equal(a(x, use_cache=False).logits, b(x, use_cache=False).logits)
+    c = tiny(state_init_seed=7)
+    c.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(a(x, use_cache=False).logits, c(x, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("injection", ["concat", "add"])
+def test_truncated_backprop_runs_early_steps_without_grad(injection):
+    model = tiny(injection=injection).train()
+    seen = []
+    model.model.core[0].register_forward_hook(lambda *_: seen.append(torch.is_grad_enabled()))
+    out = model(tokens(), labels=tokens(), num_steps=6, backprop_depth=2)
+    assert seen == [False] * 4 + [True] * 2
+    out.loss.backward()
+    for name, param in model.model.core.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+    assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_backprop_depth_equal_to_depth_matches_full_backprop():
+    x = tokens()
+    grads = []
+    for k in (None, 3):
+        model = tiny().train()
+        model(x, labels=x, num_steps=3, backprop_depth=k).loss.backward()
+        grads.append(model.model.core[0].mlp.up_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    x = tokens()
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model(x, labels=x, num_steps=3).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
+
+
+@pytest.mark.parametrize("num_steps", [1, 4, 8])
+def test_per_step_cache_generation_equals_uncached(num_steps):
+    model = tiny(kv_cache_mode="per_step")
+    x = tokens(batch=1, seq=6)
+    kwargs = dict(num_steps=num_steps, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    cached = model.generate(x, use_cache=True, **kwargs)
+    uncached = model.generate(x, use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached)
+
+
+def test_per_step_cache_logits_match_full_forward():
+    model = tiny(kv_cache_mode="per_step")
+    x = tokens(batch=1, seq=10)
+    with torch.no_grad():
+        full = model(x, num_steps=4, use_cache=False).logits
+        prefix = model(x[:, :7], num_steps=4, use_cache=True)
+        step = model(x[:, 7:], num_steps=4, **{CACHE_FIELD: getattr(prefix, CACHE_FIELD)})
+    torch.testing.assert_close(step.logits, full[:, 7:], atol=1e-5, rtol=1e-4)
+
+
+def _cache_elements(cache) -> int:
+    return sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers if layer.is_initialized)
+
+
+def test_shared_cache_equals_per_step_at_depth_one_and_does_not_grow():
+    x = tokens(batch=1, seq=6)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    shared, per_step = tiny(kv_cache_mode="shared"), tiny(kv_cache_mode="per_step")
+    assert torch.equal(shared.generate(x, num_steps=1, **kwargs), per_step.generate(x, num_steps=1, **kwargs))
+    sizes = {}
+    with torch.no_grad():
+        for n in (1, 4, 16):
+            sizes[("shared", n)] = _cache_elements(getattr(shared(x, num_steps=n, use_cache=True), CACHE_FIELD))
+            sizes[("per_step", n)] = _cache_elements(getattr(per_step(x, num_steps=n, use_cache=True), CACHE_FIELD))
+    assert sizes[("shared", 1)] == sizes[("shared", 4)] == sizes[("shared", 16)]
+    assert sizes[("per_step", 16)] > sizes[("per_step", 4)] > sizes[("per_step", 1)]
+    # Shared mode is an approximation but still a sensible decoder at depth > 1.
+    out = shared.generate(x, num_steps=4, **kwargs)
+    assert out.shape == (1, 12)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_left_padding_matches_unpadded(attn):
+    model = tiny()
+    model.config._attn_implementation = attn
+    short, long = tokens(1, 5, seed=3), tokens(1, 9, seed=4)
+    batch = torch.zeros(2, 9, dtype=torch.long)
+    batch[0, 4:], batch[1] = short[0], long[0]
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        padded = model(batch, attention_mask=mask, num_steps=3, use_cache=False).logits
+        alone = model(short, num_steps=3, use_cache=False).logits
+        alone_long = model(long, num_steps=3, use_cache=False).logits
+    torch.testing.assert_close(padded[0, 4:], alone[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(padded[1], alone_long[0], atol=1e-5, rtol=1e-4)
+
+
+def test_left_padded_batch_generation_matches_single():
+    model = tiny()
+    short, long = tokens(1, 4, seed=5), tokens(1, 7, seed=6)
+    batch = torch.zeros(2, 7, dtype=torch.long)
+    batch[0, 3:], batch[1] = short[0], long[0]
+    mask = torch.ones_like(batch)
+    mask[0, :3] = 0
+    kwargs = dict(num_steps=3, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    both = model.generate(batch, attention_mask=mask, **kwargs)
+    assert torch.equal(both[0, 3:], model.generate(short, **kwargs)[0])
+    assert torch.equal(both[1], model.generate(long, **kwargs)[0])
+
+
+def test_hf_conventions():
+    model = tiny()
+    assert model.supports_gradient_checkpointing
+    assert set(model._no_split_modules) == {"RecurrentDepthDecoderLayer"}
+    assert model._supports_sdpa
+    assert model.get_input_embeddings() is model.model.embed_tokens
+    assert model.get_output_embeddings() is model.lm_head
+    with torch.no_grad():
+        last = model(tokens(), logits_to_keep=1, use_cache=False).logits
+        full = model(tokens(), use_cache=False).logits
+    assert last.shape[1] == 1
+    torch.testing.assert_close(last[:, 0], full[:, -1])
+
+
+def test_weight_tying_is_optional():
+    assert tiny().lm_head.weight is not tiny().model.embed_tokens.weight
+    tied = tiny(tie_word_embeddings=True)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+def test_save_writes_safetensors_code_and_auto_map(tmp_path):
+    model = tiny()
+    model.save_pretrained(tmp_path)
+    files = set(os.listdir(tmp_path))
+    assert {"model.safetensors", "config.json", "modeling_recurrent_depth.py",
+            "configuration_recurrent_depth.py"} <= files
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForCausalLM"].endswith("RecurrentDepthForCausalLM")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(x, num_steps=5).logits, model(x, num_steps=5).logits)
+
+
+def test_remote_code_loads_without_the_package(tmp_path):
+    model = tiny()
+    model.save_pretrained(tmp_path)
+    x = tokens(1, 8)
+    with torch.no_grad():
+        expected = model(x, num_steps=3, use_cache=False).logits
+    torch.save({"x": x, "expected": expected}, tmp_path / "io.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["hf_recurrent"] = None  # the package must not be importable
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True)
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        io = torch.load({str(tmp_path / 'io.pt')!r})
+        with torch.no_grad():
+            got = model(io["x"], num_steps=3, use_cache=False).logits
+        torch.testing.assert_close(got, io["expected"])
+        out = model.generate(io["x"], num_steps=2, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert out.shape == (1, 11)
+        print("REMOTE_OK")
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=300)
+    assert "REMOTE_OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_compiled_state_dict_prefix_is_stripped(tmp_path):
+    model = tiny()
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    save_file({f"_orig_mod.{k}": v for k, v in state.items()}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], tensor, msg=name)
+
+
+def test_presets_sizes_and_baseline_peers():
+    def count(config):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return sum(p.numel() for p in model.parameters()), model
+
+    unique, model = count(presets.get("recurrent-3.3b"))
+    core = sum(p.numel() for p in model.model.core.parameters()) + model.model.adapter.weight.numel()
+    unrolled = unique + (model.config.mean_recurrence - 1) * core
+    assert 3.1e9 < unique < 3.6e9 and 6.5e9 < unrolled < 8e9
+    assert 6.5e9 < count(presets.get("recurrent-7b"))[0] < 7.5e9
+    for baseline, peer in (("transformer-125m", "recurrent-125m"), ("transformer-3.3b", "recurrent-3.3b")):
+        base_count, base_model = count(presets.get(baseline))
+        assert isinstance(base_model, LlamaForCausalLM)
+        assert abs(base_count - count(presets.get(peer))[0]) / base_count < 0.02
+    assert presets.get("debug", vocab_size=1000).vocab_size == 1024
+    assert presets.get("transformer-125m", vocab_size=32001).vocab_size == 32064
+
+
+def test_flops_per_token_matches_hand_count():
+    config = presets.get("debug", injection="concat")  # H=64, I=176, 4 heads x 16, 2 kv heads, V=512
+    H, I, V, T, q, kv = 64, 176, 512, 128, 64, 32
+    layer = 2 * H * (2 * q + 2 * kv) + 2 * 3 * H * I + 2 * 2 * q * (T + 1) / 2
+    step = 2 * layer + 2 * 2 * H * H  # two core layers + adapter
+    unique = 2 * layer + 2 * H * V  # prelude + coda + head
+    assert flops_per_token(config, num_steps=6, backprop_depth=2, seq_len=T) == 3 * (unique + 2 * step) + 4 * step
+    assert flops_per_token(config, num_steps=6, seq_len=T, training=False) == unique + 6 * step
+    # More depth costs more; a baseline counts every layer once.
+    assert flops_per_token(config, num_steps=8, seq_len=T) > flops_per_token(config, num_steps=4, seq_len=T)
+    base = presets.get("transformer-debug")
+    assert flops_per_token(base, seq_len=T) == 3 * (4 * layer + 2 * H * V)
+
+
+def test_depth_sampler_is_reproducible_with_the_configured_mean():
+    config = presets.get("recurrent-125m")
+    a, b = DepthSampler(config, seed=3), DepthSampler(config, seed=3)
+    draws = [a(step) for step in range(2000)]
+    assert draws[:50] == [b(step) for step in range(50)]
+    assert min(draws) >= 1 and max(draws) <= 4 * config.mean_recurrence
+    assert abs(sum(draws) / len(draws) - config.mean_recurrence) < 0.5
+    assert len(set(draws)) > 5
+    assert DepthSampler(presets.get("debug", depth_distribution="fixed"))(11) == 4
+
+
+def test_cache_argument_name_matches_installed_transformers():
+    import transformers
+    major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+    assert CACHE_FIELD == ("cache" if (major, minor) >= (5, 24) else "past_key_values")
+    assert hf_recurrent.RecurrentDepthConfig.model_type == "recurrent_depth"
+
+
+def test_resaving_a_compiled_checkpoint_writes_clean_keys(tmp_path):
+    model = tiny()
+    model.save_pretrained(tmp_path / "a")
+    assert not any(k.startswith("_orig_mod") for k in load_file(tmp_path / "a" / "model.safetensors"))
+    state = load_file(tmp_path / "a" / "model.safetensors")
+    save_file({f"_orig_mod.{k}": v for k, v in state.items()}, tmp_path / "a" / "model.safetensors",
+              metadata={"format": "pt"})
+    AutoModelForCausalLM.from_pretrained(tmp_path / "a").save_pretrained(tmp_path / "b")
+    assert set(load_file(tmp_path / "b" / "model.safetensors")) == set(state)
