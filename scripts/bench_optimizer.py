@@ -1,0 +1,132 @@
+"""Benchmark the low-memory optimizer on a stack of bf16 matrices shaped like a Llama decoder.
+
+Measures, after warm-up: time of one forward+backward+update step and of the update alone (CUDA
+synchronised around each phase), peak reserved memory, optimizer state size, and how many graphs
+torch.compile built (all shapes should share a few). Example:
+
+    python scripts/bench_optimizer.py --hidden 4096 --intermediate 11008 --layers 4 --vocab 32000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch import nn
+
+from trainer_ext.optim import create_optimizer
+
+
+class _Block(nn.Module):
+    """Llama-shaped weights (attention projections + SwiGLU MLP) without attention itself."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(hidden))
+        self.qkvo = nn.ModuleList(nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        self.gate = nn.Linear(hidden, intermediate, bias=False)
+        self.up = nn.Linear(hidden, intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):  # (B, T, C)
+        h = x * self.norm
+        for proj in self.qkvo:
+            h = proj(h)
+        x = x + h
+        return x + self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def _build(args) -> nn.Module:
+    model = nn.ModuleDict({
+        "embed": nn.Embedding(args.vocab, args.hidden),
+        "blocks": nn.ModuleList(_Block(args.hidden, args.intermediate) for _ in range(args.layers)),
+        "head": nn.Linear(args.hidden, args.vocab, bias=False),
+    })
+    return model.to(device="cuda", dtype=torch.bfloat16)
+
+
+def _loss(model, tokens):
+    x = model["embed"](tokens)
+    for block in model["blocks"]:
+        x = block(x)
+    return nn.functional.cross_entropy(model["head"](x).flatten(0, 1).float(), tokens.flatten())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--classic", action="store_true", help="update in optimizer.step(), not in backward")
+    parser.add_argument("--momentum", type=float, default=None)
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_optimizer needs a CUDA device")
+
+    torch.manual_seed(0)
+    model = _build(args)
+    optimizer = create_optimizer(model, lr=1e-3, weight_decay=0.1, in_backward=not args.classic,
+                                 momentum=args.momentum, compile=not args.no_compile)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    compile_start = time.perf_counter()
+    for _ in range(args.warmup):
+        _loss(model, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - compile_start
+    torch.cuda.reset_peak_memory_stats()
+
+    step_times, update_times = [], []
+    for _ in range(args.steps):
+        if args.classic:
+            step_times.append(timed(lambda: _loss(model, tokens).backward()))
+            update_times.append(timed(optimizer.step))
+            step_times[-1] += update_times[-1]
+            optimizer.zero_grad()
+        else:
+            step_times.append(timed(lambda: (_loss(model, tokens).backward(), optimizer.step())))
+    if args.classic:
+        update_ms = 1000 * sorted(update_times)[len(update_times) // 2]
+    else:
+        update_ms = None
+
+    try:
+        from torch._dynamo.utils import counters
+        graphs = int(counters["stats"]["unique_graphs"])
+    except Exception:  # counters are a private API; the benchmark does not depend on them
+        graphs = None
+    params = sum(p.numel() for p in model.parameters())
+    print(json.dumps({
+        "params_M": round(params / 1e6, 1),
+        "mode": "classic" if args.classic else "in_backward",
+        "compile": optimizer.compile,
+        "median_step_ms": round(1000 * sorted(step_times)[len(step_times) // 2], 2),
+        "median_update_ms": None if update_ms is None else round(update_ms, 2),
+        "warmup_s": round(warmup_s, 1),
+        "peak_reserved_GiB": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        "weights_GiB": round(params * 2 / 2**30, 2),
+        "state_MiB": round(optimizer.state_bytes() / 2**20, 2),
+        "compiled_graphs": graphs,
+        "last_grad_norm": optimizer.last_grad_norm,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,465 @@
+"""Tokenize a corpus and pack it into fixed-length numpy shards with a manifest.
+
+    python -m scripts.prepare_data                      # embedded KJV corpus -> outputs/data/kjv
+    python -m scripts.prepare_data --files "data/*.jsonl" notes.txt --output_dir outputs/data/mine
+    python -m scripts.prepare_data --dataset uonlp/CulturaX --dataset_config ja \
+        --tokenizer llm-jp/llm-jp-3-1.8b --seq_len 2048 --max_tokens 1_000_000_000 \
+        --output_dir outputs/data/culturax-ja
+
+Steps: load documents (corpus.py) -> load or train a tokenizer -> tokenize with
+``datasets.map`` and append EOS after every document -> concatenate into one token stream
+-> cut it into samples of ``seq_len + 1`` tokens (the tail shorter than one sample is
+dropped) -> shuffle samples with ``--seed`` -> hold out an eval split -> write
+``train-*.npy`` / ``eval-*.npy`` shards and ``manifest.json`` (format: trainer_ext/data.py).
+
+Reruns: the manifest is written last, so a directory with a manifest is complete. Running
+again with the same arguments and sources finds the manifest, checks the shards and exits
+without work. Different arguments are refused unless ``--overwrite`` is given. A directory
+without a manifest (an interrupted run) is cleaned of its shard/temp files and redone;
+shuffling needs the whole stream, so there is no partial resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import glob
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from trainer_ext import corpus
+from trainer_ext.data import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    SPLITS,
+    read_manifest,
+    shard_name,
+    token_dtype,
+    tokenizer_hash,
+    validate_data_dir,
+    write_manifest,
+    write_shard,
+)
+
+logger = logging.getLogger("prepare_data")
+
+DEFAULT_OUTPUT_DIR = os.path.join("outputs", "data", "kjv")
+SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+_BYTE_ALPHABET_SIZE = 256
+_TOKEN_FILE = ".tokens.bin.tmp"  # the packed stream before shuffling; removed at the end
+
+# Arguments that change where work happens or how fast, not what is written; a rerun that
+# differs only in these is still "the same data".
+_NON_CONTENT_ARGS = ("output_dir", "num_proc", "map_batch_size", "cache_dir", "overwrite")
+
+
+@dataclass
+class PrepareDataArguments:
+    """Arguments of prepare_data. With none given it prepares the embedded KJV corpus."""
+
+    output_dir: str | None = field(
+        default=None,
+        metadata={"help": f"Where shards, manifest and tokenizer go. Default {DEFAULT_OUTPUT_DIR} for the "
+                  "embedded corpus; required for --files / --dataset."},
+    )
+    # ---- source: one of --dataset, --files, or nothing (embedded corpus)
+    dataset: str | None = field(
+        default=None, metadata={"help": "A datasets hub name (or local dataset dir), read with streaming."}
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Config (subset) of --dataset, e.g. 'ja'."})
+    split: str = field(default="train", metadata={"help": "Split of --dataset to read."})
+    files: list[str] | None = field(
+        default=None,
+        metadata={"help": "Local .txt / .jsonl / .json / .parquet files or quoted globs (optionally .gz etc.)."},
+    )
+    text_column: str = field(default="text", metadata={"help": "Column holding document text (JSONL/parquet/hub)."})
+    text_sample_by: str = field(
+        default="document",
+        metadata={"help": "What one document of a .txt file is: 'document' (whole file), 'paragraph' "
+                  "(blank-line separated) or 'line'."},
+    )
+    max_documents: int | None = field(default=None, metadata={"help": "Use at most this many documents."})
+    max_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Stop once this many tokens are collected. Streaming sources stop reading there; "
+                  "local files are tokenized in full first (bound that work with --max_documents)."},
+    )
+    # ---- tokenizer
+    tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "Tokenizer path or hub id (AutoTokenizer). If unset, a byte-level BPE is trained "
+                  "on the corpus."},
+    )
+    vocab_size: int = field(default=8192, metadata={"help": "Vocabulary size of the trained BPE."})
+    tokenizer_train_documents: int = field(
+        default=100_000, metadata={"help": "Train the BPE on at most this many (leading) documents."}
+    )
+    # ---- packing and layout
+    seq_len: int = field(default=256, metadata={"help": "Model context; each sample stores seq_len + 1 tokens."})
+    shard_size: int = field(default=32768, metadata={"help": "Samples per shard file."})
+    eval_fraction: float = field(default=0.01, metadata={"help": "Fraction of samples held out for eval."})
+    eval_samples: int | None = field(
+        default=None, metadata={"help": "Exact number of eval samples; overrides --eval_fraction (0 = none)."}
+    )
+    shuffle: bool = field(default=True, metadata={"help": "Shuffle samples with --seed (--no_shuffle keeps stream order)."})
+    seed: int = field(default=1234, metadata={"help": "Seed of the sample shuffle."})
+    # ---- execution
+    num_proc: int = field(default=1, metadata={"help": "Processes for tokenization of local data (datasets.map)."})
+    map_batch_size: int = field(default=1000, metadata={"help": "Documents per tokenization batch."})
+    cache_dir: str | None = field(default=None, metadata={"help": "datasets cache dir (default: HF default)."})
+    overwrite: bool = field(default=False, metadata={"help": "Replace an output dir prepared with other arguments."})
+
+    def __post_init__(self):
+        if self.dataset is not None and self.files:
+            raise ValueError("Pass either --dataset or --files, not both.")
+        if self.output_dir is None:
+            if self.dataset is not None or self.files:
+                raise ValueError("--output_dir is required with --dataset or --files.")
+            self.output_dir = DEFAULT_OUTPUT_DIR
+        if self.text_sample_by not in ("document", "paragraph", "line"):
+            raise ValueError(
+                f"--text_sample_by must be 'document', 'paragraph' or 'line', got '{self.text_sample_by}'."
+            )
+        positive = ("seq_len", "shard_size", "num_proc", "map_batch_size", "tokenizer_train_documents",
+                    "max_documents", "max_tokens")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name} must be >= 1, got {value}.")
+        if self.tokenizer is None and self.vocab_size <= _BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS):
+            raise ValueError(
+                f"--vocab_size must exceed {_BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)} (256 byte tokens + "
+                f"{len(SPECIAL_TOKENS)} special tokens) for a byte-level BPE, got {self.vocab_size}."
+            )
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}.")
+        if self.eval_samples is not None and self.eval_samples < 0:
+            raise ValueError(f"--eval_samples must be >= 0, got {self.eval_samples}.")
+
+    def content_args(self) -> dict:
+        """The arguments that determine the written data (recorded in the manifest)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in _NON_CONTENT_ARGS}
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def describe_sources(args: PrepareDataArguments) -> tuple[list[dict], list[str] | None]:
+    """Manifest description of the input, and the expanded local file list (if any)."""
+    if args.dataset is not None:
+        return [{"type": "hub", "name": args.dataset, "config": args.dataset_config, "split": args.split,
+                 "text_column": args.text_column}], None
+    if args.files:
+        files = corpus.expand_file_patterns(args.files)
+        for path in files:
+            corpus.file_format(path)  # fail on unknown suffixes before any work
+        return [{"type": "files", "text_column": args.text_column, "text_sample_by": args.text_sample_by,
+                 "files": [{"path": p, "size_bytes": os.path.getsize(p)} for p in files]}], files
+    corpus_files = corpus.default_corpus_files()
+    return [{"type": "embedded", "name": corpus.DEFAULT_CORPUS_NAME,
+             "files": [{"path": "bible/data/" + os.path.basename(p), "size_bytes": os.path.getsize(p)}
+                       for p in corpus_files]}], None
+
+
+def load_documents(args: PrepareDataArguments, files: list[str] | None):
+    """A datasets ``Dataset`` (local / embedded) or ``IterableDataset`` (hub) with a ``text`` column."""
+    if args.dataset is not None:
+        return corpus.load_hub_dataset(args.dataset, args.dataset_config, args.split, args.text_column,
+                                       args.max_documents)
+    if files is not None:
+        return corpus.load_local_files(files, args.text_column, args.text_sample_by, args.max_documents,
+                                       args.cache_dir)
+    return corpus.load_default_corpus(args.max_documents)
+
+
+def _text_batches(documents, batch_size: int, limit: int):
+    """Lists of texts from the first ``limit`` documents (for tokenizer training)."""
+    seen = 0
+    for batch in documents.iter(batch_size=batch_size):
+        texts = [t for t in batch["text"] if t]
+        texts = texts[: limit - seen]
+        seen += len(texts)
+        yield texts
+        if seen >= limit:
+            return
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def train_bpe_tokenizer(documents, vocab_size: int, max_documents: int, batch_size: int = 1000):
+    """Train a byte-level BPE on ``documents`` and wrap it as a transformers fast tokenizer.
+
+    Byte-level means every string is encodable (no unknown token) and decoding is exact.
+    bos/eos/pad get ids 0/1/2; the tokenizer adds none of them on its own, packing appends
+    EOS explicitly.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=True,
+    )
+    backend.train_from_iterator(_text_batches(documents, batch_size, max_documents), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **SPECIAL_TOKENS)
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"--tokenizer {name_or_path}: has no eos_token; documents are separated by EOS, so "
+            "use a tokenizer that defines one (or set eos_token in its tokenizer_config.json)."
+        )
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------- tokenize + pack
+
+
+def _tokenize_batch(batch: dict, tokenizer, eos_token_id: int) -> dict:
+    # No special tokens from the tokenizer (e.g. a Llama BOS): the stream format is
+    # "doc EOS doc EOS ...", identical whatever tokenizer is used. Empty documents add nothing.
+    texts = [t or "" for t in batch["text"]]
+    encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    return {"input_ids": [ids + [eos_token_id] if ids else [] for ids in encoded]}
+
+
+def tokenize_documents(documents, tokenizer, dtype: np.dtype, num_proc: int, batch_size: int):
+    import datasets
+
+    list_feature = getattr(datasets, "List", datasets.Sequence)  # List replaced Sequence in datasets 4
+    features = datasets.Features({"input_ids": list_feature(datasets.Value(dtype.name))})
+    kwargs = dict(
+        batched=True,
+        batch_size=batch_size,
+        remove_columns=["text"],
+        features=features,
+        fn_kwargs={"tokenizer": tokenizer, "eos_token_id": tokenizer.eos_token_id},
+    )
+    if isinstance(documents, datasets.Dataset):
+        if num_proc > 1:
+            # Forked workers would otherwise each print a warning that Rust-side
+            # parallelism was disabled; one process per core is the parallelism here.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        return documents.map(_tokenize_batch, num_proc=num_proc if num_proc > 1 else None, desc="Tokenizing", **kwargs)
+    return documents.map(_tokenize_batch, **kwargs)
+
+
+def pack_token_stream(token_ids, path: str, dtype: np.dtype, max_tokens: int | None, batch_size: int,
+                      total_documents: int | None) -> tuple[int, int]:
+    """Append every document's ids to one flat binary file; return (num_tokens, num_documents).
+
+    Reads Arrow batches and flattens them without going through Python lists, so this stays
+    I/O bound at billions of tokens.
+    """
+    num_tokens = 0
+    num_documents = 0
+    progress = tqdm(total=total_documents, desc="Packing", unit="doc")
+    with open(path, "wb") as f:
+        for table in token_ids.with_format("arrow").iter(batch_size=batch_size):
+            column = table.column("input_ids").combine_chunks()
+            flat = column.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+            if max_tokens is not None and num_tokens + len(flat) > max_tokens:
+                flat = flat[: max_tokens - num_tokens]
+            f.write(flat.tobytes())
+            num_tokens += len(flat)
+            num_documents += len(column)
+            progress.update(len(column))
+            progress.set_postfix(tokens=f"{num_tokens:,}")
+            if max_tokens is not None and num_tokens >= max_tokens:
+                break
+    progress.close()
+    return num_tokens, num_documents
+
+
+def split_indices(num_samples: int, args: PrepareDataArguments) -> dict[str, np.ndarray]:
+    """Sample indices per split: a seeded permutation (or stream order), eval taken from its end."""
+    if args.eval_samples is not None:
+        num_eval = args.eval_samples
+    else:
+        num_eval = int(round(num_samples * args.eval_fraction))
+        if args.eval_fraction > 0 and num_samples > 1:
+            num_eval = max(num_eval, 1)
+    if num_eval >= num_samples:
+        raise ValueError(
+            f"The corpus gives {num_samples} samples of {args.seq_len + 1} tokens but {num_eval} are asked "
+            "for eval, leaving none to train on; lower --eval_samples / --eval_fraction or add text."
+        )
+    order = np.random.default_rng(args.seed).permutation(num_samples) if args.shuffle else np.arange(num_samples)
+    num_train = num_samples - num_eval
+    return {"train": order[:num_train], "eval": order[num_train:]}
+
+
+def write_split_shards(output_dir: str, samples: np.ndarray, indices: dict[str, np.ndarray],
+                       shard_size: int) -> dict:
+    splits = {}
+    num_shards = sum(-(-len(idx) // shard_size) for idx in indices.values())
+    with tqdm(total=num_shards, desc="Writing shards", unit="shard") as progress:
+        for split, idx in indices.items():
+            shards = []
+            for shard_index, start in enumerate(range(0, len(idx), shard_size)):
+                rows = samples[idx[start:start + shard_size]]  # gather (shard_size, seq_len + 1)
+                shards.append(write_shard(os.path.join(output_dir, shard_name(split, shard_index)), rows))
+                progress.update(1)
+            num_split_samples = int(len(idx))
+            splits[split] = {
+                "num_samples": num_split_samples,
+                "num_tokens": num_split_samples * samples.shape[1],
+                "shards": shards,
+            }
+    return splits
+
+
+# ----------------------------------------------------------------------------- output dir state
+
+
+def _remove_stale_outputs(output_dir: str) -> None:
+    """Delete shards and temp files of an earlier run (manifest first, so no reader sees a mix)."""
+    manifest_path = os.path.join(output_dir, MANIFEST_NAME)
+    if os.path.exists(manifest_path):
+        os.remove(manifest_path)
+    patterns = [f"{split}-*.npy" for split in SPLITS] + [".*.tmp"]
+    for pattern in patterns:
+        for path in glob.glob(os.path.join(output_dir, pattern)):
+            os.remove(path)
+
+
+def _existing_manifest_if_current(args: PrepareDataArguments, sources: list[dict],
+                                  tokenizer_id: str | None) -> dict | None:
+    """The manifest of an identical earlier run, None if there is none; raise if it differs."""
+    manifest_path = os.path.join(args.output_dir, MANIFEST_NAME)
+    if not os.path.exists(manifest_path):
+        return None
+    manifest = read_manifest(args.output_dir)
+    previous_args, current_args = manifest.get("args") or {}, args.content_args()
+    differences = [f"--{k}" for k in sorted(set(previous_args) | set(current_args))
+                   if previous_args.get(k) != current_args.get(k)]
+    if manifest.get("sources") != sources:
+        differences.append("sources (files or their sizes)")
+    if tokenizer_id is not None and manifest["tokenizer_hash"] != tokenizer_id:
+        differences.append("tokenizer_hash")
+    if differences:
+        raise ValueError(
+            f"{manifest_path}: this directory already holds data prepared with different settings "
+            f"({', '.join(differences)}). Pass --overwrite to replace it, or choose another --output_dir."
+        )
+    for split in SPLITS:
+        if manifest["splits"].get(split, {}).get("shards"):
+            validate_data_dir(args.output_dir, split=split)
+    return manifest
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def prepare(args: PrepareDataArguments) -> dict:
+    """Run the whole preparation; return the manifest (also written to ``output_dir``)."""
+    from transformers import AutoTokenizer
+
+    output_dir = args.output_dir
+    os.makedirs(output_dir, exist_ok=True)
+    sources, files = describe_sources(args)
+
+    given_tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
+    if not args.overwrite:
+        tokenizer_id = tokenizer_hash(given_tokenizer) if given_tokenizer is not None else None
+        existing = _existing_manifest_if_current(args, sources, tokenizer_id)
+        if existing is not None:
+            logger.info("%s is already prepared with these arguments; nothing to do.", output_dir)
+            return existing
+    # Overwriting, or leftovers of an interrupted run (no manifest): start clean.
+    _remove_stale_outputs(output_dir)
+
+    documents = load_documents(args, files)
+    if given_tokenizer is None:
+        logger.info("Training a byte-level BPE tokenizer (vocab_size=%d).", args.vocab_size)
+        tokenizer = train_bpe_tokenizer(documents, args.vocab_size, args.tokenizer_train_documents,
+                                        args.map_batch_size)
+        tokenizer_source = f"trained byte-level BPE (vocab_size={args.vocab_size})"
+    else:
+        tokenizer, tokenizer_source = given_tokenizer, args.tokenizer
+    # Tokenize with the copy AutoTokenizer loads back from output_dir, so the recorded hash
+    # and the ids are by construction those of the tokenizer the trainer will find there.
+    tokenizer.save_pretrained(output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    vocab_size = len(tokenizer)
+    dtype = token_dtype(vocab_size)
+
+    token_ids = tokenize_documents(documents, tokenizer, dtype, args.num_proc, args.map_batch_size)
+    token_path = os.path.join(output_dir, _TOKEN_FILE)
+    total_documents = len(documents) if hasattr(documents, "__len__") else args.max_documents
+    num_tokens, num_documents = pack_token_stream(token_ids, token_path, dtype, args.max_tokens,
+                                                  args.map_batch_size, total_documents)
+
+    sample_len = args.seq_len + 1
+    num_samples = num_tokens // sample_len
+    if num_samples == 0:
+        os.remove(token_path)
+        raise ValueError(
+            f"The corpus gives {num_tokens} tokens, fewer than one sample of seq_len + 1 = {sample_len}; "
+            "add text, raise --max_documents / --max_tokens, or lower --seq_len."
+        )
+    stream = np.memmap(token_path, dtype=dtype, mode="r", shape=(num_samples * sample_len,))
+    samples = stream.reshape(num_samples, sample_len)
+    splits = write_split_shards(output_dir, samples, split_indices(num_samples, args), args.shard_size)
+    del stream, samples
+    os.remove(token_path)
+
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "seq_len": args.seq_len,
+        "sample_len": sample_len,
+        "dtype": dtype.name,
+        "vocab_size": vocab_size,
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "tokenizer": {
+            "source": tokenizer_source,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        "total_tokens": num_samples * sample_len,
+        "stream_tokens": num_tokens,  # before dropping the tail shorter than one sample
+        "num_documents": num_documents,
+        "splits": splits,
+        "sources": sources,
+        "seed": args.seed,
+        "shuffle": args.shuffle,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "args": args.content_args(),
+    }
+    write_manifest(output_dir, manifest)
+    logger.info(
+        "Wrote %s: %d train / %d eval samples of %d tokens (%s tokens total, %s, vocab %d).",
+        output_dir, splits["train"]["num_samples"], splits["eval"]["num_samples"], sample_len,
+        f"{manifest['total_tokens']:,}", dtype.name, vocab_size,
+    )
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import HfArgumentParser
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    (args,) = HfArgumentParser(PrepareDataArguments).parse_args_into_dataclasses(
+        args=argv if argv is not None else sys.argv[1:]
+    )
+    prepare(args)
+
+
+if __name__ == "__main__":
+    main()

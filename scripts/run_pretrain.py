@@ -1,0 +1,183 @@
+"""Pretrain a recurrent-depth model (or its Transformer baseline) with RecurrentTrainer.
+
+    hf-recurrent-pretrain                        # debug preset, embedded corpus, CPU, a few minutes
+    python -m scripts.run_pretrain --preset recurrent-3.3b --data_dir outputs/data/ja --bf16 \
+        --per_device_train_batch_size 1 --max_steps 1000 --output_dir outputs/r3b
+    accelerate launch --config_file trainer_ext/configs/accelerate_single_24gb.yaml scripts/run_pretrain.py ...
+
+Without --data_dir the embedded corpus is prepared first (scripts/prepare_data.py). The final checkpoint
+(safetensors, config with auto_map, modeling code, tokenizer) goes to `<output_dir>/final` and loads with
+`AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`.
+"""
+
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import hf_recurrent  # noqa: F401  (registers the model with the Auto classes)
+from hf_recurrent import presets
+from scripts import prepare_data
+from trainer_ext.data import ShardedTokenDataset, tokenizer_hash
+from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments
+
+logger = logging.getLogger("run_pretrain")
+
+DEFAULT_DATA_DIR = os.path.join("outputs", "data", "kjv")
+
+
+@dataclass
+class ModelArguments:
+    preset: str = field(default="debug", metadata={"help": f"One of {list(presets.NAMES)}."})
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Start from this checkpoint instead of a fresh preset."})
+    config_overrides: str | None = field(
+        default=None, metadata={"help": "Comma-separated config fields, e.g. 'mean_recurrence=8,injection=add'."})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), bfloat16 or float32."})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "eager, sdpa or flash_attention_2."})
+    teacher_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Online teacher: any causal LM sharing the student's tokenizer."})
+
+
+@dataclass
+class DataArguments:
+    data_dir: str | None = field(
+        default=None, metadata={"help": f"Prepared shards (prepare_data). Default: the embedded corpus in "
+                                         f"{DEFAULT_DATA_DIR}, prepared on first use."})
+    max_eval_samples: int | None = field(default=256, metadata={"help": "Evaluate on at most this many samples."})
+
+
+# What a bare `hf-recurrent-pretrain` runs: the debug preset on the embedded corpus, a few minutes on a CPU.
+DEFAULT_ARGS = [
+    "--output_dir", os.path.join("outputs", "run_pretrain"),
+    "--max_steps", "240",
+    "--per_device_train_batch_size", "8",
+    "--per_device_eval_batch_size", "16",
+    "--learning_rate", "3e-3",
+    "--lr_scheduler_type", "cosine",
+    "--warmup_steps", "30",
+    "--logging_steps", "20",
+    "--eval_strategy", "steps",
+    "--eval_steps", "120",
+    "--save_steps", "120",
+    "--save_total_limit", "2",
+    "--report_to", "none",
+    "--dataloader_num_workers", "0",
+    "--seed", "0",
+] + ([] if torch.cuda.is_available() else ["--dataloader_pin_memory", "false"])
+
+
+def parse_args(argv=None):
+    parser = HfArgumentParser((ModelArguments, DataArguments, RecurrentTrainingArguments))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        return parser.parse_yaml_file(argv[0]) if argv[0].endswith("ml") else parser.parse_json_file(argv[0])
+    # Defaults first, so anything on the command line wins (argparse keeps the last value).
+    return parser.parse_args_into_dataclasses(args=DEFAULT_ARGS + argv)
+
+
+def parse_overrides(text: str | None) -> dict:
+    if not text:
+        return {}
+    overrides = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--config_overrides item {item!r} must look like field=value.")
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value.strip()
+    return overrides
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if name not in ("bfloat16", "float32"):
+        raise ValueError(f"--dtype={name!r} is not allowed; choose one of ['auto', 'bfloat16', 'float32'].")
+    return getattr(torch, name)
+
+
+def ensure_data(data_dir: str | None) -> str:
+    if data_dir is not None:
+        return data_dir
+    if not os.path.exists(os.path.join(DEFAULT_DATA_DIR, "manifest.json")):
+        logger.info("Preparing the embedded corpus in %s", DEFAULT_DATA_DIR)
+        prepare_data.main(["--output_dir", DEFAULT_DATA_DIR])
+    return DEFAULT_DATA_DIR
+
+
+def build_model(model_args: ModelArguments, vocab_size: int, tokenizer):
+    dtype = resolve_dtype(model_args.dtype)
+    if model_args.model_name_or_path:
+        return AutoModelForCausalLM.from_pretrained(
+            model_args.model_name_or_path, dtype=dtype, attn_implementation=model_args.attn_implementation,
+            trust_remote_code=True)
+    config = presets.get(model_args.preset, vocab_size=vocab_size, **parse_overrides(model_args.config_overrides))
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=model_args.attn_implementation)
+
+
+def load_teacher(name_or_path: str, student_tokenizer, device):
+    teacher = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.bfloat16 if device.type == "cuda"
+                                                   else torch.float32, trust_remote_code=True).to(device)
+    teacher_tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer_hash(teacher_tokenizer) != tokenizer_hash(student_tokenizer):
+        raise ValueError(
+            f"Teacher {name_or_path!r} uses a different tokenizer (hash {tokenizer_hash(teacher_tokenizer)}) than the "
+            f"student's data (hash {tokenizer_hash(student_tokenizer)}); distillation needs one shared vocabulary.")
+    return teacher
+
+
+def main(argv=None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    model_args, data_args, training_args = parse_args(argv)
+    set_seed(training_args.seed)
+
+    data_dir = ensure_data(data_args.data_dir)
+    tokenizer = AutoTokenizer.from_pretrained(data_dir)
+    model = build_model(model_args, len(tokenizer), tokenizer)
+    train_set = ShardedTokenDataset(data_dir, "train", expected_tokenizer_hash=tokenizer_hash(tokenizer),
+                                    model_vocab_size=model.config.vocab_size)
+    eval_set = ShardedTokenDataset(data_dir, "eval", expected_tokenizer_hash=tokenizer_hash(tokenizer),
+                                   model_vocab_size=model.config.vocab_size)
+    if data_args.max_eval_samples is not None and len(eval_set) > data_args.max_eval_samples:
+        eval_set = torch.utils.data.Subset(eval_set, range(data_args.max_eval_samples))
+    params = sum(p.numel() for p in model.parameters())
+    logger.info("Model %s: %.2fM unique parameters, %d train samples of %d tokens", model_args.preset,
+                params / 1e6, len(train_set), train_set.seq_len)
+
+    teacher = None
+    if model_args.teacher_model_name_or_path:
+        teacher = load_teacher(model_args.teacher_model_name_or_path, tokenizer, training_args.device)
+    trainer = RecurrentTrainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
+                               processing_class=tokenizer, teacher=teacher, teacher_vocab_limit=len(tokenizer))
+    resume = training_args.resume_from_checkpoint
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    metrics = dict(train_result.metrics)
+    eval_metrics = trainer.evaluate()
+    eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50))
+    metrics.update(eval_metrics)
+
+    final_dir = os.path.join(training_args.output_dir, "final")
+    trainer.save_model(final_dir)
+    with open(os.path.join(final_dir, "train_metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    logger.info("Eval loss %.4f (perplexity %.2f); checkpoint in %s", eval_metrics["eval_loss"],
+                eval_metrics["eval_perplexity"], final_dir)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""trainer_ext.distill: the chunked loss against naive full-logit references (CPU, fast)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainer_ext.distill import (
+    DIVERGENCES,
+    LossOutput,
+    OnlineTeacher,
+    TopKTeacher,
+    chunked_lm_loss,
+    teacher_topk,
+)
+
+B, T, H, V = 2, 9, 8, 23
+H_T = 12
+CHUNK = 4  # smaller than, and not dividing, the 13 kept positions
+
+
+def make_inputs(vocab=V, teacher_vocab=V, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g).to(dtype).requires_grad_()
+    weight = (0.5 * torch.randn(vocab, H, generator=g)).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (B, T), generator=g)
+    labels[0, :3] = -100
+    labels[1, 5] = -100
+    labels[1, 8] = -100
+    assert (labels != -100).sum() == 13
+    t_hidden = torch.randn(B, T, H_T, generator=g).to(dtype)
+    t_weight = (0.5 * torch.randn(teacher_vocab, H_T, generator=g)).to(dtype)
+    return hidden, weight, labels, t_hidden, t_weight
+
+
+def kl(p_lp, q_lp):
+    """Per-row KL(p || q) from log-probs, via torch's own kl_div."""
+    return F.kl_div(q_lp, p_lp, reduction="none", log_target=True).sum(-1)
+
+
+def naive_divergence(t_lp, s_lp, divergence, beta):
+    if divergence == "forward_kl":
+        return kl(t_lp, s_lp)
+    if divergence == "reverse_kl":
+        return kl(s_lp, t_lp)
+    m_lp = torch.log((beta * t_lp.exp() + (1 - beta) * s_lp.exp()).clamp_min(1e-300))
+    return beta * kl(t_lp, m_lp) + (1 - beta) * kl(s_lp, m_lp)
+
+
+def naive_loss(hidden, weight, labels, *, alpha, temp, divergence, beta=0.5,
+               teacher_logits=None, vocab_limit=None, topk_ids=None):
+    """Full (B, T, V) float64 logits; the teacher given as full logits (B, T, V_t).
+
+    vocab_limit: ids >= it are set to a huge negative logit (probability exactly 0 in float64).
+    topk_ids: restrict D to these ids plus one tail bucket, as the offline teacher does.
+    """
+    logits = hidden.double() @ weight.double().T
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    if teacher_logits is None:
+        return ce, ce, torch.zeros(())
+    keep = labels != -100
+    s = logits[keep]  # (N, V)
+    t = teacher_logits.double()[keep]  # (N, V_t)
+    limit = vocab_limit or min(s.shape[1], t.shape[1])
+    s = s.masked_fill(torch.arange(s.shape[1]) >= limit, -1e4)
+    t = t.masked_fill(torch.arange(t.shape[1]) >= limit, -1e4)[:, : s.shape[1]]
+    if topk_ids is None:
+        t_lp = F.log_softmax(t / temp, -1)
+        s_lp = F.log_softmax(s / temp, -1)
+    else:
+        ids = topk_ids[keep]
+        t_top = F.log_softmax(t, -1).gather(1, ids)  # temperature-1 teacher log-probs
+        mass = t_top.exp().sum(-1, keepdim=True)
+        t_probs = torch.cat([mass * F.softmax(t_top / temp, -1), 1 - mass], -1)
+        s_top = F.softmax(s / temp, -1).gather(1, ids)
+        s_probs = torch.cat([s_top, 1 - s_top.sum(-1, keepdim=True)], -1)
+        t_lp, s_lp = t_probs.log(), s_probs.log()
+    kd = naive_divergence(t_lp, s_lp, divergence, beta).mean()
+    return (1 - alpha) * ce + alpha * temp**2 * kd, ce, kd
+
+
+def grads(loss, hidden, weight):
+    return torch.autograd.grad(loss, (hidden, weight))
+
+
+def assert_matches(out, ref, hidden, weight, rtol=1e-5, atol=1e-6):
+    ref_loss, ref_ce, ref_kd = ref
+    torch.testing.assert_close(out.loss, ref_loss.float(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.ce, ref_ce.float(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.kd, ref_kd.float(), rtol=rtol, atol=atol)
+    for got, want in zip(grads(out.loss, hidden, weight), grads(ref_loss, hidden, weight)):
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-6)
+
+
+def test_plain_ce_equals_cross_entropy():
+    hidden, weight, labels, _, _ = make_inputs()
+    out = chunked_lm_loss(hidden, weight, labels, chunk_size=CHUNK)
+    assert isinstance(out, LossOutput)
+    ref = F.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten(), ignore_index=-100)
+    torch.testing.assert_close(out.loss, ref)
+    assert out.kd.item() == 0.0 and not out.ce.requires_grad and not out.kd.requires_grad
+    for got, want in zip(grads(out.loss, hidden, weight), grads(ref, hidden, weight)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+@pytest.mark.parametrize("temp", [1.0, 2.0])
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_online_matches_naive(divergence, temp, alpha):
+    hidden, weight, labels, t_hidden, t_weight = make_inputs()
+    teacher = OnlineTeacher(t_hidden, t_weight)
+    out = chunked_lm_loss(hidden, weight, labels, teacher=teacher, alpha=alpha,
+                          temperature=temp, divergence=divergence, jsd_beta=0.3, chunk_size=CHUNK)
+    ref = naive_loss(hidden, weight, labels, alpha=alpha, temp=temp, divergence=divergence,
+                     beta=0.3, teacher_logits=t_hidden @ t_weight.T)
+    assert_matches(out, ref, hidden, weight)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 13, 1024])
+def test_chunk_size_does_not_change_result(chunk_size):
+    hidden, weight, labels, t_hidden, t_weight = make_inputs()
+    out = chunked_lm_loss(hidden, weight, labels, teacher=OnlineTeacher(t_hidden, t_weight),
+                          temperature=2.0, chunk_size=chunk_size)
+    ref = naive_loss(hidden, weight, labels, alpha=0.5, temp=2.0, divergence="forward_kl",
+                     teacher_logits=t_hidden @ t_weight.T)
+    assert_matches(out, ref, hidden, weight)
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_padded_vocab_is_masked(divergence):
+    # Teacher head padded past the tokenizer (huge logits there must not matter) and the student
+    # head padded too; only ids < vocab_limit take part in D.
+    hidden, weight, labels, t_hidden, t_weight = make_inputs(vocab=V + 2, teacher_vocab=V + 6)
+    labels = labels.clamp(max=V - 1)  # -100 stays
+    with torch.no_grad():
+        t_weight[V:] = 50 * t_hidden.flatten(0, 1).mean(0)
+    t_logits = t_hidden @ t_weight.T
+    assert t_logits[..., V:].mean() > 10  # padding would dominate an unmasked softmax
+    teacher = OnlineTeacher(t_hidden, t_weight, vocab_limit=V)
+    out = chunked_lm_loss(hidden, weight, labels, teacher=teacher, temperature=2.0,
+                          divergence=divergence, chunk_size=CHUNK)
+    assert torch.isfinite(out.loss)
+    ref = naive_loss(hidden, weight, labels, alpha=0.5, temp=2.0, divergence=divergence,
+                     teacher_logits=t_logits, vocab_limit=V)
+    assert_matches(out, ref, hidden, weight)
+
+
+def test_teacher_topk_excludes_padding():
+    logits = torch.randn(3, 5, V + 4)
+    logits[..., V:] = 100.0
+    ids, logprobs = teacher_topk(logits, k=6, vocab_limit=V)
+    assert ids.shape == logprobs.shape == (3, 5, 6) and ids.dtype == torch.int64
+    assert (ids < V).all()
+    full = F.log_softmax(logits[..., :V], -1)
+    torch.testing.assert_close(logprobs, full.gather(-1, ids))
+    torch.testing.assert_close(logprobs, full.topk(6, -1).values)
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+@pytest.mark.parametrize("temp", [1.0, 2.0])
+def test_topk_matches_naive_restricted(divergence, temp):
+    hidden, weight, labels, t_hidden, t_weight = make_inputs(teacher_vocab=V + 3)
+    t_logits = t_hidden @ t_weight.T
+    ids, logprobs = teacher_topk(t_logits, k=5, vocab_limit=V)
+    out = chunked_lm_loss(hidden, weight, labels, teacher=TopKTeacher(ids, logprobs),
+                          temperature=temp, divergence=divergence, chunk_size=CHUNK)
+    ref = naive_loss(hidden, weight, labels, alpha=0.5, temp=temp, divergence=divergence,
+                     teacher_logits=t_logits, vocab_limit=V, topk_ids=ids)
+    assert_matches(out, ref, hidden, weight)
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+@pytest.mark.parametrize("temp", [1.0, 2.0])
+def test_topk_with_full_support_equals_online(divergence, temp):
+    hidden, weight, labels, t_hidden, t_weight = make_inputs()
+    ids, logprobs = teacher_topk(t_hidden @ t_weight.T, k=V)
+    kwargs = dict(temperature=temp, divergence=divergence, chunk_size=CHUNK)
+    offline = chunked_lm_loss(hidden, weight, labels, teacher=TopKTeacher(ids, logprobs), **kwargs)
+    online = chunked_lm_loss(hidden, weight, labels, teacher=OnlineTeacher(t_hidden, t_weight), **kwargs)
+    # Equal up to the tail floor (1e-6 of probability mass).
+    torch.testing.assert_close(offline.loss, online.loss, rtol=0, atol=2e-5)
+    for got, want in zip(grads(offline.loss, hidden, weight), grads(online.loss, hidden, weight)):
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_topk_confident_teacher_stays_finite(divergence):
+    # The cached probabilities sum to 1 in fp32, so the implied tail is 0 (or negative).
+    hidden, weight, labels, _, _ = make_inputs()
+    t_logits = torch.zeros(B, T, V)
+    t_logits[..., 0] = 60.0
+    ids, logprobs = teacher_topk(t_logits, k=2)
+    out = chunked_lm_loss(hidden, weight, labels, teacher=TopKTeacher(ids.int(), logprobs),
+                          divergence=divergence, chunk_size=CHUNK)
+    assert torch.isfinite(out.loss)
+    assert all(torch.isfinite(g).all() for g in grads(out.loss, hidden, weight))
+
+
+def test_bf16_close_to_fp32():
+    hidden, weight, labels, t_hidden, t_weight = make_inputs(dtype=torch.bfloat16)
+    kwargs = dict(temperature=2.0, chunk_size=CHUNK)
+    out = chunked_lm_loss(hidden, weight, labels, teacher=OnlineTeacher(t_hidden, t_weight), **kwargs)
+    g_hidden, g_weight = grads(out.loss, hidden, weight)
+    assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
+    assert g_hidden.dtype == g_weight.dtype == torch.bfloat16
+
+    h32, w32 = (x.detach().float().requires_grad_() for x in (hidden, weight))
+    ref = chunked_lm_loss(h32, w32, labels, teacher=OnlineTeacher(t_hidden.float(), t_weight.float()),
+                          **kwargs)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=2e-2, atol=1e-3)
+    for got, want in zip((g_hidden, g_weight), grads(ref.loss, h32, w32)):
+        assert torch.isfinite(got).all()
+        assert F.cosine_similarity(got.float().flatten(), want.flatten(), dim=0) > 0.99
+
+
+def test_backward_scales_by_grad_output():
+    hidden, weight, labels, t_hidden, t_weight = make_inputs()
+    teacher = OnlineTeacher(t_hidden, t_weight)
+    once = grads(chunked_lm_loss(hidden, weight, labels, teacher=teacher).loss, hidden, weight)
+    scaled = grads(2.5 * chunked_lm_loss(hidden, weight, labels, teacher=teacher).loss, hidden, weight)
+    for a, b in zip(scaled, once):
+        torch.testing.assert_close(a, 2.5 * b)
+
+
+def test_second_backward_raises():
+    hidden, weight, labels, _, _ = make_inputs()
+    loss = chunked_lm_loss(hidden, weight, labels).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="single backward"):
+        loss.backward()
+
+
+def test_no_grad_and_frozen_head():
+    hidden, weight, labels, _, _ = make_inputs()
+    with_grad = chunked_lm_loss(hidden, weight, labels)
+    with torch.no_grad():
+        no_grad = chunked_lm_loss(hidden, weight, labels)
+    assert no_grad.loss.grad_fn is None
+    torch.testing.assert_close(no_grad.loss, with_grad.loss.detach())
+    frozen = chunked_lm_loss(hidden, weight.detach(), labels)
+    (g_hidden,) = torch.autograd.grad(frozen.loss, hidden)
+    torch.testing.assert_close(g_hidden, grads(with_grad.loss, hidden, weight)[0])
+
+
+def test_all_positions_ignored_gives_zero():
+    hidden, weight, _, t_hidden, t_weight = make_inputs()
+    labels = torch.full((B, T), -100)
+    out = chunked_lm_loss(hidden, weight, labels, teacher=OnlineTeacher(t_hidden, t_weight))
+    assert out.loss.item() == 0.0
+    assert all((g == 0).all() for g in grads(out.loss, hidden, weight))
+
+
+class _MaxNumel(TorchDispatchMode):
+    """Records the largest tensor produced by any op."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("teacher_kind", ["online", "topk"])
+def test_no_positions_by_vocab_tensor(teacher_kind):
+    # 4 x 32 = 128 positions, V = 64: a (positions, V) tensor has 8192 elements; every other
+    # tensor here (chunk x V, V x H, hidden) has at most 3072.
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 32, 16, generator=g, requires_grad=True)
+    weight = torch.randn(64, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 64, (4, 32), generator=g)
+    t_hidden, t_weight = torch.randn(4, 32, 24, generator=g), torch.randn(64, 24, generator=g)
+    if teacher_kind == "online":
+        teacher = OnlineTeacher(t_hidden, t_weight)
+    else:
+        teacher = TopKTeacher(*teacher_topk((t_hidden @ t_weight.T).detach(), k=8))
+    with _MaxNumel() as mode:
+        out = chunked_lm_loss(hidden, weight, labels, teacher=teacher, divergence="jsd", chunk_size=16)
+        out.loss.backward()
+    assert 0 < mode.max_numel < 128 * 64 / 2
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(alpha=1.5), "alpha"),
+        (dict(alpha=-0.1), "alpha"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=math.inf), "temperature"),
+        (dict(divergence="kl"), "divergence"),
+        (dict(jsd_beta=0.0), "jsd_beta"),
+        (dict(jsd_beta=1.0), "jsd_beta"),
+        (dict(chunk_size=0), "chunk_size"),
+        (dict(chunk_size=2.5), "chunk_size"),
+        (dict(hidden=torch.zeros(B * T, H)), "hidden"),
+        (dict(lm_head_weight=torch.zeros(V, H + 1)), "lm_head_weight"),
+        (dict(labels=torch.zeros(B, T + 1, dtype=torch.long)), "labels"),
+        (dict(labels=torch.zeros(B, T)), "labels"),
+        (dict(teacher=OnlineTeacher(torch.zeros(B, T - 1, H_T), torch.zeros(V, H_T))), "teacher.hidden"),
+        (dict(teacher=OnlineTeacher(torch.zeros(B, T, H_T), torch.zeros(V, H))), "teacher.lm_head_weight"),
+        (dict(teacher=OnlineTeacher(torch.zeros(B, T, H_T), torch.zeros(V, H_T), V + 1)), "vocab_limit"),
+        (dict(teacher=TopKTeacher(torch.zeros(B, T, 3), torch.zeros(B, T, 3))), "teacher.ids"),
+        (dict(teacher=TopKTeacher(torch.zeros(B, T, 3, dtype=torch.long), torch.zeros(B, T, 4))),
+         "teacher.logprobs"),
+        (dict(teacher=TopKTeacher(torch.zeros(B, T, 5, dtype=torch.long), torch.zeros(B, T, 5), 4)), "k=5"),
+        (dict(teacher=torch.zeros(B, T, V)), "teacher"),
+    ],
+)
+def test_bad_arguments_raise(change, field):
+    hidden, weight, labels, _, _ = make_inputs()
+    args = dict(hidden=hidden, lm_head_weight=weight, labels=labels)
+    args.update({k: v for k, v in change.items() if k in args})
+    kwargs = {k: v for k, v in change.items() if k not in args}
+    with pytest.raises(ValueError, match=field):
+        chunked_lm_loss(args["hidden"], args["lm_head_weight"], args["labels"], **kwargs)
+
+
+def test_teacher_topk_bad_k_raises():
+    with pytest.raises(ValueError, match="k must be"):
+        teacher_topk(torch.zeros(2, V + 3), k=V + 1, vocab_limit=V)
+    with pytest.raises(ValueError, match="vocab_limit"):
+        teacher_topk(torch.zeros(2, V), k=2, vocab_limit=V + 1)

@@ -1,0 +1,356 @@
+"""Tests of the low-memory optimizer (CPU; the GPU test skips without CUDA)."""
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from trainer_ext.optim import (
+    LowMemoryAdafactor,
+    check_gradient_accumulation,
+    create_optimizer,
+    round_to_bf16_stochastic,
+)
+
+
+def _mlp(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4)).to(dtype)
+
+
+def _batches(num, dtype=torch.float32, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 8, generator=generator).to(dtype), torch.randn(16, 4, generator=generator).to(dtype))
+            for _ in range(num)]
+
+
+def _loss(model, batch):
+    inputs, targets = batch
+    return (model(inputs).float() - targets.float()).square().mean()
+
+
+def _train(model, optimizer, scheduler, batches):
+    for batch in batches:
+        _loss(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def test_factored_state_sizes_and_state_bytes():
+    matrix = nn.Parameter(torch.randn(1024, 512))
+    stacked = nn.Parameter(torch.randn(4, 8, 16))
+    vector = nn.Parameter(torch.randn(512))
+    optimizer = LowMemoryAdafactor([matrix, stacked, vector], lr=1e-3)
+    for p in (matrix, stacked, vector):
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+
+    state = optimizer.state
+    assert state[matrix]["row"].shape == (1024,) and state[matrix]["col"].shape == (512,)
+    assert state[stacked]["row"].shape == (4, 8) and state[stacked]["col"].shape == (4, 16)
+    assert state[vector]["second_moment"].shape == (512,)
+    assert all(v.dtype == torch.float32 for s in state.values() for v in s.values())
+    assert "momentum" not in state[matrix]
+    step_bytes = 3 * 4
+    assert optimizer.state_bytes() == 4 * (1024 + 512 + 4 * 8 + 4 * 16 + 512) + step_bytes
+
+
+def test_bf16_momentum_state_is_bf16_and_counted():
+    weight = nn.Parameter(torch.randn(64, 32, dtype=torch.bfloat16))
+    optimizer = LowMemoryAdafactor([weight], lr=1e-3, momentum=0.9)
+    weight.grad = torch.randn_like(weight)
+    optimizer.step()
+    assert optimizer.state[weight]["momentum"].dtype == torch.bfloat16
+    assert weight.dtype == torch.bfloat16
+    assert optimizer.state_bytes() == 4 * (64 + 32) + 2 * 64 * 32 + 4
+
+
+# ----------------------------------------------------------------------------- math
+
+
+def _reference_run(params, grads_per_step, clips, lr, weight_decay, beta1, beta2, eps):
+    """The documented formulas, written independently, in float64."""
+    params = [p.detach().double().clone() for p in params]
+    second = [None] * len(params)
+    momentum = [torch.zeros_like(p) for p in params]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for i, (p, g, clip) in enumerate(zip(params, grads, clips)):
+            g = g.double()
+            g2 = g * g + eps
+            if p.ndim >= 2:
+                row, col = second[i] or (torch.zeros(g.shape[:-1]).double(), torch.zeros(g.shape[:-2] + g.shape[-1:]).double())
+                row = beta2 * row + (1 - beta2) * g2.mean(-1)
+                col = beta2 * col + (1 - beta2) * g2.mean(-2)
+                second[i] = (row, col)
+                v_hat = row.unsqueeze(-1) * col.unsqueeze(-2) / row.mean(-1, keepdim=True).unsqueeze(-1)
+            else:
+                v_hat = (second[i] if second[i] is not None else 0.0) * beta2 + (1 - beta2) * g2
+                second[i] = v_hat
+            update = g / (v_hat / (1 - beta2**t)).sqrt()
+            update = update / max(1.0, update.square().mean().sqrt().item() / clip)
+            if beta1 is not None:
+                momentum[i] = beta1 * momentum[i] + (1 - beta1) * update
+                update = momentum[i]
+            p.mul_(1 - lr * weight_decay).sub_(lr * update)
+    return params
+
+
+@pytest.mark.parametrize("max_chunk_numel", [2**24, 7, 40])
+@pytest.mark.parametrize("beta1", [None, 0.9])
+def test_fp32_steps_match_reference(max_chunk_numel, beta1):
+    torch.manual_seed(0)
+    shapes = [(12, 10), (10,), (3, 5, 4), ()]
+    # Adam-normalised updates have an RMS near 1: the first group is clipped, the second is not
+    # (there the bias correction shows).
+    clips = [0.5, 0.5, 100.0, 100.0]
+    params = [nn.Parameter(torch.randn(s)) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
+    hyper = dict(lr=0.01, weight_decay=0.1, beta2=0.99, eps=1e-30)
+    expected = _reference_run(params, grads, clips, beta1=beta1, **hyper)
+    groups = [{"params": params[:2], "clip_threshold": 0.5}, {"params": params[2:], "clip_threshold": 100.0}]
+    optimizer = LowMemoryAdafactor(groups, momentum=beta1, max_chunk_numel=max_chunk_numel, compile=False, **hyper)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        optimizer.step()
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.detach().double(), e, rtol=1e-6, atol=1e-6)
+
+
+def test_adafactor_beta2_schedule_is_unbiased_without_correction():
+    # With beta2_t = 1 - t**-0.8, beta2_1 = 0: after one step the second moment is exactly g**2 + eps,
+    # so a constant gradient gives |update| = 1 everywhere.
+    weight = nn.Parameter(torch.zeros(4, 6))
+    optimizer = LowMemoryAdafactor([weight], lr=0.1, beta2=1.0, beta2_decay=0.8)
+    for _ in range(3):
+        weight.grad = torch.full((4, 6), 3.0)
+        optimizer.step()
+    torch.testing.assert_close(weight.detach(), torch.full((4, 6), -0.3), rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- stochastic rounding
+
+
+def test_stochastic_rounding_is_unbiased():
+    low, high = 1.0, 1.0 + 2**-7  # neighbouring bf16 values
+    value = low + 0.3 * (high - low)
+    x = torch.full((200_000,), value, dtype=torch.float32)
+    bits = torch.randint(-(2**31), 2**31 - 1, x.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    rounded = round_to_bf16_stochastic(x, bits)
+    assert rounded.dtype == torch.bfloat16
+    assert set(rounded.float().unique().tolist()) == {low, high}
+    assert abs(rounded.double().mean().item() - value) < 5e-5  # nearest rounding would be off by 2.3e-3
+    negative = round_to_bf16_stochastic(-x, bits)
+    assert abs(negative.double().mean().item() + value) < 5e-5
+    exact = torch.tensor([0.5, -2.0, 0.0])
+    assert torch.equal(round_to_bf16_stochastic(exact, bits[:3]).float(), exact)
+
+
+def test_bf16_weights_move_by_updates_smaller_than_a_bf16_step():
+    # Each step subtracts lr = 1e-3 from 1.0; bf16's spacing below 1.0 is 2**-8 = 3.9e-3, so nearest
+    # rounding would keep every weight at exactly 1.0.
+    weight = nn.Parameter(torch.ones(64, 64, dtype=torch.bfloat16))
+    optimizer = LowMemoryAdafactor([weight], lr=1e-3, compile=False, max_chunk_numel=16 * 64)
+    for _ in range(100):
+        weight.grad = torch.ones_like(weight)
+        optimizer.step()
+    assert weight.dtype == torch.bfloat16
+    assert abs(weight.float().mean().item() - 0.9) < 0.005
+    # Rounded independently per element, and per chunk (each chunk has its own random stream).
+    assert weight.float().std().item() > 0
+    assert not torch.equal(weight[:16], weight[16:32])
+
+
+# ----------------------------------------------------------------------------- in backward
+
+
+def test_in_backward_equals_classic_with_scheduler():
+    classic_model, backward_model = _mlp(), _mlp()
+    options = dict(lr=0.01, weight_decay=0.1, momentum=0.9)
+    classic = create_optimizer(classic_model, in_backward=False, **options)
+    in_backward = create_optimizer(backward_model, in_backward=True, **options)
+    assert [g["weight_decay"] for g in classic.param_groups] == [0.1, 0.0]  # biases are not decayed
+    schedule = lambda step: 1.0 / (1 + step)  # noqa: E731
+    classic_scheduler = torch.optim.lr_scheduler.LambdaLR(classic, schedule)
+    backward_scheduler = torch.optim.lr_scheduler.LambdaLR(in_backward, schedule)
+
+    for step, batch in enumerate(_batches(5)):
+        _loss(classic_model, batch).backward()
+        expected_norm = torch.cat([p.grad.flatten() for p in classic_model.parameters()]).norm().item()
+        classic.step()
+        classic.zero_grad()
+        classic_scheduler.step()
+
+        _loss(backward_model, batch).backward()
+        assert all(p.grad is None for p in backward_model.parameters())
+        in_backward.step()
+        in_backward.zero_grad()
+        backward_scheduler.step()
+
+        assert in_backward.last_grad_norm == pytest.approx(expected_norm, rel=1e-5)
+        assert classic.last_grad_norm == pytest.approx(expected_norm, rel=1e-5)
+        assert in_backward.param_groups[0]["lr"] == pytest.approx(0.01 / (step + 2))
+
+    for a, b in zip(classic_model.parameters(), backward_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # The schedule mattered: a constant learning rate ends elsewhere.
+    constant_model = _mlp()
+    _train(constant_model, create_optimizer(constant_model, in_backward=True, **options), None, _batches(5))
+    assert not torch.equal(constant_model[0].weight, backward_model[0].weight)
+
+
+def test_gradient_accumulation_is_refused_in_backward():
+    check_gradient_accumulation(1)
+    check_gradient_accumulation(4, in_backward=False)
+    with pytest.raises(ValueError, match="larger per-device batch size"):
+        check_gradient_accumulation(2)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        create_optimizer(_mlp(), lr=0.01, in_backward=True, gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        check_gradient_accumulation(0, in_backward=False)
+    # Two backward passes without a step would update the weights twice: refused at run time too.
+    model = _mlp()
+    optimizer = create_optimizer(model, lr=0.01, in_backward=True)
+    batch = _batches(1)[0]
+    _loss(model, batch).backward()
+    with pytest.raises(RuntimeError, match="accumulated twice"):
+        _loss(model, batch).backward()
+
+
+# ----------------------------------------------------------------------------- non-finite gradients
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_nan_gradient_skips_only_that_tensor(in_backward):
+    model = _mlp()
+    optimizer = create_optimizer(model, lr=0.01, in_backward=in_backward, max_consecutive_skips=3)
+    poisoned = model[2].weight
+    hook = poisoned.register_hook(lambda grad: grad * float("nan"))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    _loss(model, _batches(1)[0]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert torch.equal(poisoned, before["2.weight"])
+    assert int(optimizer.state[poisoned]["step"]) == 0
+    assert not torch.isnan(optimizer.state[poisoned]["row"]).any()
+    assert not torch.equal(model[0].weight, before["0.weight"])
+    assert optimizer.last_step_skips == 1 and optimizer.skipped_updates == 1
+    assert math.isnan(optimizer.last_grad_norm)
+
+    # A clean step resets the consecutive count; three poisoned steps in a row stop training.
+    hook.remove()
+    _train(model, optimizer, None, _batches(1, seed=2))
+    assert optimizer.last_step_skips == 0 and optimizer.skipped_updates == 1
+    model[0].bias.register_hook(lambda grad: grad * float("inf"))
+    _train(model, optimizer, None, _batches(2, seed=3))
+    with pytest.raises(RuntimeError, match="consecutive"):
+        _train(model, optimizer, None, _batches(1, seed=4))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_state_dict_round_trip_gives_identical_training(in_backward):
+    options = dict(lr=0.01, weight_decay=0.1, momentum=0.9, in_backward=in_backward, max_chunk_numel=100)
+    batches = _batches(6, dtype=torch.bfloat16)
+    schedule = lambda step: 1.0 / (1 + step)  # noqa: E731
+
+    def build(model, **extra):
+        optimizer = create_optimizer(model, **options, **extra)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+    model = _mlp(torch.bfloat16)
+    _train(model, *build(model), batches)
+
+    first = _mlp(torch.bfloat16)
+    optimizer, scheduler = build(first)
+    _train(first, optimizer, scheduler, batches[:3])
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+
+    resumed = _mlp(torch.bfloat16, seed=123)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_optimizer, resumed_scheduler = build(resumed)
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    resumed_scheduler.load_state_dict(checkpoint["scheduler"])
+    assert resumed_optimizer.state[resumed[0].weight]["row"].dtype == torch.float32
+    _train(resumed, resumed_optimizer, resumed_scheduler, batches[3:])
+
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert a.dtype == torch.bfloat16
+        assert torch.equal(a, b)
+    # Stochastic rounding depends on the seed, which the checkpoint carries.
+    other_seed = _mlp(torch.bfloat16)
+    _train(other_seed, *build(other_seed, seed=7), batches)
+    assert not torch.equal(other_seed[2].weight, model[2].weight)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_small_bf16_model_trains_in_backward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1)).to(torch.bfloat16)
+    optimizer = create_optimizer(model, lr=3e-3, weight_decay=0.01, in_backward=True, momentum=0.9)
+    true_weight = torch.randn(16, 1)
+    inputs = torch.randn(256, 16)
+    targets = inputs @ true_weight
+    losses = []
+    for _ in range(150):
+        loss = (model(inputs.bfloat16()).float() - targets).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.1 * losses[0]
+    for p in model.parameters():
+        assert p.dtype == torch.bfloat16
+        for value in optimizer.state[p].values():
+            assert not (value.dtype == torch.float32 and p.ndim >= 2 and value.shape == p.shape)
+
+
+def test_invalid_arguments_are_value_errors():
+    weight = nn.Parameter(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="lr"):
+        LowMemoryAdafactor([weight], lr=-1.0)
+    with pytest.raises(ValueError, match="beta2"):
+        LowMemoryAdafactor([weight], beta2=1.0)
+    with pytest.raises(ValueError, match="momentum"):
+        LowMemoryAdafactor([weight], momentum=1.5)
+    with pytest.raises(ValueError, match="torch.bfloat16 or torch.float32"):
+        LowMemoryAdafactor([nn.Parameter(torch.zeros(2, dtype=torch.float16))])
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_update_matches_eager_on_gpu():
+    torch.manual_seed(0)
+    shapes = [(256, 96), (2, 64, 48), (96,)]
+    grads = [[torch.randn(s, device="cuda") for s in shapes] for _ in range(3)]
+    results = []
+    for compile_, chunk in [(False, 2**24), (True, 2**24), (True, 1000)]:
+        params = [nn.Parameter(torch.ones(s, device="cuda")) for s in shapes]
+        optimizer = LowMemoryAdafactor(params, lr=0.01, momentum=0.9, weight_decay=0.1, compile=compile_,
+                                       max_chunk_numel=chunk)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            optimizer.step()
+        results.append(params)
+    for compiled in results[1:]:
+        for a, b in zip(results[0], compiled):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

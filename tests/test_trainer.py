@@ -1,0 +1,108 @@
+import json
+import math
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+import hf_recurrent
+from hf_recurrent import presets
+from scripts import run_pretrain
+from trainer_ext.data import ShardedTokenDataset
+from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments
+
+
+def make_trainer(data_dir, out_dir, **overrides):
+    tokenizer = AutoTokenizer.from_pretrained(data_dir)
+    torch.manual_seed(0)
+    config = presets.get("debug", vocab_size=len(tokenizer), depth_distribution="poisson_lognormal")
+    model = AutoModelForCausalLM.from_config(config)
+    args = dict(output_dir=str(out_dir), max_steps=8, per_device_train_batch_size=4, learning_rate=3e-3,
+                logging_steps=1, save_steps=4, report_to="none", seed=0, dataloader_pin_memory=False,
+                profile_steps=3, disable_tqdm=True, use_cpu=True)
+    args.update(overrides)
+    trainer = RecurrentTrainer(
+        model=model,
+        args=RecurrentTrainingArguments(**args),
+        train_dataset=ShardedTokenDataset(data_dir, "train"),
+        eval_dataset=ShardedTokenDataset(data_dir, "eval"),
+        processing_class=tokenizer,
+    )
+    return trainer
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_training_logs_throughput_depth_profile_and_grad_norm(tiny_data_dir, tmp_path):
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=6)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 6
+    assert all(entry["tokens_per_second"] > 0 and math.isfinite(entry["grad_norm"]) for entry in logs)
+    assert len({entry["depth"] for entry in logs}) > 1  # depth is sampled per step
+    profile = next(entry for entry in logs if "profile/forward_share" in entry)
+    shares = [v for k, v in profile.items() if k.endswith("_share")]
+    assert {"profile/backward_share", "profile/loss_share", "profile/data_wait_share"} <= set(profile)
+    assert abs(sum(shares) - 1) < 1e-2
+    assert type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__ == "LowMemoryAdafactor"
+    assert all(p.grad is None for p in trainer.model.parameters())  # released in backward
+
+
+def test_resume_reproduces_the_uninterrupted_loss_sequence(tiny_data_dir, tmp_path):
+    full = make_trainer(tiny_data_dir, tmp_path / "full")
+    full.train()
+    interrupted = make_trainer(tiny_data_dir, tmp_path / "resumed")
+    interrupted.add_callback(StopAt(4))  # killed after step 4: same schedule, only the first half ran
+    interrupted.train()
+    assert losses(interrupted) == losses(full)[:4]
+    assert os.path.isdir(tmp_path / "resumed" / "checkpoint-4")
+    resumed = make_trainer(tiny_data_dir, tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-4"))
+    assert losses(full)[4:] == pytest.approx(losses(resumed)[-4:], rel=1e-6)
+    depths = [entry["depth"] for entry in full.state.log_history if "depth" in entry]
+    assert depths[4:] == [entry["depth"] for entry in resumed.state.log_history if "depth" in entry][-4:]
+
+
+def test_stock_optimizer_is_selectable(tiny_data_dir, tmp_path):
+    trainer = make_trainer(tiny_data_dir, tmp_path, optimizer="hf", optim="adamw_torch", max_steps=3)
+    trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, torch.optim.AdamW)
+    assert len(losses(trainer)) == 3
+
+
+def test_bad_training_arguments_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="reduce-overhead"):
+        RecurrentTrainingArguments(output_dir=str(tmp_path), torch_compile=True, torch_compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="gradient_accumulation"):
+        RecurrentTrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match="optimizer"):
+        RecurrentTrainingArguments(output_dir=str(tmp_path), optimizer="sgd")
+
+
+def test_run_pretrain_writes_a_loadable_checkpoint(tiny_data_dir, tmp_path):
+    metrics = run_pretrain.main([
+        "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "30",
+        "--per_device_train_batch_size", "8", "--logging_steps", "10", "--eval_steps", "30", "--save_steps", "30",
+        "--disable_tqdm", "true", "--use_cpu", "true",
+    ])
+    final = tmp_path / "run" / "final"
+    assert {"model.safetensors", "config.json", "modeling_recurrent_depth.py", "tokenizer.json"} <= set(os.listdir(final))
+    assert math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] < math.log(384)  # below uniform guessing
+    model = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True)
+    assert isinstance(model, hf_recurrent.RecurrentDepthForCausalLM)
+    assert json.loads((final / "train_metrics.json").read_text())["eval_loss"] == metrics["eval_loss"]
+    first, last = [e["loss"] for e in json.load(open(tmp_path / "run" / "checkpoint-30" / "trainer_state.json"))
+                   ["log_history"] if "loss" in e][::2]
+    assert last < first

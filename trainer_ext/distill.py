@@ -1,0 +1,372 @@
+"""One chunked LM loss for plain cross-entropy and for distillation from a teacher.
+
+The loss takes the student's last hidden states and its LM head weight instead of logits, so a
+(positions, vocab) fp32 tensor is never built for the whole batch: the non-ignored positions are
+processed `chunk_size` at a time. For a 100k vocabulary and 8k positions, full fp32 logits would be
+3.2 GB, and autograd would keep several tensors of that size alive until backward. Following
+Liger-Kernel's fused linear losses, the gradients wrt hidden states and head weight are therefore
+also computed chunk by chunk in the forward pass; backward only scales them by the incoming grad.
+
+Per non-ignored position (labels == -100 are ignored), averaged over those positions:
+
+    loss = (1 - alpha) * CE(student, label) + alpha * T^2 * D(p_t || p_s)
+
+with p_t, p_s the teacher and student distributions at temperature T (softmax(logits / T)) and D:
+
+    forward_kl   sum p_t (log p_t - log p_s)                     KL(p_t || p_s), the default
+    reverse_kl   sum p_s (log p_s - log p_t)                     KL(p_s || p_t)
+    jsd          beta KL(p_t || m) + (1 - beta) KL(p_s || m),    m = beta p_t + (1 - beta) p_s
+                 (beta = 0.5 is the usual Jensen-Shannon divergence; 0 < beta < 1)
+
+CE always uses temperature 1 and the student's full head, so with no teacher the loss equals
+`F.cross_entropy(hidden @ W.T, labels)`. D compares distributions over the real vocabulary
+[0, vocab_limit): head rows past the tokenizer size (padding) are left out of both softmaxes, since
+a padding id has zero teacher probability and reverse KL would otherwise be infinite.
+
+Teachers come in two forms:
+- `OnlineTeacher`: teacher hidden states and head weight; teacher logits are computed per chunk.
+- `TopKTeacher`: cached top-k ids and temperature-1 log-probs (see `teacher_topk`). D is then taken
+  over k + 1 buckets: the k cached ids plus one tail bucket holding all other real ids. The student
+  side is softmax(logits / T) over the real vocabulary gathered at the ids, its tail is the rest.
+  The teacher's tail mass is 1 - sum(exp(logprobs)); at T != 1 the tail keeps that temperature-1
+  mass (the ids inside it are unknown, so temperature cannot be applied to them) and the top-k
+  mass is re-spread over the k ids in proportion to exp(logprob / T). At T = 1 this is exactly the
+  cached distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+
+# Lower bound on a tail bucket's probability (teacher and student). For a confident teacher the
+# cached top-k probabilities sum to 1 within rounding, and a zero tail would make reverse KL
+# infinite; 1e-6 is about the resolution of an fp32 sum of probabilities.
+TAIL_FLOOR = 1e-6
+
+
+@dataclass
+class OnlineTeacher:
+    """Teacher run alongside the student: its last hidden states and LM head weight (no bias).
+
+    `vocab_limit` is the real tokenizer size; teacher ids >= it (head padding) get probability 0.
+    Defaults to min(student vocab, teacher vocab).
+    """
+
+    hidden: torch.Tensor  # (B, T, H_t)
+    lm_head_weight: torch.Tensor  # (V_t, H_t)
+    vocab_limit: int | None = None
+
+    def _log_probs(self, rows, student_logits, temperature, vocab_limit):
+        hidden = _gather_rows(self.hidden, rows).to(self.lm_head_weight.dtype)  # (C, H_t)
+        teacher_logits = (hidden @ self.lm_head_weight.T)[:, :vocab_limit].float()  # (C, L)
+        teacher_lp = F.log_softmax(teacher_logits.div_(temperature), dim=-1)  # in place: one less C x L
+        student_lp = F.log_softmax(student_logits[:, :vocab_limit] / temperature, dim=-1)
+        return teacher_lp, student_lp
+
+
+@dataclass
+class TopKTeacher:
+    """Cached teacher: top-k ids and their temperature-1 log-probs over the full vocabulary.
+
+    Log-probs must be finite and ids below `vocab_limit` (what `teacher_topk` produces).
+    `vocab_limit` is the real tokenizer size; it defaults to the student's vocabulary size.
+    """
+
+    ids: torch.Tensor  # (B, T, k) integer
+    logprobs: torch.Tensor  # (B, T, k) float
+    vocab_limit: int | None = None
+
+    def _log_probs(self, rows, student_logits, temperature, vocab_limit):
+        ids = _gather_rows(self.ids, rows).long()  # (C, k)
+        logprobs = _gather_rows(self.logprobs, rows).float()  # (C, k)
+        # Re-spread the top-k mass by temperature, keep its total (and so the tail) unchanged.
+        top_mass = torch.logsumexp(logprobs, dim=-1, keepdim=True)
+        teacher_lp = _append_tail(top_mass + F.log_softmax(logprobs / temperature, dim=-1))
+        student_full = F.log_softmax(student_logits[:, :vocab_limit] / temperature, dim=-1)
+        student_lp = _append_tail(student_full.gather(1, ids))
+        return teacher_lp, student_lp  # (C, k + 1) each
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar fp32, differentiable wrt hidden and head weight
+    ce: torch.Tensor  # scalar, detached: mean cross-entropy at temperature 1
+    kd: torch.Tensor  # scalar, detached: mean D at temperature T (without T^2); 0 without teacher
+
+
+def teacher_topk(
+    teacher_logits: torch.Tensor, k: int, vocab_limit: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids (int64) and temperature-1 log-probs over the real vocabulary, shape (..., k).
+
+    Ids >= `vocab_limit` (head padding) never appear: the softmax is over the first `vocab_limit`
+    logits only.
+    """
+    vocab_limit = teacher_logits.shape[-1] if vocab_limit is None else vocab_limit
+    if not 1 <= vocab_limit <= teacher_logits.shape[-1]:
+        raise ValueError(
+            f"vocab_limit must be in [1, {teacher_logits.shape[-1]}] (teacher vocab), got {vocab_limit}"
+        )
+    if not 1 <= k <= vocab_limit:
+        raise ValueError(f"k must be in [1, vocab_limit={vocab_limit}], got {k}")
+    logprobs = F.log_softmax(teacher_logits[..., :vocab_limit].float(), dim=-1)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    return top_ids, top_logprobs
+
+
+def chunked_lm_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    teacher: OnlineTeacher | TopKTeacher | None = None,
+    alpha: float = 0.5,
+    temperature: float = 1.0,
+    divergence: str = "forward_kl",
+    jsd_beta: float = 0.5,
+    chunk_size: int = 512,
+) -> LossOutput:
+    """(1 - alpha) * CE + alpha * T^2 * D, from hidden (B, T, H), head weight (V, H), labels (B, T).
+
+    Labels are already aligned (label t is the target of hidden t); -100 is ignored. Without a
+    teacher this is plain CE and `alpha` is unused; with a teacher, D is computed and reported
+    even at alpha = 0 (a CE-only run can still log its distance to the teacher). Supports one
+    backward pass.
+
+    Peak memory: an fp32 V x H gradient accumulator (cast to the weight's dtype at the end), a
+    gradient the size of `hidden`, and per chunk about 4 (CE) to 12 (online teacher, JSD)
+    chunk_size x V fp32 temporaries. Halving chunk_size halves the latter at little speed cost
+    while a chunk's matmul stays large.
+    """
+    vocab_limit = _validate(
+        hidden, lm_head_weight, labels, teacher, alpha, temperature, divergence, jsd_beta, chunk_size
+    )
+    if teacher is None:
+        alpha = 0.0
+    grad_enabled = torch.is_grad_enabled()
+    options = _Options(
+        alpha=float(alpha),
+        temperature=float(temperature),
+        divergence=divergence,
+        jsd_beta=float(jsd_beta),
+        chunk_size=chunk_size,
+        vocab_limit=vocab_limit,
+        grad_hidden=grad_enabled and hidden.requires_grad,
+        grad_weight=grad_enabled and lm_head_weight.requires_grad,
+    )
+    loss, ce, kd = _ChunkedLMLoss.apply(hidden, lm_head_weight, labels, teacher, options)
+    return LossOutput(loss=loss, ce=ce, kd=kd)
+
+
+@dataclass(frozen=True)
+class _Options:
+    alpha: float
+    temperature: float
+    divergence: str
+    jsd_beta: float
+    chunk_size: int
+    vocab_limit: int
+    grad_hidden: bool
+    grad_weight: bool
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, teacher, options):
+        # Dtypes are chosen explicitly below; an enclosing autocast must not recast the matmuls.
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            loss, ce, kd, grad_hidden, grad_weight = _forward_and_grads(
+                hidden, weight, labels, teacher, options
+            )
+        ctx.grads = (grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(ce, kd)
+        return loss, ce, kd
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce, _grad_kd):
+        if ctx.grads is None:
+            raise RuntimeError("chunked_lm_loss supports a single backward pass (no retain_graph)")
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
+        # In place: a scaled copy of the head-weight gradient would cost another V x H tensor.
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_loss)
+        if grad_weight is not None:
+            grad_weight.mul_(grad_loss)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _forward_and_grads(hidden, weight, labels, teacher, options):
+    hidden_flat = hidden.flatten(0, 1)  # (N, H)
+    labels_flat = labels.flatten()  # (N,)
+    rows = (labels_flat != IGNORE_INDEX).nonzero().squeeze(1)  # kept positions
+    num_targets = rows.numel()
+    device = hidden.device
+
+    # Per-token mean; with no target at all the loss is 0 rather than 0/0, so an empty micro-batch
+    # cannot turn the whole step into NaN.
+    inv_count = 1.0 / max(num_targets, 1)
+    ce_weight = (1.0 - options.alpha) * inv_count
+    kd_weight = options.alpha * options.temperature**2 * inv_count
+    needs_grad = options.grad_hidden or options.grad_weight
+
+    grad_hidden = torch.zeros_like(hidden_flat) if options.grad_hidden else None
+    # fp32 accumulation across chunks; cast to the weight's dtype once at the end.
+    grad_weight = (
+        torch.zeros(weight.shape, dtype=torch.float32, device=device) if options.grad_weight else None
+    )
+    ce_sum = torch.zeros((), dtype=torch.float32, device=device)
+    kd_sum = torch.zeros((), dtype=torch.float32, device=device)
+
+    for start in range(0, num_targets, options.chunk_size):
+        chunk_rows = rows[start : start + options.chunk_size]
+        chunk_hidden = hidden_flat[chunk_rows].to(weight.dtype)  # (C, H)
+        logits = (chunk_hidden @ weight.T).float()  # (C, V): matmul in input dtype, loss in fp32
+        # Autograd only over this chunk's loss wrt its logits; the head matmuls are done by hand
+        # below so the weight never enters a graph and its gradient accumulates in place.
+        with torch.enable_grad():
+            logits.requires_grad_(needs_grad)
+            ce, kd = _chunk_loss_sums(logits, labels_flat[chunk_rows], teacher, chunk_rows, options)
+            if needs_grad:
+                (grad_logits,) = torch.autograd.grad(ce_weight * ce + kd_weight * kd, logits)
+        ce_sum += ce.detach()
+        kd_sum += kd.detach()
+        if options.grad_hidden:
+            chunk_grad = grad_logits.to(weight.dtype) @ weight  # (C, H)
+            grad_hidden.index_copy_(0, chunk_rows, chunk_grad.to(hidden.dtype))
+        if options.grad_weight:
+            # fp32 addmm in place: no V x H temporary per chunk.
+            grad_weight.addmm_(grad_logits.T, chunk_hidden.float())
+
+    ce_mean = ce_sum * inv_count
+    kd_mean = kd_sum * inv_count
+    loss = (1.0 - options.alpha) * ce_mean + options.alpha * options.temperature**2 * kd_mean
+    if grad_hidden is not None:
+        grad_hidden = grad_hidden.view_as(hidden)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    return loss, ce_mean, kd_mean, grad_hidden, grad_weight
+
+
+def _chunk_loss_sums(logits, targets, teacher, rows, options):
+    """Summed CE and summed D over one chunk of positions; logits (C, V) fp32."""
+    ce = F.cross_entropy(logits, targets, reduction="sum")
+    if teacher is None:
+        return ce, logits.new_zeros(())
+    teacher_lp, student_lp = teacher._log_probs(rows, logits, options.temperature, options.vocab_limit)
+    kd = _divergence(teacher_lp, student_lp, options.divergence, options.jsd_beta).sum()
+    return ce, kd
+
+
+def _divergence(teacher_lp, student_lp, divergence, jsd_beta):
+    """Per-row D from finite log-probs on a shared support, shape (C, S) -> (C,)."""
+    if divergence == "forward_kl":
+        return _kl(teacher_lp, student_lp)
+    if divergence == "reverse_kl":
+        return _kl(student_lp, teacher_lp)
+    assert divergence == "jsd", divergence
+    mixture_lp = torch.logaddexp(teacher_lp + math.log(jsd_beta), student_lp + math.log1p(-jsd_beta))
+    return jsd_beta * _kl(teacher_lp, mixture_lp) + (1.0 - jsd_beta) * _kl(student_lp, mixture_lp)
+
+
+def _kl(p_lp, q_lp):
+    """KL(p || q) per row from log-probs. An underflowed p contributes 0 * finite = 0."""
+    return (p_lp.exp() * (p_lp - q_lp)).sum(-1)
+
+
+def _gather_rows(x, rows):
+    """x[b, t] for flat position indices rows = b * T + t; x is (B, T, ...), never copied whole."""
+    seq = x.shape[1]
+    return x[rows // seq, rows % seq]
+
+
+def _append_tail(support_lp):
+    """(C, k) log-probs of the support -> (C, k + 1) with the tail bucket 1 - sum(support) last.
+
+    The support mass is capped at 1 - TAIL_FLOOR, so the tail is never 0 (see TAIL_FLOOR); above
+    the cap the bucket distribution sums to at most 1 + TAIL_FLOOR.
+    """
+    support_mass = torch.logsumexp(support_lp, dim=-1, keepdim=True)
+    support_mass = support_mass.clamp(max=math.log1p(-TAIL_FLOOR))
+    tail_lp = torch.log(-torch.expm1(support_mass))  # log(1 - mass), exact for mass near 1
+    return torch.cat([support_lp, tail_lp], dim=-1)
+
+
+def _validate(hidden, weight, labels, teacher, alpha, temperature, divergence, jsd_beta, chunk_size):
+    """Raise ValueError for bad arguments; return the resolved vocab_limit."""
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be (B, T, H), got shape {tuple(hidden.shape)}")
+    batch, seq, hidden_size = hidden.shape
+    if weight.dim() != 2 or weight.shape[1] != hidden_size:
+        raise ValueError(
+            f"lm_head_weight must be (V, H={hidden_size}), got shape {tuple(weight.shape)}"
+        )
+    vocab = weight.shape[0]
+    if tuple(labels.shape) != (batch, seq):
+        raise ValueError(f"labels must be (B, T)=({batch}, {seq}), got shape {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+    if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+    if not (isinstance(temperature, (int, float)) and 0.0 < temperature < math.inf):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if not (isinstance(jsd_beta, (int, float)) and 0.0 < jsd_beta < 1.0):
+        # At 0 or 1 the mixture equals one side and the JSD is identically 0.
+        raise ValueError(f"jsd_beta must be a number in the open interval (0, 1), got {jsd_beta!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+
+    if teacher is None:
+        return vocab
+    if isinstance(teacher, OnlineTeacher):
+        t_hidden, t_weight = teacher.hidden, teacher.lm_head_weight
+        if t_hidden.dim() != 3 or tuple(t_hidden.shape[:2]) != (batch, seq):
+            raise ValueError(
+                f"teacher.hidden must be (B, T, H_t) with (B, T)=({batch}, {seq}), "
+                f"got shape {tuple(t_hidden.shape)}"
+            )
+        if t_weight.dim() != 2 or t_weight.shape[1] != t_hidden.shape[2]:
+            raise ValueError(
+                f"teacher.lm_head_weight must be (V_t, H_t={t_hidden.shape[2]}), "
+                f"got shape {tuple(t_weight.shape)}"
+            )
+        max_limit = min(vocab, t_weight.shape[0])
+    elif isinstance(teacher, TopKTeacher):
+        ids, logprobs = teacher.ids, teacher.logprobs
+        if ids.dim() != 3 or tuple(ids.shape[:2]) != (batch, seq) or ids.shape[2] < 1:
+            raise ValueError(
+                f"teacher.ids must be (B, T, k) with (B, T)=({batch}, {seq}) and k >= 1, "
+                f"got shape {tuple(ids.shape)}"
+            )
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"teacher.ids must be an integer tensor, got {ids.dtype}")
+        if logprobs.shape != ids.shape or not logprobs.dtype.is_floating_point:
+            raise ValueError(
+                f"teacher.logprobs must be a float tensor shaped like teacher.ids {tuple(ids.shape)}, "
+                f"got {logprobs.dtype} {tuple(logprobs.shape)}"
+            )
+        max_limit = vocab
+    else:
+        raise ValueError(
+            f"teacher must be OnlineTeacher, TopKTeacher or None, got {type(teacher).__name__}"
+        )
+    vocab_limit = max_limit if teacher.vocab_limit is None else teacher.vocab_limit
+    if not (isinstance(vocab_limit, int) and 1 <= vocab_limit <= max_limit):
+        raise ValueError(
+            f"teacher.vocab_limit must be an int in [1, {max_limit}] (vocab sizes of the heads), "
+            f"got {teacher.vocab_limit!r}"
+        )
+    if isinstance(teacher, TopKTeacher) and teacher.ids.shape[2] > vocab_limit:
+        raise ValueError(
+            f"teacher.ids has k={teacher.ids.shape[2]} > vocab_limit={vocab_limit}"
+        )
+    return vocab_limit

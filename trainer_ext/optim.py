@@ -1,0 +1,648 @@
+"""Low-memory optimizer: factored second moment, bf16 weights updated in place, update in backward.
+
+Why this exists: on one 24 GB card a 7B model does not fit with any stock optimizer. Moving optimizer
+state elsewhere (CPU offload, NVMe) was too slow, so this optimizer removes state instead:
+
+* Second moment factored into row and column statistics (Adafactor), so a (4096, 11008) weight needs
+  (4096 + 11008) fp32 numbers instead of 45M: state is megabytes, not gigabytes.
+* Weights stay bf16 and are updated in place with stochastic rounding. The update is computed in
+  fp32 one chunk at a time; no fp32 copy of any parameter lives between steps (HF Adafactor calls
+  ``p.float()`` on every weight, which is what runs out of memory).
+* Optionally the update runs inside backward, as soon as each gradient is complete
+  (``attach_to_backward``), so full-model gradients never exist at once.
+* No global gradient clipping (it needs all gradients at once): each tensor's update is clipped by
+  its RMS, and a tensor whose gradient is not finite is skipped on the device, without a host sync.
+
+Stochastic rounding needs random bits inside a ``torch.compile(fullgraph=True)`` function, where a
+``torch.Generator`` cannot be used. The bits therefore come from a counter-based integer hash of
+(seed, parameter index, chunk, step, element): the same bits eager or compiled, on CPU or GPU, and
+resuming from a checkpoint reproduces them without saving any generator state (the seed is saved).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import importlib.util
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = ["LowMemoryAdafactor", "check_gradient_accumulation", "create_optimizer"]
+
+# Largest number of elements processed at once in eager mode. Every fp32 temporary of a chunk is then
+# at most 64 MiB (2**24 * 4 bytes) instead of the size of the whole weight: a 7B model's embedding
+# (32000 x 4096 = 131M elements) would otherwise need 0.5 GiB per temporary. 2**24 is also a
+# 4096 x 4096 projection, so attention weights of 7B-class models are still one fused call, and
+# element indices within a chunk fit int32 for the random-bit hash.
+DEFAULT_MAX_CHUNK_NUMEL = 2**24
+
+_STATE_DICT_KEY = "low_memory_adafactor"
+
+# Layout of the per-group device tensor of hyperparameters. Passing them as one tensor (not Python
+# floats) means a learning-rate change never recompiles the compiled update.
+_LR, _WEIGHT_DECAY, _BETA1, _BETA2, _BETA2_DECAY, _EPS, _CLIP = range(7)
+
+# Salts that give weights and momentum independent random streams.
+_WEIGHT_SALT, _MOMENTUM_SALT = 0x1B873593, 0x68E31DA4
+
+
+# ----------------------------------------------------------------------------- random bits and rounding
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Chris Wellons' "lowbias32") on int32 tensors.
+
+    Multiplication wraps modulo 2**32; right shifts are masked so that they are logical, not arithmetic.
+    """
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * -0x7B935975  # 0x846CA68B as a signed int32
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _random_bits(shape: torch.Size, key: torch.Tensor, step: torch.Tensor, salt: int) -> torch.Tensor:
+    """Pseudo-random int32 per element, a pure function of (key, step, salt, element index)."""
+    stream = _mix32(key ^ _mix32(step.to(torch.int32) ^ salt))
+    index = torch.arange(math.prod(shape), dtype=torch.int32, device=key.device).view(shape)
+    return _mix32(_mix32(index) ^ stream)
+
+
+def round_to_bf16_stochastic(x: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
+    """Round fp32 ``x`` to bf16, up or down with probability proportional to the distance.
+
+    bf16 is the top 16 bits of fp32. Adding a uniform 16-bit integer to the low half of the fp32 bit
+    pattern carries into the top half with probability (low half) / 2**16, then truncation keeps the top
+    half. This is unbiased, E[round(x)] = x, so updates far smaller than a bf16 step still move weights
+    on average (plain rounding to nearest would drop them). Works for negative values too: the bit
+    pattern is sign-magnitude, so the magnitude is what rounds. ``x`` must be finite.
+    """
+    bits = x.view(torch.int32) + (random_bits & 0xFFFF)
+    return (bits & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def _store(target: torch.Tensor, value: torch.Tensor, ok: torch.Tensor, key: torch.Tensor,
+           step: torch.Tensor, salt: int) -> None:
+    """Write fp32 ``value`` into ``target`` (in its own dtype) where ``ok``, else leave it unchanged."""
+    if target.dtype == torch.bfloat16:
+        value = round_to_bf16_stochastic(value, _random_bits(value.shape, key, step, salt))
+    target.copy_(torch.where(ok, value, target))
+
+
+# ----------------------------------------------------------------------------- the update math
+# Plain torch functions on tensors only (hyperparameters and step counts are device tensors), so that
+# each can be compiled with fullgraph=True and run without host syncs. ``ok`` is a 0-d bool tensor that
+# is False when the tensor's gradient is not finite; every state and weight write goes through
+# torch.where(ok, ...), so a skipped update is decided on the device.
+
+
+def _beta2_and_bias_correction(t: torch.Tensor, hyper: torch.Tensor, beta2_decay: bool):
+    """beta2 for step ``t`` and the factor that removes the bias of the second-moment average.
+
+    Constant beta2: the average is biased towards zero by (1 - beta2**t), Adam-style correction. With
+    Adafactor's schedule beta2_t = 1 - t**-decay (capped at beta2), beta2_1 = 0 makes the average's
+    weights sum to one at every step, so it is unbiased as it stands.
+    """
+    if beta2_decay:
+        beta2 = torch.minimum(hyper[_BETA2], 1.0 - t.pow(-hyper[_BETA2_DECAY]))
+        return beta2, torch.ones_like(t)
+    return hyper[_BETA2], 1.0 - hyper[_BETA2].pow(t)
+
+
+def _record(step: torch.Tensor, grad_sq: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
+    """Advance the step if the gradient is finite; add to the step's grad-norm and skip totals."""
+    ok = torch.isfinite(grad_sq)
+    step.add_(ok.to(step.dtype))
+    totals[0] += grad_sq
+    totals[1] += (~ok).to(totals.dtype)
+    return ok
+
+
+def _clip_scale(update_sq: torch.Tensor, numel: int, hyper: torch.Tensor) -> torch.Tensor:
+    """Adafactor's update clipping: divide by max(1, RMS(update) / clip_threshold)."""
+    return 1.0 / torch.clamp(torch.sqrt(update_sq / numel) / hyper[_CLIP], min=1.0)
+
+
+def _apply_update(param: torch.Tensor, update: torch.Tensor, momentum: torch.Tensor | None,
+                  ok: torch.Tensor, step: torch.Tensor, key: torch.Tensor, hyper: torch.Tensor) -> None:
+    """Momentum (optional), decoupled weight decay, and the in-place weight write."""
+    if momentum is not None:
+        beta1 = hyper[_BETA1]
+        update = beta1 * momentum.float() + (1.0 - beta1) * update
+        _store(momentum, update, ok, key, step, _MOMENTUM_SALT)
+    lr = hyper[_LR]
+    new_param = param.float() * (1.0 - lr * hyper[_WEIGHT_DECAY]) - lr * update
+    _store(param, new_param, ok, key, step, _WEIGHT_SALT)
+
+
+def _grad_stats(grad: torch.Tensor, hyper: torch.Tensor):
+    """Per chunk (k, r, C): row means and column sums of grad**2 + eps, and the sum of grad**2."""
+    grad_sq = grad.float().square()
+    grad_sq_eps = grad_sq + hyper[_EPS]
+    return grad_sq_eps.mean(-1), grad_sq_eps.sum(-2), grad_sq.sum()
+
+
+def _update_factors(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor,
+                    grad_sq: torch.Tensor, step: torch.Tensor, totals: torch.Tensor, hyper: torch.Tensor,
+                    beta2_decay: bool):
+    """Update the row (B, R) and column (B, C) averages; return ok and the factors of 1/sqrt(v_hat).
+
+    v_hat[i, j] = row[i] * col[j] / mean(row) / bias_correction, the rank-1 estimate of Adafactor.
+    """
+    beta2, bias_correction = _beta2_and_bias_correction(step + 1.0, hyper, beta2_decay)
+    new_row = beta2 * row + (1.0 - beta2) * row_mean
+    new_col = beta2 * col + (1.0 - beta2) * col_sum / row.shape[-1]
+    ok = _record(step, grad_sq, totals)
+    row.copy_(torch.where(ok, new_row, row))
+    col.copy_(torch.where(ok, new_col, col))
+    row_factor = torch.rsqrt(new_row / (new_row.mean(-1, keepdim=True) * bias_correction))
+    return ok, row_factor, torch.rsqrt(new_col)
+
+
+def _factored_update_sq(grad: torch.Tensor, row_factor: torch.Tensor, col_factor: torch.Tensor):
+    update = grad.float() * row_factor.unsqueeze(-1) * col_factor.unsqueeze(-2)
+    return update.square().sum()
+
+
+def _factored_apply(param, grad, momentum, row_factor, col_factor, scale, ok, step, key, hyper) -> None:
+    update = grad.float() * row_factor.unsqueeze(-1) * (col_factor.unsqueeze(-2) * scale)
+    _apply_update(param, update, momentum, ok, step, key, hyper)
+
+
+class _Kernels(NamedTuple):
+    grad_stats: Callable
+    update_factors: Callable
+    update_sq: Callable
+    apply: Callable
+
+
+_EAGER = _Kernels(_grad_stats, _update_factors, _factored_update_sq, _factored_apply)
+_WHOLE = ((slice(None), slice(None)),)
+
+
+def _factored_update(param, grad, row, col, momentum, step, keys, hyper, totals, *,
+                     chunks, kernels: _Kernels, beta2_decay: bool) -> None:
+    """One tensor's factored update. param, grad, momentum: (B, R, C); row: (B, R); col: (B, C).
+
+    ``chunks`` index (B, R) and cover it; three passes over them, because the column statistics and the
+    update RMS each need the whole tensor before anything can be written.
+    """
+    row_mean = torch.empty_like(row)
+    col_sum = torch.zeros_like(col)
+    grad_sq = torch.zeros((), dtype=torch.float32, device=row.device)
+    for rows in chunks:
+        chunk_row_mean, chunk_col_sum, chunk_grad_sq = kernels.grad_stats(grad[rows], hyper)
+        row_mean[rows] = chunk_row_mean
+        col_sum[rows[0]] += chunk_col_sum
+        grad_sq = grad_sq + chunk_grad_sq
+    ok, row_factor, col_factor = kernels.update_factors(
+        row, col, row_mean, col_sum, grad_sq, step, totals, hyper, beta2_decay
+    )
+    update_sq = torch.zeros_like(grad_sq)
+    for rows in chunks:
+        update_sq = update_sq + kernels.update_sq(grad[rows], row_factor[rows], col_factor[rows[0]])
+    scale = _clip_scale(update_sq, grad.numel(), hyper)
+    for i, rows in enumerate(chunks):
+        kernels.apply(param[rows], grad[rows], None if momentum is None else momentum[rows],
+                      row_factor[rows], col_factor[rows[0]], scale, ok, step, keys[i], hyper)
+
+
+def _factored_update_whole(param, grad, row, col, momentum, step, keys, hyper, totals, *, beta2_decay):
+    """The whole tensor as one chunk: compiled as a single graph, so it fuses into a few kernels."""
+    _factored_update(param, grad, row, col, momentum, step, keys, hyper, totals,
+                     chunks=_WHOLE, kernels=_EAGER, beta2_decay=beta2_decay)
+
+
+def _unfactored_update(param, grad, second_moment, momentum, step, keys, hyper, totals, *,
+                       beta2_decay: bool) -> None:
+    """Tensors with ndim < 2 (biases, norm scales): a full fp32 second moment; they are small."""
+    grad32 = grad.float()
+    grad_sq = grad32.square()
+    beta2, bias_correction = _beta2_and_bias_correction(step + 1.0, hyper, beta2_decay)
+    new_second_moment = beta2 * second_moment + (1.0 - beta2) * (grad_sq + hyper[_EPS])
+    ok = _record(step, grad_sq.sum(), totals)
+    second_moment.copy_(torch.where(ok, new_second_moment, second_moment))
+    update = grad32 * torch.rsqrt(new_second_moment / bias_correction)
+    update = update * _clip_scale(update.square().sum(), update.numel(), hyper)
+    _apply_update(param, update, momentum, ok, step, keys[0], hyper)
+
+
+@functools.cache
+def _compiled() -> tuple[_Kernels, Callable, Callable]:
+    """Compiled kernels, built on first use. dynamic=True: one compilation serves all tensor shapes,
+    instead of one per shape running into dynamo's recompile limit on a real model."""
+    compile_ = functools.partial(torch.compile, fullgraph=True, dynamic=True)
+    kernels = _Kernels(*(compile_(fn) for fn in _EAGER))
+    return kernels, compile_(_factored_update_whole), compile_(_unfactored_update)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_chunks(num_slices: int, rows: int, cols: int, max_numel: int) -> tuple[tuple[slice, slice], ...]:
+    """Index pairs (slices of B, slices of R) for a (B, R, C) tensor, each chunk <= max_numel elements
+    (at least one row). Whole (R, C) slices are grouped when they are small."""
+    slice_numel = max(rows * cols, 1)
+    if slice_numel <= max_numel:
+        per_chunk = max_numel // slice_numel
+        return tuple((slice(b, min(b + per_chunk, num_slices)), slice(None))
+                     for b in range(0, num_slices, per_chunk))
+    per_chunk = max(max_numel // max(cols, 1), 1)
+    return tuple((slice(b, b + 1), slice(r, min(r + per_chunk, rows)))
+                 for b in range(num_slices) for r in range(0, rows, per_chunk))
+
+
+def _default_compile() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Small host list to a device tensor without a device sync (pinned memory, non_blocking)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+
+def check_gradient_accumulation(gradient_accumulation_steps: int, in_backward: bool = True) -> None:
+    """Raise ValueError if ``gradient_accumulation_steps`` cannot be used (in backward: only 1)."""
+    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise ValueError(
+            f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}"
+        )
+    if in_backward and gradient_accumulation_steps != 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={gradient_accumulation_steps} is not supported with "
+            "in_backward=True: each weight is updated as soon as its gradient is ready, so gradients "
+            "cannot be summed over micro-batches. Use a larger per-device batch size, or set "
+            "in_backward=False."
+        )
+
+
+class LowMemoryAdafactor(torch.optim.Optimizer):
+    """Adafactor-style optimizer for bf16 (or fp32) weights with MB-scale state.
+
+    Per tensor and step t (fp32 math; g = gradient):
+        v      <- beta2_t * v + (1 - beta2_t) * (g**2 + eps)   factored into row/column means if ndim >= 2
+        u      =  g / sqrt(v_hat)                              v_hat: bias-corrected (rank-1) estimate
+        u      <- u / max(1, RMS(u) / clip_threshold)
+        u      <- m <- momentum * m + (1 - momentum) * u       only if momentum is not None
+        w      <- w * (1 - lr * weight_decay) - lr * u          rounded stochastically if w is bf16
+
+    Args:
+        params: parameters or parameter groups (bf16 or fp32, contiguous).
+        lr: learning rate (plain; no relative step sizes). Schedulers drive ``param_groups[i]["lr"]``.
+        weight_decay: decoupled weight decay, multiplied by lr.
+        momentum: beta1 of an optional first moment stored in the weight's dtype (bf16 for bf16
+            weights); None (default) keeps no first moment.
+        beta2: second-moment decay; with ``beta2_decay`` the cap of the schedule.
+        beta2_decay: None for a constant beta2 with bias correction, or c for Adafactor's schedule
+            beta2_t = min(beta2, 1 - t**-c) (c = 0.8 in the paper).
+        eps: added to the squared gradients (Adafactor's eps1).
+        clip_threshold: per-tensor update RMS clipping threshold.
+        max_consecutive_skips: a step skips a tensor whose gradient is not finite; after this many
+            steps in a row with any skip, ``step`` raises RuntimeError. The weights never see NaN/Inf.
+        max_chunk_numel: eager mode works through large tensors in row chunks of at most this many
+            elements, to bound fp32 temporaries (see DEFAULT_MAX_CHUNK_NUMEL).
+        compile: run each tensor's update as ``torch.compile``d functions; default: when CUDA and
+            Triton are available.
+        seed: seed of the stochastic-rounding bits; saved in the state dict.
+
+    Bookkeeping (``last_grad_norm``, ``last_step_skips``, ``skipped_updates``) is accumulated on the
+    device. On GPU, ``step`` reads the previous step's values, which are ready by then, so that training
+    never waits for the GPU; reading one of these properties waits for the current step.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        *,
+        weight_decay: float = 0.0,
+        momentum: float | None = None,
+        beta2: float = 0.999,
+        beta2_decay: float | None = None,
+        eps: float = 1e-30,
+        clip_threshold: float = 1.0,
+        max_consecutive_skips: int = 20,
+        max_chunk_numel: int = DEFAULT_MAX_CHUNK_NUMEL,
+        compile: bool | None = None,
+        seed: int = 0,
+    ):
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2,
+                        beta2_decay=beta2_decay, eps=eps, clip_threshold=clip_threshold)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            _validate_group(group)
+        if not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1:
+            raise ValueError(f"max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r}")
+        if not isinstance(max_chunk_numel, int) or max_chunk_numel < 1:
+            raise ValueError(f"max_chunk_numel must be an integer >= 1, got {max_chunk_numel!r}")
+        if not isinstance(seed, int) or not 0 <= seed < 2**31:
+            raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
+        self.max_consecutive_skips = max_consecutive_skips
+        self.max_chunk_numel = max_chunk_numel
+        self.compile = _default_compile() if compile is None else bool(compile)
+        self.seed = seed
+        self.in_backward = False
+
+        # Stable position of each parameter: groups may be replaced by load_state_dict, parameters not.
+        self._position: dict[torch.Tensor, tuple[int, int]] = {}
+        for group_index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                self._position[p] = (group_index, len(self._position))
+        self._hook_handles: list = []
+        self._num_steps = 0  # finished optimizer steps
+        self._last_hooked_step = [-1] * len(self._position)
+        self._rng_keys: dict[tuple[int, torch.device, int], torch.Tensor] = {}
+        self._hyper_cache: dict[tuple[int, torch.device], tuple[tuple, torch.Tensor]] = {}
+        self._totals: dict[torch.device, torch.Tensor] = {}  # per device: [sum of grad**2, skips]
+        self._pending: collections.deque = collections.deque()
+        self._last_grad_norm = float("nan")
+        self._last_step_skips = 0
+        self._skipped_updates = 0
+        self._consecutive_skip_steps = 0
+
+    # -- in-backward mode
+
+    def attach_to_backward(self, gradient_accumulation_steps: int = 1) -> None:
+        """Update each parameter inside backward, as soon as its gradient is accumulated.
+
+        The gradient is freed right after its update, so full gradients never exist at once. ``step``
+        then only finishes the step's bookkeeping and ``zero_grad`` has nothing to do; the training loop
+        (e.g. HF Trainer) can call both as usual. Each parameter's gradient must be accumulated exactly
+        once per backward: no gradient accumulation and no reentrant activation checkpointing
+        (``use_reentrant=False`` is fine).
+        """
+        check_gradient_accumulation(gradient_accumulation_steps, in_backward=True)
+        if self.in_backward:
+            return
+        for p in self._position:
+            if p.requires_grad:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._backward_hook))
+        self.in_backward = True
+
+    def detach_from_backward(self) -> None:
+        """Remove the backward hooks; ``step`` updates from ``.grad`` again."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self.in_backward = False
+
+    def _backward_hook(self, p: torch.Tensor) -> None:
+        group_index, index = self._position[p]
+        if self._last_hooked_step[index] == self._num_steps:
+            raise RuntimeError(
+                "a parameter's gradient was accumulated twice in one step while the optimizer updates "
+                "in backward: call optimizer.step() after every backward, do not accumulate gradients, "
+                "and use non-reentrant activation checkpointing (use_reentrant=False)"
+            )
+        self._last_hooked_step[index] = self._num_steps
+        self._update(p, self.param_groups[group_index], index)
+        p.grad = None
+
+    # -- classic mode and step bookkeeping
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """Update every parameter from ``.grad`` (classic mode), then finish the step's bookkeeping.
+
+        In in-backward mode the parameters were already updated; only the bookkeeping runs.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.in_backward:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._update(p, group, self._position[p][1])
+        self._finish_step()
+        return loss
+
+    def _finish_step(self) -> None:
+        self._num_steps += 1
+        snapshot = []
+        for device, totals in self._totals.items():
+            if device.type == "cuda":
+                host = torch.empty(2, dtype=totals.dtype, pin_memory=True)
+                host.copy_(totals, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                snapshot.append((host, event))
+            else:
+                snapshot.append((totals, None))
+        self._totals = {}
+        self._pending.append(snapshot)
+        # Leave the newest GPU snapshot unread: reading it now would wait for the GPU.
+        keep = 1 if any(event is not None for _, event in snapshot) else 0
+        while len(self._pending) > keep:
+            self._resolve(self._pending.popleft())
+
+    def _resolve(self, snapshot: list) -> None:
+        grad_sq, skips = 0.0, 0
+        for host, event in snapshot:
+            if event is not None:
+                event.synchronize()
+            grad_sq += float(host[0])
+            skips += int(host[1])
+        self._last_grad_norm = math.sqrt(grad_sq) if math.isfinite(grad_sq) else float("nan")
+        self._last_step_skips = skips
+        self._skipped_updates += skips
+        self._consecutive_skip_steps = self._consecutive_skip_steps + 1 if skips else 0
+        if self._consecutive_skip_steps >= self.max_consecutive_skips:
+            raise RuntimeError(
+                f"non-finite gradients in {self._consecutive_skip_steps} consecutive steps "
+                f"(max_consecutive_skips={self.max_consecutive_skips}; {skips} tensor(s) in the last one); "
+                "stopping training. Those updates were skipped, so the weights and the last checkpoint "
+                "hold no NaN/Inf: resume from the checkpoint with a lower learning rate or check the data."
+            )
+
+    def _resolve_all(self) -> None:
+        while self._pending:
+            self._resolve(self._pending.popleft())
+
+    @property
+    def last_grad_norm(self) -> float:
+        """L2 norm of all gradients of the last finished step (nan before the first step or when a
+        gradient was not finite)."""
+        self._resolve_all()
+        return self._last_grad_norm
+
+    @property
+    def last_step_skips(self) -> int:
+        """Number of tensors whose update was skipped in the last finished step."""
+        self._resolve_all()
+        return self._last_step_skips
+
+    @property
+    def skipped_updates(self) -> int:
+        """Number of tensor updates skipped for non-finite gradients since construction (or resume)."""
+        self._resolve_all()
+        return self._skipped_updates
+
+    # -- the per-tensor update
+
+    @torch.no_grad()
+    def _update(self, p: torch.Tensor, group: dict, index: int) -> None:
+        grad = p.grad
+        if grad is None or p.numel() == 0:
+            return
+        if grad.is_sparse:
+            raise ValueError("LowMemoryAdafactor does not support sparse gradients")
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            if p.ndim >= 2:
+                state["row"] = torch.zeros(p.shape[:-1], dtype=torch.float32, device=p.device)
+                state["col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32, device=p.device)
+            else:
+                state["second_moment"] = torch.zeros_like(p, dtype=torch.float32)
+        if group["momentum"] is not None and "momentum" not in state:
+            state["momentum"] = torch.zeros_like(p)
+        momentum = state["momentum"] if group["momentum"] is not None else None
+
+        hyper = self._hyper(group, p.device)
+        totals = self._totals.get(p.device)
+        if totals is None:
+            totals = self._totals[p.device] = torch.zeros(2, dtype=torch.float32, device=p.device)
+        beta2_decay = group["beta2_decay"] is not None
+        param = p.detach()
+
+        if p.ndim < 2:
+            update = _compiled()[2] if self.compile else _unfactored_update
+            update(param, grad, state["second_moment"], momentum, state["step"], self._keys(index, p.device, 1),
+                   hyper, totals, beta2_decay=beta2_decay)
+            return
+        shape3 = (-1, *p.shape[-2:])
+        views = (param.view(shape3), grad.reshape(shape3), state["row"].view(shape3[:2]),
+                 state["col"].view(-1, p.shape[-1]), None if momentum is None else momentum.view(shape3))
+        num_slices, rows, cols = views[0].shape
+        chunks = _row_chunks(num_slices, rows, cols, self.max_chunk_numel)
+        args = (*views, state["step"], self._keys(index, p.device, len(chunks)), hyper, totals)
+        if not self.compile:
+            _factored_update(*args, chunks=chunks, kernels=_EAGER, beta2_decay=beta2_decay)
+        elif len(chunks) == 1:
+            _compiled()[1](*args, beta2_decay=beta2_decay)
+        else:
+            _factored_update(*args, chunks=chunks, kernels=_compiled()[0], beta2_decay=beta2_decay)
+
+    def _hyper(self, group: dict, device: torch.device) -> torch.Tensor:
+        """The group's hyperparameters as one device tensor, rebuilt only when one of them changes."""
+        values = (group["lr"], group["weight_decay"], group["momentum"] or 0.0, group["beta2"],
+                  group["beta2_decay"] or 0.0, group["eps"], group["clip_threshold"])
+        key = (id(group), device)
+        cached = self._hyper_cache.get(key)
+        if cached is None or cached[0] != values:
+            _validate_group(group, check_params=False)
+            cached = self._hyper_cache[key] = (values, _to_device(list(values), torch.float32, device))
+        return cached[1]
+
+    def _keys(self, index: int, device: torch.device, num_chunks: int) -> torch.Tensor:
+        """Per-chunk int32 keys of the random-bit hash: a function of (seed, parameter index, chunk)."""
+        cache_key = (index, device, num_chunks)
+        keys = self._rng_keys.get(cache_key)
+        if keys is None:
+            base = _mix32(torch.tensor(self.seed, dtype=torch.int32) ^ _mix32(torch.tensor(index, dtype=torch.int32)))
+            keys = _mix32(base + torch.arange(num_chunks, dtype=torch.int32))
+            keys = self._rng_keys[cache_key] = _to_device(keys.tolist(), torch.int32, device)
+        return keys
+
+    # -- state
+
+    def state_bytes(self) -> int:
+        """Total bytes of optimizer state tensors (second-moment factors, momentum, step counters)."""
+        return sum(v.numel() * v.element_size()
+                   for s in self.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+
+    def state_dict(self) -> dict[str, Any]:
+        self._resolve_all()
+        state_dict = super().state_dict()
+        state_dict[_STATE_DICT_KEY] = {
+            "seed": self.seed,
+            "num_steps": self._num_steps,
+            "skipped_updates": self._skipped_updates,
+            "consecutive_skip_steps": self._consecutive_skip_steps,
+        }
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Standard loading, except that state tensors keep their dtype (torch's default would cast the
+        fp32 row/column statistics to the bf16 dtype of the weights)."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(_STATE_DICT_KEY, None)
+        saved_state = state_dict["state"]
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        super().load_state_dict({**state_dict, "state": {}})
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, p in zip(saved_ids, params, strict=True):
+            if saved_id in saved_state:
+                self.state[p] = {k: v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
+                                 for k, v in saved_state[saved_id].items()}
+        for group in self.param_groups:
+            _validate_group(group)
+        self._hyper_cache.clear()
+        self._rng_keys.clear()
+        self._pending.clear()
+        self._totals = {}
+        if extra is not None:
+            self.seed = extra["seed"]
+            self._num_steps = extra["num_steps"]
+            self._skipped_updates = extra["skipped_updates"]
+            self._consecutive_skip_steps = extra["consecutive_skip_steps"]
+        self._last_hooked_step = [-1] * len(self._position)
+
+
+def _validate_group(group: dict, check_params: bool = True) -> None:
+    def check(name: str, ok: bool, allowed: str) -> None:
+        if not ok:
+            raise ValueError(f"{name} must be {allowed}, got {group[name]!r}")
+
+    check("lr", group["lr"] >= 0.0, ">= 0")
+    check("weight_decay", group["weight_decay"] >= 0.0, ">= 0")
+    check("momentum", group["momentum"] is None or 0.0 <= group["momentum"] < 1.0, "None or in [0, 1)")
+    check("beta2_decay", group["beta2_decay"] is None or group["beta2_decay"] > 0.0, "None or > 0")
+    if group["beta2_decay"] is None:
+        check("beta2", 0.0 <= group["beta2"] < 1.0, "in [0, 1) (or in (0, 1] with beta2_decay)")
+    else:
+        check("beta2", 0.0 < group["beta2"] <= 1.0, "in (0, 1] with beta2_decay")
+    check("eps", group["eps"] > 0.0, "> 0")
+    check("clip_threshold", group["clip_threshold"] > 0.0, "> 0")
+    for p in group["params"] if check_params else ():
+        if p.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"parameters must be torch.bfloat16 or torch.float32, got {p.dtype}")
+        if not p.is_contiguous():
+            raise ValueError("parameters must be contiguous (the update works on views of the weight)")
+
+
+def create_optimizer(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float = 0.0,
+    in_backward: bool = True,
+    momentum: float | None = None,
+    gradient_accumulation_steps: int = 1,
+    **kwargs: Any,
+) -> LowMemoryAdafactor:
+    """Build a LowMemoryAdafactor for ``model``'s trainable parameters; attach it to backward if asked.
+
+    Weight decay applies to matrices only: 1-D parameters (biases, norm scales) are not decayed, since
+    shrinking them towards zero only changes the function, not its complexity. ``kwargs`` go to
+    LowMemoryAdafactor.
+    """
+    check_gradient_accumulation(gradient_accumulation_steps, in_backward)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = LowMemoryAdafactor([g for g in groups if g["params"]], lr=lr, momentum=momentum, **kwargs)
+    if in_backward:
+        optimizer.attach_to_backward(gradient_accumulation_steps)
+    return optimizer
