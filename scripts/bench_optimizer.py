@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from trainer_ext.optim import create_optimizer
+from trainer_ext.optim import DEFAULT_MAX_CHUNK_NUMEL, LowMemoryAdafactor, create_optimizer
 
 
 class _Block(nn.Module):
@@ -31,11 +31,11 @@ class _Block(nn.Module):
         self.down = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):  # (B, T, C)
-        h = x * self.norm
-        for proj in self.qkvo:
-            h = proj(h)
-        x = x + h
-        return x + self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+        h = nn.functional.rms_norm(x, x.shape[-1:], self.norm)
+        q, k, v, o = self.qkvo
+        x = x + o(q(h) * torch.sigmoid(k(h)) + v(h))
+        h = nn.functional.rms_norm(x, x.shape[-1:], self.norm)
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
 
 
 def _build(args) -> nn.Module:
@@ -54,6 +54,36 @@ def _loss(model, tokens):
     return nn.functional.cross_entropy(model["head"](x).flatten(0, 1).float(), tokens.flatten())
 
 
+def _probe(args) -> None:
+    """One bf16 tensor at a time: update time (launch and GPU) and memory beyond weight + gradient."""
+    for shape in [(args.vocab, args.hidden), (args.intermediate, args.hidden), (args.hidden, args.hidden)]:
+        weight = nn.Parameter(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
+        weight.grad = torch.randn_like(weight)
+        optimizer = LowMemoryAdafactor([weight], lr=1e-3, momentum=args.momentum, compile=not args.no_compile,
+                                       max_chunk_numel=args.max_chunk_numel)
+        for _ in range(args.warmup):
+            optimizer.step()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        launch, total = [], []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            optimizer.step()
+            launch.append(time.perf_counter() - start)
+            torch.cuda.synchronize()
+            total.append(time.perf_counter() - start)
+        gigabytes = weight.numel() * 2 * 5 / 1e9  # grad read 3x, weight read + write
+        median = sorted(total)[len(total) // 2]
+        print(json.dumps({
+            "shape": shape, "max_chunk_numel": args.max_chunk_numel, "compile": not args.no_compile,
+            "launch_ms": round(1000 * sorted(launch)[len(launch) // 2], 3), "total_ms": round(1000 * median, 3),
+            "GB_per_s_at_10_bytes_per_element": round(gigabytes / median, 1),
+            "extra_peak_MiB": round((torch.cuda.max_memory_allocated() - base) / 2**20, 1),
+        }))
+        del weight, optimizer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=2048)
@@ -67,14 +97,25 @@ def main() -> None:
     parser.add_argument("--classic", action="store_true", help="update in optimizer.step(), not in backward")
     parser.add_argument("--momentum", type=float, default=None)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--max-chunk-numel", type=int, default=DEFAULT_MAX_CHUNK_NUMEL)
+    parser.add_argument("--release-only", action="store_true",
+                        help="baseline: free each gradient in backward without any update")
+    parser.add_argument("--probe", action="store_true", help="time and measure single-tensor updates instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_optimizer needs a CUDA device")
+    if args.probe:
+        return _probe(args)
 
     torch.manual_seed(0)
     model = _build(args)
     optimizer = create_optimizer(model, lr=1e-3, weight_decay=0.1, in_backward=not args.classic,
-                                 momentum=args.momentum, compile=not args.no_compile)
+                                 momentum=args.momentum, compile=not args.no_compile,
+                                 max_chunk_numel=args.max_chunk_numel)
+    if args.release_only:
+        optimizer.detach_from_backward()
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
 
     def timed(fn) -> float:
@@ -125,6 +166,7 @@ def main() -> None:
         "state_MiB": round(optimizer.state_bytes() / 2**20, 2),
         "compiled_graphs": graphs,
         "last_grad_norm": optimizer.last_grad_norm,
+        "last_loss": round(_loss(model, tokens).item(), 4),
     }))
 
 

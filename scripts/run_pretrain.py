@@ -53,6 +53,7 @@ class DataArguments:
         default=None, metadata={"help": f"Prepared shards (prepare_data). Default: the embedded corpus in "
                                          f"{DEFAULT_DATA_DIR}, prepared on first use."})
     max_eval_samples: int | None = field(default=256, metadata={"help": "Evaluate on at most this many samples."})
+    save_final: bool = field(default=True, metadata={"help": "Save the final model to <output_dir>/final."})
 
 
 # What a bare `hf-recurrent-pretrain` runs: the debug preset on the embedded corpus, a few minutes on a CPU.
@@ -116,7 +117,7 @@ def ensure_data(data_dir: str | None) -> str:
     return DEFAULT_DATA_DIR
 
 
-def build_model(model_args: ModelArguments, vocab_size: int, tokenizer):
+def build_model(model_args: ModelArguments, vocab_size: int, tokenizer, device: torch.device):
     dtype = resolve_dtype(model_args.dtype)
     if model_args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(
@@ -126,7 +127,9 @@ def build_model(model_args: ModelArguments, vocab_size: int, tokenizer):
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=model_args.attn_implementation)
+    with device:  # initialise where it trains: a 7B model's init on the CPU takes minutes
+        return AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                attn_implementation=model_args.attn_implementation)
 
 
 def load_teacher(name_or_path: str, student_tokenizer, device):
@@ -147,7 +150,7 @@ def main(argv=None) -> dict:
 
     data_dir = ensure_data(data_args.data_dir)
     tokenizer = AutoTokenizer.from_pretrained(data_dir)
-    model = build_model(model_args, len(tokenizer), tokenizer)
+    model = build_model(model_args, len(tokenizer), tokenizer, training_args.device)
     train_set = ShardedTokenDataset(data_dir, "train", expected_tokenizer_hash=tokenizer_hash(tokenizer),
                                     model_vocab_size=model.config.vocab_size)
     eval_set = ShardedTokenDataset(data_dir, "eval", expected_tokenizer_hash=tokenizer_hash(tokenizer),
@@ -170,12 +173,16 @@ def main(argv=None) -> dict:
     eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50))
     metrics.update(eval_metrics)
 
-    final_dir = os.path.join(training_args.output_dir, "final")
-    trainer.save_model(final_dir)
-    with open(os.path.join(final_dir, "train_metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
-    logger.info("Eval loss %.4f (perplexity %.2f); checkpoint in %s", eval_metrics["eval_loss"],
-                eval_metrics["eval_perplexity"], final_dir)
+    os.makedirs(training_args.output_dir, exist_ok=True)
+    with open(os.path.join(training_args.output_dir, "log_history.json"), "w") as f:
+        json.dump(trainer.state.log_history, f, indent=1)
+    logger.info("Eval loss %.4f (perplexity %.2f)", eval_metrics["eval_loss"], eval_metrics["eval_perplexity"])
+    if data_args.save_final:
+        final_dir = os.path.join(training_args.output_dir, "final")
+        trainer.save_model(final_dir)
+        with open(os.path.join(final_dir, "train_metrics.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
+        logger.info("Checkpoint in %s", final_dir)
     return metrics
 
 

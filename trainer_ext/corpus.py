@@ -29,6 +29,8 @@ _FORMAT_BY_SUFFIX = {
     ".txt": "text",
     ".text": "text",
     ".md": "text",
+    ".py": "text",  # source code is text too (a large real corpus on any machine with Python)
+    ".rst": "text",
     ".jsonl": "json",
     ".json": "json",
     ".parquet": "parquet",

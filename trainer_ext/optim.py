@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import functools
 import importlib.util
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -231,13 +232,30 @@ def _unfactored_update(param, grad, second_moment, momentum, step, keys, hyper, 
     _apply_update(param, update, momentum, ok, step, keys[0], hyper)
 
 
+# dynamic=True lets one graph serve many tensor shapes, but dynamo still specialises sizes of 1, equal
+# sizes and zero view offsets, so a model's tensors need a handful of graphs per function. Dynamo's
+# default limit (8) would be close, and with fullgraph=True hitting it is an error, not a fallback.
+_RECOMPILE_LIMIT = 64
+
+
+def _compile(fn: Callable) -> Callable:
+    options = dict(fullgraph=True, dynamic=True)
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(fn, recompile_limit=_RECOMPILE_LIMIT, **options)
+    compiled = torch.compile(fn, **options)  # older torch: raise the global limit during our calls
+
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=max(_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
 @functools.cache
 def _compiled() -> tuple[_Kernels, Callable, Callable]:
-    """Compiled kernels, built on first use. dynamic=True: one compilation serves all tensor shapes,
-    instead of one per shape running into dynamo's recompile limit on a real model."""
-    compile_ = functools.partial(torch.compile, fullgraph=True, dynamic=True)
-    kernels = _Kernels(*(compile_(fn) for fn in _EAGER))
-    return kernels, compile_(_factored_update_whole), compile_(_unfactored_update)
+    """Compiled kernels, built on first use."""
+    kernels = _Kernels(*(_compile(fn) for fn in _EAGER))
+    return kernels, _compile(_factored_update_whole), _compile(_unfactored_update)
 
 
 @functools.lru_cache(maxsize=256)
@@ -254,8 +272,9 @@ def _row_chunks(num_slices: int, rows: int, cols: int, max_numel: int) -> tuple[
                  for b in range(num_slices) for r in range(0, rows, per_chunk))
 
 
-def _default_compile() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -309,8 +328,9 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             steps in a row with any skip, ``step`` raises RuntimeError. The weights never see NaN/Inf.
         max_chunk_numel: eager mode works through large tensors in row chunks of at most this many
             elements, to bound fp32 temporaries (see DEFAULT_MAX_CHUNK_NUMEL).
-        compile: run each tensor's update as ``torch.compile``d functions; default: when CUDA and
-            Triton are available.
+        compile: run each tensor's update as ``torch.compile``d functions. None (default): for CUDA
+            tensors when Triton is installed, eager otherwise; True: for all tensors (CPU tensors then
+            need a C++ compiler); False: never.
         seed: seed of the stochastic-rounding bits; saved in the state dict.
 
     Bookkeeping (``last_grad_norm``, ``last_step_skips``, ``skipped_updates``) is accumulated on the
@@ -347,7 +367,9 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
         self.max_consecutive_skips = max_consecutive_skips
         self.max_chunk_numel = max_chunk_numel
-        self.compile = _default_compile() if compile is None else bool(compile)
+        if compile not in (None, True, False):
+            raise ValueError(f"compile must be None, True or False, got {compile!r}")
+        self.compile = compile
         self.seed = seed
         self.in_backward = False
 
@@ -514,9 +536,10 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             totals = self._totals[p.device] = torch.zeros(2, dtype=torch.float32, device=p.device)
         beta2_decay = group["beta2_decay"] is not None
         param = p.detach()
+        compiled = self.compile if self.compile is not None else p.is_cuda and _has_triton()
 
         if p.ndim < 2:
-            update = _compiled()[2] if self.compile else _unfactored_update
+            update = _compiled()[2] if compiled else _unfactored_update
             update(param, grad, state["second_moment"], momentum, state["step"], self._keys(index, p.device, 1),
                    hyper, totals, beta2_decay=beta2_decay)
             return
@@ -526,7 +549,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         num_slices, rows, cols = views[0].shape
         chunks = _row_chunks(num_slices, rows, cols, self.max_chunk_numel)
         args = (*views, state["step"], self._keys(index, p.device, len(chunks)), hyper, totals)
-        if not self.compile:
+        if not compiled:
             _factored_update(*args, chunks=chunks, kernels=_EAGER, beta2_decay=beta2_decay)
         elif len(chunks) == 1:
             _compiled()[1](*args, beta2_decay=beta2_decay)

@@ -1,0 +1,88 @@
+"""Training throughput and peak memory under an emulated memory cap (e.g. a 24 GiB card on a larger GPU).
+
+    python -m scripts.bench_train --data_dir DIR --presets recurrent-3.3b recurrent-7b --cap_gib 24 --steps 8
+
+Each preset runs in its own process (clean peak-memory counters) through the same path as a real run:
+scripts/run_pretrain.py with RecurrentTrainer, the low-memory optimizer in backward and checkpointing.
+The cap is `torch.cuda.set_per_process_memory_fraction(cap / total)`, set before anything is allocated.
+Prints one row per preset: median tokens/s and MFU after warm-up, peak reserved GiB, first and last loss.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def child(cap_gib: float, run_args: list[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(cap_gib * 2**30 / total, 1.0))
+    from scripts import run_pretrain
+
+    run_pretrain.main(run_args)
+
+
+def summarize(preset: str, out_dir: str, warmup: int) -> dict:
+    with open(os.path.join(out_dir, "log_history.json")) as f:
+        logs = [e for e in json.load(f) if "loss" in e and "tokens_per_second" in e]
+    steady = logs[warmup:] or logs
+    row = {
+        "preset": preset,
+        "steps": len(logs),
+        "tokens_per_second": round(statistics.median(e["tokens_per_second"] for e in steady), 1),
+        "mfu": round(statistics.median(e.get("mfu", float("nan")) for e in steady), 4),
+        "peak_reserved_gib": max(e.get("peak_reserved_gib", 0) for e in logs),
+        "peak_allocated_gib": max(e.get("peak_allocated_gib", 0) for e in logs),
+        "loss_first": logs[0]["loss"],
+        "loss_last": logs[-1]["loss"],
+    }
+    row.update({k: v for e in logs for k, v in e.items() if k.startswith("profile/")})
+    return row
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_dir", required=True)
+    parser.add_argument("--presets", nargs="+", default=["recurrent-3.3b", "recurrent-7b"])
+    parser.add_argument("--cap_gib", type=float, default=24.0)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3, help="Logged steps left out of the medians.")
+    parser.add_argument("--batch_size", type=int, default=1)
+    parser.add_argument("--peak_flops", type=float, default=None, help="For MFU (default: datasheet peak).")
+    parser.add_argument("--output_dir", default=os.path.join("outputs", "bench_train"))
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="More run_pretrain arguments.")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    rows = []
+    for preset in args.presets:
+        out_dir = os.path.join(args.output_dir, preset)
+        run_args = [
+            "--preset", preset, "--data_dir", args.data_dir, "--output_dir", out_dir, "--bf16", "true",
+            "--max_steps", str(args.steps), "--per_device_train_batch_size", str(args.batch_size),
+            "--per_device_eval_batch_size", "1", "--max_eval_samples", "4", "--logging_steps", "1",
+            "--eval_strategy", "no", "--save_strategy", "no", "--save_final", "false", "--warmup_steps", "0",
+            "--lr_scheduler_type", "constant", "--learning_rate", "1e-3", "--profile_steps", str(args.warmup),
+            *(["--peak_flops", str(args.peak_flops)] if args.peak_flops else []), *args.extra,
+        ]
+        code = f"from scripts.bench_train import child; child({args.cap_gib!r}, {run_args!r})"
+        result = subprocess.run([sys.executable, "-c", code])
+        if result.returncode != 0:
+            rows.append({"preset": preset, "error": f"exit code {result.returncode}"})
+            continue
+        rows.append(summarize(preset, out_dir, args.warmup))
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    for row in rows:
+        print(json.dumps(row))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
