@@ -73,11 +73,17 @@ def _probe(args) -> None:
             launch.append(time.perf_counter() - start)
             torch.cuda.synchronize()
             total.append(time.perf_counter() - start)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            optimizer.step()
+            torch.cuda.synchronize()
+        kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu_ms = sum(e.device_time for e in kernels) / 1000
         gigabytes = weight.numel() * 2 * 5 / 1e9  # grad read 3x, weight read + write
         median = sorted(total)[len(total) // 2]
         print(json.dumps({
             "shape": shape, "max_chunk_numel": args.max_chunk_numel, "compile": not args.no_compile,
             "launch_ms": round(1000 * sorted(launch)[len(launch) // 2], 3), "total_ms": round(1000 * median, 3),
+            "kernels": len(kernels), "kernel_ms": round(gpu_ms, 3),
             "GB_per_s_at_10_bytes_per_element": round(gigabytes / median, 1),
             "extra_peak_MiB": round((torch.cuda.max_memory_allocated() - base) / 2**20, 1),
         }))

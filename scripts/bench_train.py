@@ -16,7 +16,31 @@ import subprocess
 import sys
 
 
-def child(cap_gib: float, run_args: list[str]) -> None:
+class TorchProfileCallback:
+    """Records steps [start, start + count) with torch.profiler and prints the top CUDA kernels."""
+
+    def __new__(cls, start: int, count: int, path: str):
+        from torch.profiler import ProfilerActivity, profile
+        from transformers import TrainerCallback
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step == start:
+                    self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                    self.prof.__enter__()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == start + count and hasattr(self, "prof"):
+                    self.prof.__exit__(None, None, None)
+                    table = self.prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+                    with open(path, "w") as f:
+                        f.write(table)
+                    print(table)
+
+        return _Callback()
+
+
+def child(cap_gib: float, run_args: list[str], profile_path: str | None = None) -> None:
     import torch
 
     if torch.cuda.is_available():
@@ -24,7 +48,8 @@ def child(cap_gib: float, run_args: list[str]) -> None:
         torch.cuda.set_per_process_memory_fraction(min(cap_gib * 2**30 / total, 1.0))
     from scripts import run_pretrain
 
-    run_pretrain.main(run_args)
+    callbacks = [TorchProfileCallback(start=6, count=2, path=profile_path)] if profile_path else None
+    run_pretrain.main(run_args, callbacks=callbacks)
 
 
 def summarize(preset: str, out_dir: str, warmup: int) -> dict:
@@ -56,9 +81,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--peak_flops", type=float, default=None, help="For MFU (default: datasheet peak).")
     parser.add_argument("--output_dir", default=os.path.join("outputs", "bench_train"))
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="More run_pretrain arguments.")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler table of steps 7-8 per preset.")
     args = parser.parse_args(argv)
 
+    os.makedirs(args.output_dir, exist_ok=True)
     rows = []
     for preset in args.presets:
         out_dir = os.path.join(args.output_dir, preset)
@@ -70,7 +96,8 @@ def main(argv=None) -> list[dict]:
             "--lr_scheduler_type", "constant", "--learning_rate", "1e-3", "--profile_steps", str(args.warmup),
             *(["--peak_flops", str(args.peak_flops)] if args.peak_flops else []), *args.extra,
         ]
-        code = f"from scripts.bench_train import child; child({args.cap_gib!r}, {run_args!r})"
+        profile_path = os.path.join(args.output_dir, f"profile_{preset}.txt") if args.profile else None
+        code = f"from scripts.bench_train import child; child({args.cap_gib!r}, {run_args!r}, {profile_path!r})"
         result = subprocess.run([sys.executable, "-c", code])
         if result.returncode != 0:
             rows.append({"preset": preset, "error": f"exit code {result.returncode}"})

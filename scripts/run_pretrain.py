@@ -143,7 +143,7 @@ def load_teacher(name_or_path: str, student_tokenizer, device):
     return teacher
 
 
-def main(argv=None) -> dict:
+def main(argv=None, callbacks=None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     model_args, data_args, training_args = parse_args(argv)
     set_seed(training_args.seed)
@@ -165,7 +165,8 @@ def main(argv=None) -> dict:
     if model_args.teacher_model_name_or_path:
         teacher = load_teacher(model_args.teacher_model_name_or_path, tokenizer, training_args.device)
     trainer = RecurrentTrainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
-                               processing_class=tokenizer, teacher=teacher, teacher_vocab_limit=len(tokenizer))
+                               processing_class=tokenizer, teacher=teacher, teacher_vocab_limit=len(tokenizer),
+                               callbacks=callbacks)
     resume = training_args.resume_from_checkpoint
     train_result = trainer.train(resume_from_checkpoint=resume)
     metrics = dict(train_result.metrics)

@@ -34,11 +34,12 @@ from torch import nn
 
 __all__ = ["LowMemoryAdafactor", "check_gradient_accumulation", "create_optimizer"]
 
-# Largest number of elements processed at once in eager mode. Every fp32 temporary of a chunk is then
-# at most 64 MiB (2**24 * 4 bytes) instead of the size of the whole weight: a 7B model's embedding
-# (32000 x 4096 = 131M elements) would otherwise need 0.5 GiB per temporary. 2**24 is also a
-# 4096 x 4096 projection, so attention weights of 7B-class models are still one fused call, and
-# element indices within a chunk fit int32 for the random-bit hash.
+# Tensors larger than this many elements are updated in row chunks of at most this size, so that fp32
+# temporaries are bounded by 64 MiB (2**24 * 4 bytes) instead of the size of the weight. Eager mode makes
+# several fp32 temporaries; a compiled update that is one graph still materialises one fp32 copy of the
+# gradient (measured on a 32000 x 4096 bf16 weight: +500 MiB as one graph, +0.6 MiB in chunks).
+# 2**24 is also a 4096 x 4096 projection, so attention weights of 7B-class models stay one compiled call,
+# and element indices within a chunk fit int32 for the random-bit hash.
 DEFAULT_MAX_CHUNK_NUMEL = 2**24
 
 _STATE_DICT_KEY = "low_memory_adafactor"
@@ -140,11 +141,16 @@ def _apply_update(param: torch.Tensor, update: torch.Tensor, momentum: torch.Ten
     _store(param, new_param, ok, key, step, _WEIGHT_SALT)
 
 
-def _grad_stats(grad: torch.Tensor, hyper: torch.Tensor):
-    """Per chunk (k, r, C): row means and column sums of grad**2 + eps, and the sum of grad**2."""
-    grad_sq = grad.float().square()
-    grad_sq_eps = grad_sq + hyper[_EPS]
-    return grad_sq_eps.mean(-1), grad_sq_eps.sum(-2), grad_sq.sum()
+def _grad_stats(grad: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor, grad_sq: torch.Tensor,
+                hyper: torch.Tensor) -> None:
+    """For a chunk (k, r, C): write the row means of grad**2 + eps into ``row_mean`` (k, r), add its
+    column sums to ``col_sum`` (k, C) and the sum of grad**2 to ``grad_sq`` (in place, so that a chunk
+    is one call with no eager glue)."""
+    squared = grad.float().square()
+    squared_eps = squared + hyper[_EPS]
+    row_mean.copy_(squared_eps.mean(-1))
+    col_sum.add_(squared_eps.sum(-2))
+    grad_sq.add_(squared.sum())
 
 
 def _update_factors(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor,
@@ -164,12 +170,15 @@ def _update_factors(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor
     return ok, row_factor, torch.rsqrt(new_col)
 
 
-def _factored_update_sq(grad: torch.Tensor, row_factor: torch.Tensor, col_factor: torch.Tensor):
+def _factored_update_sq(grad: torch.Tensor, row_factor: torch.Tensor, col_factor: torch.Tensor,
+                        update_sq: torch.Tensor) -> None:
     update = grad.float() * row_factor.unsqueeze(-1) * col_factor.unsqueeze(-2)
-    return update.square().sum()
+    update_sq.add_(update.square().sum())
 
 
-def _factored_apply(param, grad, momentum, row_factor, col_factor, scale, ok, step, key, hyper) -> None:
+def _factored_apply(param, grad, momentum, row_factor, col_factor, update_sq, numel: int, ok, step, key,
+                    hyper) -> None:
+    scale = _clip_scale(update_sq, numel, hyper)
     update = grad.float() * row_factor.unsqueeze(-1) * (col_factor.unsqueeze(-2) * scale)
     _apply_update(param, update, momentum, ok, step, key, hyper)
 
@@ -196,20 +205,16 @@ def _factored_update(param, grad, row, col, momentum, step, keys, hyper, totals,
     col_sum = torch.zeros_like(col)
     grad_sq = torch.zeros((), dtype=torch.float32, device=row.device)
     for rows in chunks:
-        chunk_row_mean, chunk_col_sum, chunk_grad_sq = kernels.grad_stats(grad[rows], hyper)
-        row_mean[rows] = chunk_row_mean
-        col_sum[rows[0]] += chunk_col_sum
-        grad_sq = grad_sq + chunk_grad_sq
+        kernels.grad_stats(grad[rows], row_mean[rows], col_sum[rows[0]], grad_sq, hyper)
     ok, row_factor, col_factor = kernels.update_factors(
         row, col, row_mean, col_sum, grad_sq, step, totals, hyper, beta2_decay
     )
     update_sq = torch.zeros_like(grad_sq)
     for rows in chunks:
-        update_sq = update_sq + kernels.update_sq(grad[rows], row_factor[rows], col_factor[rows[0]])
-    scale = _clip_scale(update_sq, grad.numel(), hyper)
+        kernels.update_sq(grad[rows], row_factor[rows], col_factor[rows[0]], update_sq)
     for i, rows in enumerate(chunks):
-        kernels.apply(param[rows], grad[rows], None if momentum is None else momentum[rows],
-                      row_factor[rows], col_factor[rows[0]], scale, ok, step, keys[i], hyper)
+        kernels.apply(param[rows], grad[rows], None if momentum is None else momentum[rows], row_factor[rows],
+                      col_factor[rows[0]], update_sq, grad.numel(), ok, step, keys[i], hyper)
 
 
 def _factored_update_whole(param, grad, row, col, momentum, step, keys, hyper, totals, *, beta2_decay):
@@ -242,13 +247,11 @@ def _compile(fn: Callable) -> Callable:
     options = dict(fullgraph=True, dynamic=True)
     if "recompile_limit" in inspect.signature(torch.compile).parameters:
         return torch.compile(fn, recompile_limit=_RECOMPILE_LIMIT, **options)
-    compiled = torch.compile(fn, **options)  # older torch: raise the global limit during our calls
-
-    def call(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=max(_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
-            return compiled(*args, **kwargs)
-
-    return call
+    # Older torch has only the global limit: raise it (never lower it). A per-call config.patch would
+    # cost more than the update of a small tensor.
+    dynamo_config = torch._dynamo.config
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
+    return torch.compile(fn, **options)
 
 
 @functools.cache
@@ -326,8 +329,8 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         clip_threshold: per-tensor update RMS clipping threshold.
         max_consecutive_skips: a step skips a tensor whose gradient is not finite; after this many
             steps in a row with any skip, ``step`` raises RuntimeError. The weights never see NaN/Inf.
-        max_chunk_numel: eager mode works through large tensors in row chunks of at most this many
-            elements, to bound fp32 temporaries (see DEFAULT_MAX_CHUNK_NUMEL).
+        max_chunk_numel: larger tensors are updated in row chunks of at most this many elements, to
+            bound fp32 temporaries (see DEFAULT_MAX_CHUNK_NUMEL).
         compile: run each tensor's update as ``torch.compile``d functions. None (default): for CUDA
             tensors when Triton is installed, eager otherwise; True: for all tensors (CPU tensors then
             need a C++ compiler); False: never.
@@ -356,9 +359,14 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
     ):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2,
                         beta2_decay=beta2_decay, eps=eps, clip_threshold=clip_threshold)
+        # Set before super().__init__, which calls add_param_group for each group.
+        self.in_backward = False
+        self._hook_handles: list = []
+        # Stable position of each parameter: groups may be replaced by load_state_dict, parameters not.
+        self._position: dict[torch.Tensor, tuple[int, int]] = {}
+        self._num_steps = 0  # finished optimizer steps
+        self._last_hooked_step: list[int] = []
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            _validate_group(group)
         if not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1:
             raise ValueError(f"max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r}")
         if not isinstance(max_chunk_numel, int) or max_chunk_numel < 1:
@@ -371,16 +379,6 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             raise ValueError(f"compile must be None, True or False, got {compile!r}")
         self.compile = compile
         self.seed = seed
-        self.in_backward = False
-
-        # Stable position of each parameter: groups may be replaced by load_state_dict, parameters not.
-        self._position: dict[torch.Tensor, tuple[int, int]] = {}
-        for group_index, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                self._position[p] = (group_index, len(self._position))
-        self._hook_handles: list = []
-        self._num_steps = 0  # finished optimizer steps
-        self._last_hooked_step = [-1] * len(self._position)
         self._rng_keys: dict[tuple[int, torch.device, int], torch.Tensor] = {}
         self._hyper_cache: dict[tuple[int, torch.device], tuple[tuple, torch.Tensor]] = {}
         self._totals: dict[torch.device, torch.Tensor] = {}  # per device: [sum of grad**2, skips]
@@ -389,6 +387,16 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         self._last_step_skips = 0
         self._skipped_updates = 0
         self._consecutive_skip_steps = 0
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _validate_group(group)
+        for p in group["params"]:
+            self._position[p] = (len(self.param_groups) - 1, len(self._position))
+            self._last_hooked_step.append(-1)
+            if self.in_backward and p.requires_grad:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._backward_hook))
 
     # -- in-backward mode
 
@@ -655,9 +663,9 @@ def create_optimizer(
 ) -> LowMemoryAdafactor:
     """Build a LowMemoryAdafactor for ``model``'s trainable parameters; attach it to backward if asked.
 
-    Weight decay applies to matrices only: 1-D parameters (biases, norm scales) are not decayed, since
-    shrinking them towards zero only changes the function, not its complexity. ``kwargs`` go to
-    LowMemoryAdafactor.
+    Weight decay applies to matrices only: 1-D parameters (biases, norm gains) are not decayed, the usual
+    practice in Transformer pretraining, since pulling a norm gain towards zero works against the
+    normalisation instead of regularising. ``kwargs`` go to LowMemoryAdafactor.
     """
     check_gradient_accumulation(gradient_accumulation_steps, in_backward)
     params = [p for p in model.parameters() if p.requires_grad]
