@@ -26,7 +26,10 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 import hf_recurrent  # noqa: F401  (registers the model with the Auto classes)
 from hf_recurrent import presets
 from scripts import prepare_data
-from trainer_ext.data import ShardedTokenDataset, tokenizer_hash
+from trainer_ext.data import ShardedTokenDataset, read_manifest, tokenizer_hash
+from trainer_ext.hub import HubPushCallback, ModelCardCallback, tokens_per_optimizer_step
+from trainer_ext.model_card import ModelCardInfo, write_model_card
+from trainer_ext.teacher_cache import TeacherCacheDataset, read_teacher_manifest
 from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments
 
 logger = logging.getLogger("run_pretrain")
@@ -53,6 +56,8 @@ class DataArguments:
         default=None, metadata={"help": f"Prepared shards (prepare_data). Default: the embedded corpus in "
                                          f"{DEFAULT_DATA_DIR}, prepared on first use."})
     max_eval_samples: int | None = field(default=256, metadata={"help": "Evaluate on at most this many samples."})
+    teacher_cache_dir: str | None = field(
+        default=None, metadata={"help": "Offline teacher top-k cache (cache_teacher.py) aligned with --data_dir."})
     save_final: bool = field(default=True, metadata={"help": "Save the final model to <output_dir>/final."})
 
 
@@ -155,6 +160,12 @@ def main(argv=None, callbacks=None) -> dict:
                                     model_vocab_size=model.config.vocab_size)
     eval_set = ShardedTokenDataset(data_dir, "eval", expected_tokenizer_hash=tokenizer_hash(tokenizer),
                                    model_vocab_size=model.config.vocab_size)
+    teacher_name = model_args.teacher_model_name_or_path
+    if data_args.teacher_cache_dir:
+        if teacher_name:
+            raise ValueError("Pass either --teacher_model_name_or_path (online) or --teacher_cache_dir (offline).")
+        train_set = TeacherCacheDataset(train_set, data_args.teacher_cache_dir)  # validates before training
+        teacher_name = read_teacher_manifest(data_args.teacher_cache_dir)["teacher"]["name_or_path"]
     if data_args.max_eval_samples is not None and len(eval_set) > data_args.max_eval_samples:
         eval_set = torch.utils.data.Subset(eval_set, range(data_args.max_eval_samples))
     params = sum(p.numel() for p in model.parameters())
@@ -164,9 +175,21 @@ def main(argv=None, callbacks=None) -> dict:
     teacher = None
     if model_args.teacher_model_name_or_path:
         teacher = load_teacher(model_args.teacher_model_name_or_path, tokenizer, training_args.device)
+    manifest = read_manifest(data_dir)
+    card = ModelCardInfo(
+        preset=None if model_args.model_name_or_path else model_args.preset,
+        base_model=model_args.model_name_or_path,
+        teacher=teacher_name,
+        training_data=f"{', '.join(str(src) for src in manifest.get('sources', [])) or data_dir} "
+                      f"({manifest.get('total_tokens', train_set.num_tokens):,} tokens prepared)",
+    )
+    tokens_per_step = tokens_per_optimizer_step(training_args, manifest["seq_len"])
+    # Takes the push over from the Trainer (which would leave out the modeling code) when --push_to_hub is set.
+    card_callback = (HubPushCallback.from_training_args(training_args, card, tokens_per_step)
+                     or ModelCardCallback(card, tokens_per_step))
     trainer = RecurrentTrainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                                processing_class=tokenizer, teacher=teacher, teacher_vocab_limit=len(tokenizer),
-                               callbacks=callbacks)
+                               callbacks=[card_callback, *(callbacks or [])])
     resume = training_args.resume_from_checkpoint
     train_result = trainer.train(resume_from_checkpoint=resume)
     metrics = dict(train_result.metrics)
@@ -183,6 +206,14 @@ def main(argv=None, callbacks=None) -> dict:
         trainer.save_model(final_dir)
         with open(os.path.join(final_dir, "train_metrics.json"), "w") as f:
             json.dump(metrics, f, indent=2)
+        eval_depth = training_args.eval_num_steps or getattr(model.config, "mean_recurrence", None)
+        card.tokens_seen = trainer.state.global_step * tokens_per_step
+        card.eval_results = {eval_depth or 1: {"cross-entropy": eval_metrics["eval_loss"],
+                                                "perplexity": eval_metrics["eval_perplexity"]}}
+        write_model_card(final_dir, model, card)
+        if isinstance(card_callback, HubPushCallback):
+            card_callback.pusher.submit(final_dir, f"final: {card.tokens_seen:,} tokens")
+            card_callback.pusher.wait()
         logger.info("Checkpoint in %s", final_dir)
     return metrics
 

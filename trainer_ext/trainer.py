@@ -180,7 +180,7 @@ class RecurrentTrainer(Trainer):
             hidden = unwrapped.model(
                 input_ids=input_ids, attention_mask=inputs.get("attention_mask"), use_cache=False, **depth
             ).last_hidden_state
-        teacher = self._teacher_for(inputs)
+        teacher = self._teacher_for(inputs) if training else None  # evaluation reports the plain CE
         with self.profiler.phase("loss"):
             out = chunked_lm_loss(
                 hidden,
