@@ -49,6 +49,8 @@ class RecurrentTrainingArguments(TrainingArguments):
     __annotations__[_CHECKPOINTING] = bool
     vars()[_CHECKPOINTING] = field(default=True, metadata={"help": "Recompute layer activations in backward."})
     prediction_loss_only: bool = field(default=True, metadata={"help": "Evaluation computes the loss only."})
+    # Batches carry keys the model's forward does not take (targets, teacher top-k): the loss reads them.
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Drop batch keys forward does not take."})
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:

@@ -1,0 +1,392 @@
+"""Run a teacher once over prepared token shards and cache its top-k log-probs for offline distillation.
+
+    python -m scripts.cache_teacher --teacher_model_name_or_path outputs/teacher/final \
+        --data_dir outputs/data/kjv --output_dir outputs/teacher_cache/kjv --topk 64
+    python -m scripts.cache_teacher --teacher_model_name_or_path my-recurrent-teacher --num_steps 16 \
+        --data_dir outputs/data/ja --output_dir outputs/teacher_cache/ja --device cuda --batch_size 4
+
+The teacher is any causal LM that ``AutoModelForCausalLM`` loads (``trust_remote_code`` is on, so our
+recurrent-depth checkpoints work; ``--num_steps`` sets their depth). It must come with the data's
+tokenizer: a different tokenizer hash is refused before any work. Its head may be padded past the
+tokenizer size; only the first ``len(tokenizer)`` logits count.
+
+Per position it stores the top-k token ids and their temperature-1 log-probs, aligned 1:1 with the
+token shards (``train-00000.npy`` -> ``train-00000.topk_ids.npy`` + ``train-00000.topk_logprobs.npy``,
+each (num_samples, seq_len, k)); the format and ``teacher_manifest.json`` are described in
+trainer_ext/teacher_cache.py. Cost: k * (2 + 2) bytes per token (uint16 ids, vocab <= 65,536) or
+k * (4 + 2) (uint32 ids); 256 / 384 bytes per token at k = 64.
+
+Memory: the teacher's final hidden states are computed for a batch, then its head is applied to
+``--position_chunk_size`` positions at a time, so a (batch, seq_len, vocab) fp32 logit tensor of a
+large vocabulary is never built. Outputs go straight into memory-mapped files, not RAM.
+
+Resuming: each shard is written to hidden temp files, fsynced, renamed, and only then recorded in the
+manifest. A rerun with the same arguments skips every recorded shard whose files are whole and whose
+token shard is unchanged, and computes the rest; other arguments are refused unless --overwrite.
+"""
+
+from __future__ import annotations
+
+import glob
+import inspect
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import hf_recurrent  # noqa: F401  (registers the recurrent model with the Auto classes)
+from trainer_ext.data import SPLITS, file_sha256, tokenizer_hash, validate_data_dir
+from trainer_ext.distill import teacher_topk
+from trainer_ext.teacher_cache import (
+    CACHE_FORMAT_VERSION,
+    LOGPROBS_DTYPE,
+    TEACHER_MANIFEST_NAME,
+    cache_file_names,
+    check_cache_shard,
+    check_token_shard_match,
+    ids_dtype,
+    read_teacher_manifest,
+    write_teacher_manifest,
+)
+
+logger = logging.getLogger("cache_teacher")
+
+# The smallest finite fp16: a log-prob below it (a -inf logit) is stored as that, i.e. probability 0.
+_FP16_MIN = float(np.finfo(np.float16).min)
+# Manifest fields that define what the cache holds; a rerun that differs in any of them would mix two
+# teachers (or two datasets) in one directory.
+_IDENTITY_FIELDS = ("topk", "ids_dtype", "logprobs_dtype", "data", "teacher")
+
+
+@dataclass
+class CacheTeacherArguments:
+    teacher_model_name_or_path: str = field(
+        metadata={"help": "Teacher checkpoint (directory or hub id) holding the data's tokenizer."})
+    data_dir: str = field(metadata={"help": "Prepared token shards (scripts/prepare_data.py)."})
+    output_dir: str = field(metadata={"help": "Cache directory (shards + teacher_manifest.json)."})
+    splits: list[str] = field(default_factory=lambda: list(SPLITS), metadata={"help": "Splits to cache."})
+    topk: int = field(default=64, metadata={"help": "Token ids kept per position; the rest is one tail bucket."})
+    num_steps: int | None = field(
+        default=None, metadata={"help": "Depth of a recurrent teacher (default: its config's mean_recurrence)."})
+    revision: str | None = field(default=None, metadata={"help": "Teacher revision (branch, tag or commit)."})
+    batch_size: int = field(default=8, metadata={"help": "Samples per teacher forward pass."})
+    position_chunk_size: int = field(
+        default=4096, metadata={"help": "Positions whose logits exist at once (chunk x vocab fp32)."})
+    device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
+    dtype: str = field(
+        default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16 or float32."})
+    overwrite: bool = field(default=False, metadata={"help": "Replace a cache built with other arguments."})
+
+    def __post_init__(self):
+        for name in ("topk", "batch_size", "position_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if self.num_steps is not None and self.num_steps < 1:
+            raise ValueError(f"--num_steps must be >= 1, got {self.num_steps}.")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"--dtype={self.dtype!r} is not allowed; choose auto, bfloat16, float16 or float32.")
+        bad = [s for s in self.splits if s not in SPLITS]
+        if bad or not self.splits:
+            raise ValueError(f"--splits {self.splits} is not allowed; choose from {list(SPLITS)}.")
+
+
+def resolve_device_and_dtype(args: CacheTeacherArguments) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if args.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, getattr(torch, args.dtype)
+
+
+def load_teacher_tokenizer_hash(args: CacheTeacherArguments) -> str:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.teacher_model_name_or_path, revision=args.revision,
+                                                  trust_remote_code=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"--teacher_model_name_or_path {args.teacher_model_name_or_path}: no tokenizer could be loaded ({err}). "
+            "Save the tokenizer the teacher was trained with next to it (tokenizer.save_pretrained(teacher_dir)); "
+            "it must be the data's tokenizer."
+        ) from err
+    return tokenizer_hash(tokenizer)
+
+
+def cache_identity(args, token_manifest: dict, teacher_hash: str, dtype: torch.dtype) -> dict:
+    """The manifest fields that say what this cache holds (compared on reruns)."""
+    vocab_limit = token_manifest["vocab_size"]
+    return {
+        "topk": args.topk,
+        "ids_dtype": ids_dtype(vocab_limit).name,
+        "logprobs_dtype": LOGPROBS_DTYPE.name,
+        "data": {
+            "tokenizer_hash": token_manifest["tokenizer_hash"],
+            "seq_len": token_manifest["seq_len"],
+            "vocab_size": vocab_limit,
+        },
+        "teacher": {
+            "name_or_path": args.teacher_model_name_or_path,
+            "revision": args.revision,
+            "tokenizer_hash": teacher_hash,
+            "num_steps": args.num_steps,
+            "dtype": str(dtype).removeprefix("torch."),
+        },
+    }
+
+
+def existing_manifest(args, identity: dict) -> dict | None:
+    """The manifest of an earlier run with the same identity, None if there is none; raise if it differs."""
+    if not os.path.exists(os.path.join(args.output_dir, TEACHER_MANIFEST_NAME)):
+        return None
+    manifest = read_teacher_manifest(args.output_dir)
+    differences = [k for k in _IDENTITY_FIELDS if manifest.get(k) != identity[k]]
+    if differences:
+        raise ValueError(
+            f"{os.path.join(args.output_dir, TEACHER_MANIFEST_NAME)}: this directory caches another setup (differs "
+            f"in {differences}: was {[manifest.get(k) for k in differences]}). Pass --overwrite to replace it, or "
+            "choose another --output_dir."
+        )
+    return manifest
+
+
+def remove_cache_files(cache_dir: str) -> None:
+    # Manifest first, so no reader ever sees it pointing at deleted shards.
+    for pattern in (TEACHER_MANIFEST_NAME, "*.topk_ids.npy", "*.topk_logprobs.npy", ".*.tmp"):
+        for path in glob.glob(os.path.join(cache_dir, pattern)):
+            os.remove(path)
+
+
+def drop_stale_shards(args, token_manifest: dict, manifest: dict) -> None:
+    """Forget (and delete) cache shards of token shards the data manifest no longer lists."""
+    for split, info in manifest["splits"].items():
+        current = {e["file"] for e in token_manifest["splits"].get(split, {}).get("shards", [])}
+        stale = [e for e in info["shards"] if e["token_file"] not in current]
+        if stale:
+            logger.warning("Dropping cache shards of token shards that no longer exist: %s",
+                           [e["token_file"] for e in stale])
+            info["shards"] = [e for e in info["shards"] if e["token_file"] in current]
+            write_teacher_manifest(args.output_dir, manifest)  # before deleting: never point at missing files
+            for entry in stale:
+                for name in (entry["ids_file"], entry["logprobs_file"]):
+                    path = os.path.join(args.output_dir, name)
+                    if os.path.exists(path):
+                        os.remove(path)
+
+
+def pending_shards(args, token_manifest: dict, manifest: dict) -> list[tuple[str, dict]]:
+    """(split, token shard entry) of every shard without a whole, current cache shard."""
+    pending = []
+    for split in args.splits:
+        recorded = {e["token_file"]: e for e in manifest["splits"].get(split, {}).get("shards", [])}
+        for token_entry in token_manifest["splits"][split]["shards"]:
+            entry = recorded.get(token_entry["file"])
+            if entry is not None:
+                try:
+                    check_token_shard_match(args.data_dir, token_entry, entry)
+                    check_cache_shard(args.output_dir, entry, token_manifest["seq_len"], args.topk,
+                                      np.dtype(manifest["ids_dtype"]))
+                    continue
+                except ValueError as err:
+                    logger.warning("Recomputing %s: %s", token_entry["file"], err)
+            pending.append((split, token_entry))
+    return pending
+
+
+class TeacherTopK:
+    """Teacher forward -> top-k per position, computing the head's logits a chunk of positions at a time."""
+
+    def __init__(self, model, vocab_limit: int, topk: int, num_steps: int | None, position_chunk_size: int):
+        self.model = model
+        self.base = model.base_model
+        self.head = model.get_output_embeddings()
+        if self.head is None or self.base is model:
+            raise ValueError(
+                f"{type(model).__name__}: cannot split into a base model and an output head "
+                "(base_model / get_output_embeddings); cache_teacher needs a standard *ForCausalLM."
+            )
+        logits_size = self.head.weight.shape[0]
+        if vocab_limit > logits_size:
+            raise ValueError(
+                f"The data's tokenizer has {vocab_limit} entries but the teacher predicts only {logits_size} "
+                "logits; the teacher cannot have been trained with this tokenizer."
+            )
+        self.step_kwargs = {}
+        if num_steps is not None:
+            if "num_steps" not in inspect.signature(self.base.forward).parameters:
+                raise ValueError(
+                    f"--num_steps={num_steps} given, but {type(model).__name__} is not a recurrent model "
+                    "(its forward takes no num_steps); drop --num_steps."
+                )
+            self.step_kwargs["num_steps"] = num_steps
+        self.vocab_limit, self.topk, self.chunk = vocab_limit, topk, position_chunk_size
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids (B, T) -> ids (B, T, k) int64, log-probs (B, T, k) fp32."""
+        hidden = self.base(input_ids=input_ids, use_cache=False, **self.step_kwargs).last_hidden_state
+        flat = hidden.flatten(0, 1)  # (B*T, H)
+        ids, logprobs = [], []
+        for start in range(0, flat.shape[0], self.chunk):
+            chunk_ids, chunk_lp = teacher_topk(self.head(flat[start:start + self.chunk]), self.topk, self.vocab_limit)
+            ids.append(chunk_ids)
+            logprobs.append(chunk_lp)
+        shape = (*input_ids.shape, self.topk)
+        return torch.cat(ids).view(shape), torch.cat(logprobs).view(shape)
+
+    @torch.inference_mode()
+    def check_against_full_forward(self, input_ids: torch.Tensor, atol: float) -> None:
+        """Refuse teachers whose logits are not just head(last hidden state) (e.g. logit soft-capping)."""
+        ids, logprobs = self(input_ids)
+        logits = self.model(input_ids=input_ids, use_cache=False, **self.step_kwargs).logits
+        reference = torch.log_softmax(logits[..., : self.vocab_limit].float(), dim=-1).gather(-1, ids)
+        error = (reference - logprobs).abs().max().item()
+        if error > atol:
+            raise ValueError(
+                f"{type(self.model).__name__}: log-probs from its base model + output head differ from its own "
+                f"forward by up to {error:.3g} (> {atol}); its logits are transformed after the head, which "
+                "cache_teacher does not reproduce. Use a teacher whose logits are head(hidden states)."
+            )
+
+
+def _fsync(path: str) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def cache_shard(args, teacher: TeacherTopK, token_entry: dict, seq_len: int, id_dtype: np.dtype,
+                device: torch.device, progress) -> dict:
+    """Compute one cache shard into temp files, then rename them into place; return its manifest entry."""
+    token_path = os.path.join(args.data_dir, token_entry["file"])
+    # The manifest records the token shard's sha256; hash the bytes actually read so the record is true.
+    token_sha256 = file_sha256(token_path)
+    if token_sha256 != token_entry["sha256"]:
+        raise ValueError(
+            f"{token_path}: sha256 {token_sha256} but its data manifest lists {token_entry['sha256']}; the token "
+            "shard is corrupt. Re-prepare the data (prepare_data --overwrite)."
+        )
+    rows = np.load(token_path, mmap_mode="r")  # (num_samples, seq_len + 1)
+    ids_file, logprobs_file = cache_file_names(token_entry["file"])
+    shape = (rows.shape[0], seq_len, args.topk)
+    outputs = []
+    for name, dtype in ((ids_file, id_dtype), (logprobs_file, LOGPROBS_DTYPE)):
+        tmp_path = os.path.join(args.output_dir, f".{name}.tmp")
+        outputs.append((tmp_path, os.path.join(args.output_dir, name),
+                        np.lib.format.open_memmap(tmp_path, mode="w+", dtype=dtype, shape=shape)))
+    (_, _, ids_out), (_, _, logprobs_out) = outputs
+    for start in range(0, rows.shape[0], args.batch_size):
+        batch = torch.from_numpy(rows[start:start + args.batch_size, :-1].astype(np.int64)).to(device)
+        ids, logprobs = teacher(batch)
+        ids_out[start:start + len(batch)] = ids.cpu().numpy().astype(id_dtype)
+        logprobs_out[start:start + len(batch)] = logprobs.clamp(min=_FP16_MIN).cpu().numpy().astype(LOGPROBS_DTYPE)
+        progress.update(len(batch))
+    ids_out.flush()
+    logprobs_out.flush()
+    del ids_out, logprobs_out
+    outputs = [(tmp_path, path) for tmp_path, path, _ in outputs]  # drop the last memmap references
+    for tmp_path, path in outputs:
+        _fsync(tmp_path)  # data on disk before the rename makes it visible
+        os.replace(tmp_path, path)
+    return {
+        "token_file": token_entry["file"],
+        "token_sha256": token_sha256,
+        "token_size_bytes": os.path.getsize(token_path),
+        "num_samples": int(rows.shape[0]),
+        "ids_file": ids_file,
+        "logprobs_file": logprobs_file,
+        "ids_size_bytes": os.path.getsize(os.path.join(args.output_dir, ids_file)),
+        "logprobs_size_bytes": os.path.getsize(os.path.join(args.output_dir, logprobs_file)),
+    }
+
+
+def record_shard(manifest: dict, split: str, entry: dict, token_order: list[str]) -> None:
+    shards = [e for e in manifest["splits"].setdefault(split, {"shards": []})["shards"]
+              if e["token_file"] != entry["token_file"]]
+    shards.append(entry)
+    shards.sort(key=lambda e: token_order.index(e["token_file"]) if e["token_file"] in token_order else -1)
+    manifest["splits"][split]["shards"] = shards
+
+
+def cache_teacher(args: CacheTeacherArguments) -> dict:
+    """Build or finish the cache; return its manifest (also written to ``output_dir``)."""
+    from transformers import AutoModelForCausalLM
+
+    token_manifest = None
+    for split in args.splits:
+        token_manifest = validate_data_dir(args.data_dir, split=split)
+    data_hash = token_manifest["tokenizer_hash"]
+    # The tokenizer check comes before loading the teacher: a mismatch must cost nothing.
+    teacher_hash = load_teacher_tokenizer_hash(args)
+    if teacher_hash != data_hash:
+        raise ValueError(
+            f"--teacher_model_name_or_path {args.teacher_model_name_or_path} has tokenizer hash {teacher_hash}, but "
+            f"the data in {args.data_dir} was tokenized with tokenizer hash {data_hash}. Distillation compares "
+            "token ids, so teacher and data need one tokenizer: re-prepare the data with "
+            f"--tokenizer {args.teacher_model_name_or_path}, or use a teacher trained with the data's tokenizer."
+        )
+    vocab_limit = token_manifest["vocab_size"]
+    if args.topk > vocab_limit:
+        raise ValueError(f"--topk {args.topk} exceeds the vocabulary size {vocab_limit}.")
+    device, dtype = resolve_device_and_dtype(args)
+    identity = cache_identity(args, token_manifest, teacher_hash, dtype)
+
+    os.makedirs(args.output_dir, exist_ok=True)
+    if args.overwrite:
+        remove_cache_files(args.output_dir)
+    for path in glob.glob(os.path.join(args.output_dir, ".*.tmp")):  # partial shards of an interrupted run
+        os.remove(path)
+    manifest = existing_manifest(args, identity)
+    if manifest is None:
+        manifest = {"format_version": CACHE_FORMAT_VERSION, **identity, "splits": {}}
+    drop_stale_shards(args, token_manifest, manifest)
+    todo = pending_shards(args, token_manifest, manifest)
+    if not todo:
+        logger.info("%s already holds every shard of %s; nothing to do.", args.output_dir, args.splits)
+        return manifest
+
+    model = AutoModelForCausalLM.from_pretrained(
+        args.teacher_model_name_or_path, revision=args.revision, dtype=dtype, trust_remote_code=True)
+    model.to(device).eval()
+    # Informational (not compared on reruns): what was actually loaded.
+    manifest["teacher_details"] = {
+        "model_type": model.config.model_type,
+        "commit_hash": getattr(model.config, "_commit_hash", None),
+        "logits_size": model.get_output_embeddings().weight.shape[0],
+        "num_steps_used": args.num_steps or getattr(model.config, "mean_recurrence", None),
+    }
+    teacher = TeacherTopK(model, vocab_limit, args.topk, args.num_steps, args.position_chunk_size)
+    _, first_entry = todo[0]
+    sample = np.load(os.path.join(args.data_dir, first_entry["file"]), mmap_mode="r")[:1, :-1]
+    teacher.check_against_full_forward(torch.from_numpy(sample.astype(np.int64)).to(device),
+                                       atol=1e-3 if dtype == torch.float32 else 0.1)
+
+    seq_len, id_dtype = token_manifest["seq_len"], np.dtype(manifest["ids_dtype"])
+    total = sum(entry["num_samples"] for _, entry in todo)
+    logger.info("Caching top-%d of %s over %d shards (%d samples of %d tokens) into %s", args.topk,
+                args.teacher_model_name_or_path, len(todo), total, seq_len, args.output_dir)
+    with tqdm(total=total, desc="Teacher top-k", unit="sample") as progress:
+        for split, token_entry in todo:
+            entry = cache_shard(args, teacher, token_entry, seq_len, id_dtype, device, progress)
+            token_order = [e["file"] for e in token_manifest["splits"][split]["shards"]]
+            record_shard(manifest, split, entry, token_order)
+            write_teacher_manifest(args.output_dir, manifest)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from transformers import HfArgumentParser
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    (args,) = HfArgumentParser(CacheTeacherArguments).parse_args_into_dataclasses(
+        args=argv if argv is not None else sys.argv[1:])
+    return cache_teacher(args)
+
+
+if __name__ == "__main__":
+    main()

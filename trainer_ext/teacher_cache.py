@@ -1,0 +1,278 @@
+"""The offline teacher cache: its format, validation, and the dataset that serves it to the trainer.
+
+A teacher cache directory (written by ``scripts/cache_teacher.py``) holds, next to nothing else,
+
+    teacher_manifest.json             what the cache was built from (written after every finished shard)
+    train-00000.topk_ids.npy          (num_samples, seq_len, k) uint16, or uint32 if the vocabulary > 65,536
+    train-00000.topk_logprobs.npy     (num_samples, seq_len, k) float16, temperature-1 log-probs
+    eval-00000.topk_ids.npy, ...      one pair per token shard of each cached split
+
+Shard ``train-00000`` of the cache belongs to token shard ``train-00000.npy`` of the data directory:
+same stem, same sample count, same sample order, and position t of a sample holds the teacher's
+prediction for ``shift_labels[t]`` (the token after ``input_ids[t]``). Log-probs are over the real
+vocabulary (the tokenizer's size; head padding never appears), so the teacher's mass outside the
+top k, the tail bucket of ``TopKTeacher``, is ``1 - sum(exp(logprobs))``.
+
+Size: k * (2 + 2) bytes per token with uint16 ids, k * (4 + 2) with uint32 ids; at the default k = 64
+that is 256 (or 384) bytes per token, about 256 GB per billion tokens, against 2 (or 4) bytes per
+token for the token shards themselves. Choose k (and how many tokens to cache) with that in mind.
+
+The manifest ties the cache to its token shards (the data's tokenizer hash, seq_len, and the
+sha256 / size of every token shard it was computed from) and to the teacher (name or path, revision,
+tokenizer hash, k, num_steps). ``validate_teacher_cache`` checks all of it before training, so a
+cache built from other shards or another tokenizer is refused instead of silently teaching garbage.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import warnings
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .data import MANIFEST_NAME, ShardedTokenDataset, _read_npy_header, file_sha256, read_manifest
+
+CACHE_FORMAT_VERSION = 1
+TEACHER_MANIFEST_NAME = "teacher_manifest.json"
+LOGPROBS_DTYPE = np.dtype(np.float16)
+IDS_SUFFIX = ".topk_ids.npy"
+LOGPROBS_SUFFIX = ".topk_logprobs.npy"
+_FIX_RECACHE = "re-run `python -m scripts.cache_teacher` for this cache directory"
+
+
+def cache_file_names(token_file: str) -> tuple[str, str]:
+    """(ids file, logprobs file) of the cache shard aligned with token shard ``token_file``."""
+    stem = token_file[: -len(".npy")] if token_file.endswith(".npy") else token_file
+    return stem + IDS_SUFFIX, stem + LOGPROBS_SUFFIX
+
+
+def ids_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (vocab <= 65,536), else uint32: the ids are half the cache."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+def read_teacher_manifest(cache_dir: str) -> dict:
+    path = os.path.join(os.fspath(cache_dir), TEACHER_MANIFEST_NAME)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{path}: not found; {cache_dir} is not a teacher cache. Build one with "
+            f"`python -m scripts.cache_teacher --output_dir {cache_dir} --data_dir ... "
+            "--teacher_model_name_or_path ...`."
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); {_FIX_RECACHE} with --overwrite.") from err
+    missing = [k for k in ("format_version", "topk", "ids_dtype", "data", "teacher", "splits") if k not in manifest]
+    if missing:
+        raise ValueError(f"{path}: missing fields {missing}; {_FIX_RECACHE} with --overwrite.")
+    if manifest["format_version"] != CACHE_FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: format_version {manifest['format_version']} but this code reads version "
+            f"{CACHE_FORMAT_VERSION}; {_FIX_RECACHE} with --overwrite."
+        )
+    return manifest
+
+
+def write_teacher_manifest(cache_dir: str, manifest: dict) -> str:
+    """Atomic (tmp + fsync + rename): a crash leaves the previous manifest or the new one."""
+    path = os.path.join(cache_dir, TEACHER_MANIFEST_NAME)
+    tmp_path = os.path.join(cache_dir, f".{TEACHER_MANIFEST_NAME}.tmp")
+    with open(tmp_path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp_path, path)
+    return path
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_cache_shard(cache_dir: str, entry: dict, seq_len: int, topk: int, id_dtype: np.dtype) -> None:
+    """ValueError unless both files of one cache shard exist whole, with the expected shape and dtype."""
+    shape = (entry["num_samples"], seq_len, topk)
+    for name, dtype in ((entry["ids_file"], id_dtype), (entry["logprobs_file"], LOGPROBS_DTYPE)):
+        path = os.path.join(cache_dir, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: listed in {TEACHER_MANIFEST_NAME} but missing; {_FIX_RECACHE}.")
+        try:
+            file_shape, file_dtype, fortran_order, offset = _read_npy_header(path)
+        except ValueError as err:
+            raise ValueError(f"{path}: not a valid .npy file ({err}); {_FIX_RECACHE}.") from err
+        if tuple(file_shape) != shape or file_dtype != dtype or fortran_order:
+            raise ValueError(
+                f"{path}: {file_dtype} {tuple(file_shape)} but {TEACHER_MANIFEST_NAME} implies {dtype} {shape} "
+                f"(num_samples, seq_len, topk); {_FIX_RECACHE}."
+            )
+        expected = offset + int(np.prod(shape)) * dtype.itemsize
+        if os.path.getsize(path) != expected:
+            raise ValueError(
+                f"{path}: {os.path.getsize(path)} bytes, expected {expected}; the file is truncated or corrupt; "
+                f"{_FIX_RECACHE} (it recomputes only the damaged shards)."
+            )
+
+
+def check_token_shard_match(data_dir: str, token_entry: dict, cache_entry: dict) -> None:
+    """ValueError unless the cache shard was computed from exactly this token shard."""
+    token_path = os.path.join(data_dir, token_entry["file"])
+    recorded, current = cache_entry.get("token_sha256"), token_entry.get("sha256")
+    if recorded != current or cache_entry["num_samples"] != token_entry["num_samples"]:
+        raise ValueError(
+            f"{token_path}: the teacher cache shard {cache_entry['ids_file']} was computed from a token shard with "
+            f"sha256 {recorded} ({cache_entry['num_samples']} samples), but {os.path.join(data_dir, MANIFEST_NAME)} "
+            f"lists sha256 {current} ({token_entry['num_samples']} samples); the data was re-prepared after "
+            f"caching. {_FIX_RECACHE} against this data directory."
+        )
+    if os.path.isfile(token_path) and os.path.getsize(token_path) != cache_entry.get("token_size_bytes"):
+        raise ValueError(
+            f"{token_path}: {os.path.getsize(token_path)} bytes on disk, but the teacher cache was computed from "
+            f"{cache_entry.get('token_size_bytes')} bytes; the token shard changed. {_FIX_RECACHE}."
+        )
+
+
+def validate_teacher_cache(
+    cache_dir: str, data_dir: str, splits: list[str] | None = None, verify_checksums: bool = False
+) -> dict:
+    """Check that ``cache_dir`` is a complete teacher cache of the token shards in ``data_dir``.
+
+    Raises ValueError, naming both hashes or files, when the cache was built with another tokenizer,
+    another seq_len, or from other token shards (a re-prepared data directory), and when a cache
+    shard is missing, truncated or of the wrong shape. ``splits`` defaults to every split the cache
+    holds. ``verify_checksums`` also re-hashes the token shards on disk (slow for big data).
+    Returns the teacher manifest with each split's shards in token-manifest order.
+    """
+    cache_dir, data_dir = os.fspath(cache_dir), os.fspath(data_dir)
+    manifest = read_teacher_manifest(cache_dir)
+    token_manifest = read_manifest(data_dir)
+    cache_manifest_path = os.path.join(cache_dir, TEACHER_MANIFEST_NAME)
+    data_manifest_path = os.path.join(data_dir, MANIFEST_NAME)
+    cached_hash, data_hash = manifest["data"]["tokenizer_hash"], token_manifest["tokenizer_hash"]
+    if cached_hash != data_hash:
+        raise ValueError(
+            f"{cache_manifest_path}: the teacher cache was built for tokenizer hash {cached_hash}, but "
+            f"{data_manifest_path} has tokenizer hash {data_hash}; the cache belongs to other data. "
+            f"{_FIX_RECACHE} with --data_dir {data_dir}."
+        )
+    if manifest["data"]["seq_len"] != token_manifest["seq_len"]:
+        raise ValueError(
+            f"{cache_manifest_path}: seq_len {manifest['data']['seq_len']} but {data_manifest_path} has seq_len "
+            f"{token_manifest['seq_len']}; {_FIX_RECACHE} with --data_dir {data_dir}."
+        )
+    splits = list(manifest["splits"]) if splits is None else list(splits)
+    topk, id_dtype = manifest["topk"], np.dtype(manifest["ids_dtype"])
+    for split in splits:
+        if split not in token_manifest["splits"]:
+            raise ValueError(f"{data_manifest_path}: no split {split!r} (has {sorted(token_manifest['splits'])}).")
+        cached = {e["token_file"]: e for e in manifest["splits"].get(split, {}).get("shards", [])}
+        aligned = []
+        for token_entry in token_manifest["splits"][split]["shards"]:
+            cache_entry = cached.pop(token_entry["file"], None)
+            if cache_entry is None:
+                raise ValueError(
+                    f"{cache_manifest_path}: no teacher outputs for token shard {token_entry['file']} (split "
+                    f"{split!r}); the cache is incomplete. {_FIX_RECACHE} to finish it (finished shards are kept)."
+                )
+            check_token_shard_match(data_dir, token_entry, cache_entry)
+            check_cache_shard(cache_dir, cache_entry, token_manifest["seq_len"], topk, id_dtype)
+            if verify_checksums:
+                actual = file_sha256(os.path.join(data_dir, token_entry["file"]))
+                if actual != cache_entry["token_sha256"]:
+                    raise ValueError(
+                        f"{os.path.join(data_dir, token_entry['file'])}: sha256 {actual} on disk, but the teacher "
+                        f"cache was computed from sha256 {cache_entry['token_sha256']}; {_FIX_RECACHE}."
+                    )
+            aligned.append(cache_entry)
+        if cached:
+            raise ValueError(
+                f"{cache_manifest_path}: holds shards {sorted(cached)} that {data_manifest_path} does not list; "
+                f"the cache was built from other token shards. {_FIX_RECACHE} with --overwrite."
+            )
+        manifest["splits"][split]["shards"] = aligned
+    return manifest
+
+
+# ----------------------------------------------------------------------------- dataset
+
+
+class TeacherCacheDataset(Dataset):
+    """A ``ShardedTokenDataset`` plus the cached teacher top-k of each sample.
+
+    ``ds[i]`` is the token dataset's item with ``teacher_topk_ids`` (int64, (seq_len, k)) and
+    ``teacher_topk_logprobs`` (float32, (seq_len, k)) added; RecurrentTrainer distills against
+    batches carrying those keys. The cache is validated against the token shards here, before
+    training. Like the token reader, each cache file is opened once with ``np.load(mmap_mode="r")``
+    and wrapped by one ``torch.from_numpy``; a sample is a row of that tensor.
+    """
+
+    def __init__(self, token_dataset: ShardedTokenDataset, cache_dir: str, verify_checksums: bool = False):
+        if not isinstance(token_dataset, ShardedTokenDataset):
+            raise ValueError(
+                f"TeacherCacheDataset wraps a ShardedTokenDataset (whose shards the cache is aligned with), got "
+                f"{type(token_dataset).__name__}; wrap first, then take a Subset of the result."
+            )
+        self.token_dataset = token_dataset
+        self.cache_dir = os.fspath(cache_dir)
+        self.manifest = validate_teacher_cache(
+            self.cache_dir, token_dataset.data_dir, splits=[token_dataset.split], verify_checksums=verify_checksums
+        )
+        self.topk: int = self.manifest["topk"]
+        shards = self.manifest["splits"][token_dataset.split]["shards"]
+        self._paths = [
+            (os.path.join(self.cache_dir, s["ids_file"]), os.path.join(self.cache_dir, s["logprobs_file"]))
+            for s in shards
+        ]
+        self._starts: list[int] = []
+        total = 0
+        for s in shards:
+            self._starts.append(total)
+            total += s["num_samples"]
+        assert total == len(token_dataset), (total, len(token_dataset))
+        self._tensors: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(shards)
+
+    @property
+    def seq_len(self) -> int:
+        return self.token_dataset.seq_len
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_dataset.num_tokens
+
+    def __len__(self) -> int:
+        return len(self.token_dataset)
+
+    def _shard(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tensors = self._tensors[index]
+        if tensors is None:
+            with warnings.catch_warnings():
+                # Read-only memmaps; torch warns it cannot mark the tensors so. Nothing writes to them.
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                tensors = tuple(torch.from_numpy(np.load(path, mmap_mode="r")) for path in self._paths[index])
+            self._tensors[index] = tensors
+        return tensors
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = dict(self.token_dataset[index])  # also checks the range
+        if index < 0:
+            index += len(self)
+        shard = bisect.bisect_right(self._starts, index) - 1
+        ids, logprobs = self._shard(shard)
+        row = index - self._starts[shard]
+        item["teacher_topk_ids"] = ids[row].to(torch.long)  # (seq_len, k)
+        item["teacher_topk_logprobs"] = logprobs[row].to(torch.float32)  # (seq_len, k)
+        return item
+
+    def __getstate__(self) -> dict:
+        # Pickling memmap-backed tensors would copy whole shards into every DataLoader worker; reopen lazily.
+        state = self.__dict__.copy()
+        state["_tensors"] = [None] * len(self._paths)
+        return state
