@@ -106,3 +106,39 @@ def test_run_pretrain_writes_a_loadable_checkpoint(tiny_data_dir, tmp_path):
     first, last = [e["loss"] for e in json.load(open(tmp_path / "run" / "checkpoint-30" / "trainer_state.json"))
                    ["log_history"] if "loss" in e][::2]
     assert last < first
+
+
+def _save_teacher(data_dir, path, tokenizer=None):
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(data_dir)
+    torch.manual_seed(1)
+    teacher = AutoModelForCausalLM.from_config(presets.get("transformer-debug", vocab_size=len(tokenizer)))
+    teacher.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def test_run_pretrain_distills_from_an_online_teacher(tiny_data_dir, tmp_path):
+    _save_teacher(tiny_data_dir, tmp_path / "teacher")
+    run_pretrain.main([
+        "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "3",
+        "--per_device_train_batch_size", "4", "--logging_steps", "1", "--eval_strategy", "no",
+        "--save_strategy", "no", "--save_final", "false", "--disable_tqdm", "true", "--use_cpu", "true",
+        "--teacher_model_name_or_path", str(tmp_path / "teacher"), "--distill_alpha", "0.5",
+    ])
+    logs = [e for e in json.load(open(tmp_path / "run" / "log_history.json")) if "loss" in e]
+    assert len(logs) == 3
+    for entry in logs:
+        assert entry["kd"] > 0
+        assert entry["loss"] == pytest.approx(0.5 * entry["ce"] + 0.5 * entry["kd"], rel=1e-3)
+
+
+def test_teacher_with_another_tokenizer_is_refused(tiny_data_dir, tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, "<unk>")))
+    _save_teacher(tiny_data_dir, tmp_path / "teacher", tokenizer=other)
+    with pytest.raises(ValueError, match="different tokenizer"):
+        run_pretrain.main([
+            "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "1",
+            "--use_cpu", "true", "--teacher_model_name_or_path", str(tmp_path / "teacher"),
+        ])
