@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, HfArgumentParser
 
 import hf_recurrent  # noqa: F401  (registers the model with the Auto classes)
 from hf_recurrent.presets import is_recurrent
+from trainer_ext.atomic import write_text
 from trainer_ext.data import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.evaluation import cache_mode_cost, evaluate_model, generation_speed
 
@@ -228,18 +229,6 @@ def render_report(report: dict) -> str:
                  "`per_step` is exact (equals the full forward); `shared` keeps one cache per core layer.\n\n")
         text += cache_cost_table(report["cache_mode_cost"])
     return text
-
-
-def write_text(path: str, text: str) -> None:
-    """Write via a temporary file and rename, so a crash never leaves a truncated report."""
-    directory, name = os.path.split(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_report(path: str) -> dict:

@@ -16,6 +16,8 @@ import os
 import re
 from collections import defaultdict
 
+from trainer_ext.atomic import atomic_open
+
 SPEED_KEY = re.compile(r"^tokens_per_s_batch_(\d+)$")
 
 
@@ -126,8 +128,6 @@ def _draw(ax, series: dict[str, list[dict]], x: str, key: str, ylabel: str) -> N
 
 def _save(figure, path: str) -> str:
     """Write via a temporary file and rename, so an interrupted run never leaves a truncated PNG."""
-    directory, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{name}.tmp")
-    figure.savefig(tmp, format="png", dpi=120)
-    os.replace(tmp, path)
+    with atomic_open(path, "wb") as f:
+        figure.savefig(f, format="png", dpi=120)
     return path

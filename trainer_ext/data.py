@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .atomic import atomic_open, write_json
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "eval")
@@ -102,13 +104,9 @@ def write_shard(path: str, samples: np.ndarray) -> dict:
     under the final name.
     """
     assert samples.ndim == 2 and samples.shape[0] > 0, samples.shape
-    directory, name = os.path.split(path)
-    tmp_path = os.path.join(directory, f".{name}.tmp")
-    with open(tmp_path, "wb") as f:
+    name = os.path.basename(path)
+    with atomic_open(path, "wb") as f:
         np.save(f, np.ascontiguousarray(samples))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_path, path)
     return {
         "file": name,
         "num_samples": int(samples.shape[0]),
@@ -120,15 +118,7 @@ def write_shard(path: str, samples: np.ndarray) -> dict:
 
 def write_manifest(data_dir: str, manifest: dict) -> str:
     """Write ``manifest.json`` atomically (same tmp + rename as the shards)."""
-    path = os.path.join(data_dir, MANIFEST_NAME)
-    tmp_path = os.path.join(data_dir, f".{MANIFEST_NAME}.tmp")
-    with open(tmp_path, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_path, path)
-    return path
+    return write_json(os.path.join(data_dir, MANIFEST_NAME), manifest)
 
 
 # ----------------------------------------------------------------------------- reading + validation

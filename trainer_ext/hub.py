@@ -30,7 +30,7 @@ from .model_card import REPO_ID, ModelCardInfo, format_count, write_model_card
 logger = logging.getLogger(__name__)
 
 # Never uploaded: the pickled TrainingArguments can hold a Hub token, and our own staging/temp files.
-ALWAYS_IGNORE = ["training_args.bin", "*.tmp.*", ".hub-push-*", ".hub-push-*/**"]
+ALWAYS_IGNORE = ["training_args.bin", "*.tmp.*", ".*.tmp", ".hub-push-*", ".hub-push-*/**"]
 # Only what resuming training needs, large and of no use to someone loading the model.
 TRAINING_STATE = ["optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt", "rng_state*.pth", "global_step*",
                   "global_step*/**"]

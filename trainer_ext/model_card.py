@@ -28,6 +28,8 @@ import hf_recurrent  # noqa: F401  (registers the recurrent model with the Auto 
 from hf_recurrent import flops_per_token
 from hf_recurrent.presets import is_recurrent
 
+from .atomic import write_text
+
 CARD_NAME = "README.md"
 BASE_TAGS = ("hf-recurrent",)
 RECURRENT_TAGS = ("recurrent-depth", "looped-transformer", "custom_code")
@@ -370,12 +372,7 @@ def write_model_card(save_dir: str, model_or_config=None, info: ModelCardInfo | 
             raise ValueError(f"write_model_card: {save_dir!r} has no config.json; pass the model or its config.")
         model_or_config = AutoConfig.from_pretrained(save_dir)
     text = render_model_card(model_or_config, info)
-    path = os.path.join(save_dir, CARD_NAME)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)  # a reader (or an upload) never sees half a card
-    return path
+    return write_text(os.path.join(save_dir, CARD_NAME), text)  # a reader (or an upload) never sees half a card
 
 
 __all__ = ["ModelCardInfo", "ParameterCounts", "eval_table", "format_count", "parameter_counts",

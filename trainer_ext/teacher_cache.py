@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .atomic import write_json
 from .data import MANIFEST_NAME, ShardedTokenDataset, _read_npy_header, file_sha256, read_manifest
 
 CACHE_FORMAT_VERSION = 1
@@ -84,15 +85,7 @@ def read_teacher_manifest(cache_dir: str) -> dict:
 
 def write_teacher_manifest(cache_dir: str, manifest: dict) -> str:
     """Atomic (tmp + fsync + rename): a crash leaves the previous manifest or the new one."""
-    path = os.path.join(cache_dir, TEACHER_MANIFEST_NAME)
-    tmp_path = os.path.join(cache_dir, f".{TEACHER_MANIFEST_NAME}.tmp")
-    with open(tmp_path, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_path, path)
-    return path
+    return write_json(os.path.join(cache_dir, TEACHER_MANIFEST_NAME), manifest)
 
 
 # ----------------------------------------------------------------------------- validation
