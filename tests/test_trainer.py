@@ -142,3 +142,12 @@ def test_teacher_with_another_tokenizer_is_refused(tiny_data_dir, tmp_path):
             "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "1",
             "--use_cpu", "true", "--teacher_model_name_or_path", str(tmp_path / "teacher"),
         ])
+
+
+def test_torch_compile_compiles_each_layer_and_keeps_state_dict_keys(tiny_data_dir, tmp_path):
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=2, torch_compile=True, torch_compile_backend="eager")
+    layers = [m for m in trainer.model.modules() if type(m).__name__ == "RecurrentDepthDecoderLayer"]
+    assert layers and all(layer._compiled_call_impl is not None for layer in layers)
+    trainer.train()
+    assert len(losses(trainer)) == 2
+    assert not any(key.startswith("_orig_mod") or "._orig_mod" in key for key in trainer.model.state_dict())

@@ -78,11 +78,11 @@ class RecurrentTrainingArguments(TrainingArguments):
         super().__post_init__()
 
 
-def compile_decoder_layers(model, mode: str = "default") -> int:
+def compile_decoder_layers(model, mode: str = "default", backend: str = "inductor") -> int:
     """`torch.compile` each decoder layer in place; returns how many were compiled."""
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     for layer in layers:
-        layer.compile(mode=mode)
+        layer.compile(mode=mode, backend=backend)
     return len(layers)
 
 
@@ -117,13 +117,14 @@ class RecurrentTrainer(Trainer):
         args_ = kwargs.get("args", args[1] if len(args) > 1 else None)
         # torch.compile is applied per decoder layer (below), not to the whole model: the depth loop stays
         # eager, so a new depth does not recompile, and saved keys carry no `_orig_mod.` prefix.
-        compile_mode = None
+        compile_options = None
         if args_ is not None and args_.torch_compile:
-            compile_mode = args_.torch_compile_mode or "default"
+            compile_options = {"mode": args_.torch_compile_mode or "default",
+                               "backend": args_.torch_compile_backend or "inductor"}
             args_.torch_compile = False
         super().__init__(*args, **kwargs)
-        if compile_mode is not None:
-            compile_decoder_layers(self.model, compile_mode)
+        if compile_options is not None:
+            compile_decoder_layers(self.model, **compile_options)
         config = self.model.config
         self.recurrent = is_recurrent(config)
         self.depth_sampler = DepthSampler(config, seed=self.args.depth_seed) if self.recurrent else None
