@@ -15,6 +15,8 @@ import sys
 
 RUNS = {
     "low_memory (bf16, in backward)": ["--dtype", "bfloat16", "--optimizer", "low_memory"],
+    "low_memory+momentum (bf16, in backward, beta1 0.9)": ["--dtype", "bfloat16", "--optimizer", "low_memory",
+                                                            "--optimizer_momentum", "0.9"],
     "adamw_torch (fp32 master)": ["--dtype", "float32", "--optimizer", "hf", "--optim", "adamw_torch",
                                   "--max_grad_norm", "1.0"],
     "hf adafactor (fp32)": ["--dtype", "float32", "--optimizer", "hf", "--optim", "adafactor",
@@ -35,7 +37,7 @@ def main(argv=None) -> dict:
 
     results = {}
     for name, run_args in RUNS.items():
-        out_dir = os.path.join(args.output_dir, name.split()[0])
+        out_dir = os.path.join(args.output_dir, name.split()[0].replace("+", "_"))
         command = [
             "--preset", args.preset, "--data_dir", args.data_dir, "--output_dir", out_dir,
             "--max_steps", str(args.steps), "--per_device_train_batch_size", str(args.batch_size),

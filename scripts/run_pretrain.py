@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 import hf_recurrent  # noqa: F401  (registers the model with the Auto classes)
 from hf_recurrent import presets
 from scripts import prepare_data
+from trainer_ext.atomic import write_json
 from trainer_ext.data import ShardedTokenDataset, read_manifest, tokenizer_hash
 from trainer_ext.hub import HubPushCallback, ModelCardCallback, tokens_per_optimizer_step
 from trainer_ext.model_card import ModelCardInfo, write_model_card
@@ -197,15 +198,15 @@ def main(argv=None, callbacks=None) -> dict:
     eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50))
     metrics.update(eval_metrics)
 
-    os.makedirs(training_args.output_dir, exist_ok=True)
-    with open(os.path.join(training_args.output_dir, "log_history.json"), "w") as f:
-        json.dump(trainer.state.log_history, f, indent=1)
+    final_dir = os.path.join(training_args.output_dir, "final")
+    if data_args.save_final:
+        trainer.save_model(final_dir)  # every process: a collective under FSDP
+    if not trainer.is_world_process_zero():
+        return metrics
+    write_json(os.path.join(training_args.output_dir, "log_history.json"), trainer.state.log_history)
     logger.info("Eval loss %.4f (perplexity %.2f)", eval_metrics["eval_loss"], eval_metrics["eval_perplexity"])
     if data_args.save_final:
-        final_dir = os.path.join(training_args.output_dir, "final")
-        trainer.save_model(final_dir)
-        with open(os.path.join(final_dir, "train_metrics.json"), "w") as f:
-            json.dump(metrics, f, indent=2)
+        write_json(os.path.join(final_dir, "train_metrics.json"), metrics)
         eval_depth = training_args.eval_num_steps or getattr(model.config, "mean_recurrence", None)
         card.tokens_seen = trainer.state.global_step * tokens_per_step
         card.eval_results = {eval_depth or 1: {"cross-entropy": eval_metrics["eval_loss"],

@@ -12,6 +12,7 @@ from hf_recurrent.presets import is_recurrent
 
 from .distill import DIVERGENCES, OnlineTeacher, TopKTeacher, chunked_lm_loss
 from .telemetry import PhaseProfiler, device_peak_flops, memory_stats
+from .distributed import check_optimizer_supports, saved_as_pretrained_class
 from .optim import check_gradient_accumulation, create_optimizer
 
 OPTIMIZERS = ("low_memory", "hf")
@@ -142,6 +143,7 @@ class RecurrentTrainer(Trainer):
     # -- optimizer
 
     def create_optimizer(self, model=None):
+        check_optimizer_supports(self.model, self.args.optimizer, self.accelerator)
         if self.args.optimizer != "low_memory":
             return super().create_optimizer(model)
         if self.optimizer is None:
@@ -156,6 +158,11 @@ class RecurrentTrainer(Trainer):
                 seed=self.args.seed,
             )
         return self.optimizer
+
+    def _save(self, output_dir=None, state_dict=None):
+        # FSDP2 swaps the model's class for a wrapper; saved code and auto_map must name the real class.
+        with saved_as_pretrained_class(self.model):
+            super()._save(output_dir, state_dict)
 
     # -- depth
 

@@ -1,0 +1,150 @@
+"""FSDP2 on CPU: two gloo processes (tests/fsdp_worker.py) train the debug preset sharded and must match one
+process training on the whole batch; the gathered full state dict must load with `from_pretrained`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import fsdp_worker
+from trainer_ext.distributed import (
+    check_optimizer_supports,
+    check_processes_coordinated,
+    pretrained_class,
+    saved_as_pretrained_class,
+    sharding_backend,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_STEPS = 3
+WORKER_TIMEOUT_S = 180  # a normal run takes ~15 s on 2 cores; a hung collective must not hang the suite
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """Runs the 2-process FSDP2 worker once; returns (output_dir, report)."""
+    out = tmp_path_factory.mktemp("fsdp")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # --standalone: the rendezvous picks a free port, so parallel test runs do not collide.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(REPO, "tests", "fsdp_worker.py"), "--output_dir", str(out), "--train_steps", str(TRAIN_STEPS)]
+    # Own process group: on timeout the launcher and both ranks are ended together.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"FSDP worker timed out after {WORKER_TIMEOUT_S} s:\n{output[-4000:]}")
+    assert proc.returncode == 0, f"FSDP worker failed (rc={proc.returncode}):\n{output[-4000:]}"
+    with open(out / "report.json") as f:
+        return out, json.load(f)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, the whole global batch, the same steps: (per-step losses, trained model)."""
+    model = fsdp_worker.build_model()
+    optimizer = fsdp_worker.make_optimizer(model)
+    batch = fsdp_worker.global_batch(model.config.vocab_size)
+    losses = [fsdp_worker.train_step(model, optimizer, batch).item() for _ in range(TRAIN_STEPS)]
+    return losses, model.eval()
+
+
+def test_model_is_really_sharded(fsdp_run):
+    _, report = fsdp_run
+    assert report["world_size"] == 2
+    # 4 decoder layers (1 prelude, 2 core, 1 coda) plus the root.
+    assert report["fsdp_units"] == 5
+    assert report["all_params_dtensor"]
+    assert report["local_numel"] < report["full_numel"]
+    assert report["local_numel"] >= report["full_numel"] // 2  # even split, padding at most
+    assert report["sharded_class"].startswith("torch.") and report["sharded_class"].endswith(
+        "FSDPRecurrentDepthForCausalLM")
+
+
+def test_sharded_losses_match_single_process(fsdp_run, reference):
+    _, report = fsdp_run
+    losses, _ = reference
+    assert len(report["losses"]) == TRAIN_STEPS
+    assert report["losses"][-1] < report["losses"][0]  # it trains
+    # Same arithmetic up to reduction order: averaged shard gradients equal the whole-batch gradient.
+    torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+
+
+def test_full_state_dict_checkpoint_loads_and_matches(fsdp_run, reference):
+    out, report = fsdp_run
+    _, trained = reference
+    final = out / "final"
+    # Saved under the model's own class: auto_map names the modeling file, and no torch FSDP source is copied.
+    with open(final / "config.json") as f:
+        config = json.load(f)
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_recurrent_depth.RecurrentDepthForCausalLM"
+    assert config["architectures"] == ["RecurrentDepthForCausalLM"]
+    assert not [name for name in os.listdir(final) if name.startswith("_fsdp")]
+    assert report["class_after_save"] == "FSDPRecurrentDepthForCausalLM"  # restored after saving
+    assert report["state_dict_keys"] == len(trained.state_dict())
+
+    loaded = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    loaded_state = loaded.state_dict()
+    for name, tensor in trained.state_dict().items():
+        # Adam divides by sqrt(v): a near-zero gradient's rounding can move one element by ~1e-6. A misplaced
+        # shard or a stale step would be off by the update size (lr = 1e-3) or the init scale (0.02).
+        torch.testing.assert_close(loaded_state[name], tensor, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    ids = fsdp_worker.probe_ids(trained.config.vocab_size)
+    with torch.no_grad():
+        expected = trained(ids, num_steps=fsdp_worker.DEPTH, use_cache=False).logits
+        got = loaded(ids, num_steps=fsdp_worker.DEPTH, use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_low_memory_optimizer_refused_on_dtensor_parameters(fsdp_run):
+    _, report = fsdp_run
+    assert report["sharding_backend"] == "FSDP"
+    assert "--optimizer hf --optim adamw_torch" in report["low_memory_error"]
+    assert "FSDP" in report["low_memory_error"]
+    assert report["hf_error"] is None
+
+
+def _accelerator(**state):
+    defaults = {"fsdp_plugin": None, "deepspeed_plugin": None, "num_processes": 1, "distributed_type": "NO"}
+    return types.SimpleNamespace(state=types.SimpleNamespace(**{**defaults, **state}))
+
+
+def test_optimizer_guard_reads_the_accelerator_before_sharding():
+    # The Trainer builds the optimizer before accelerate shards the model: parameters are still plain tensors.
+    model = torch.nn.Linear(4, 4)
+    assert sharding_backend(model) is None
+    check_optimizer_supports(model, "low_memory")
+    check_optimizer_supports(model, "low_memory", _accelerator())
+    for plugin, backend in (("fsdp_plugin", "FSDP"), ("deepspeed_plugin", "DeepSpeed")):
+        accelerator = _accelerator(**{plugin: object()})
+        assert sharding_backend(model, accelerator) == backend
+        with pytest.raises(ValueError, match=f"sharded by {backend}.*--optimizer hf --optim adamw_torch"):
+            check_optimizer_supports(model, "low_memory", accelerator)
+        check_optimizer_supports(model, "hf", accelerator)
+
+
+def test_uncoordinated_processes_are_refused(monkeypatch):
+    # What `accelerate launch` with an FSDP config gives on a machine without accelerators: WORLD_SIZE=2, yet
+    # accelerate's distributed_type is NO and every process trains alone.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="WORLD_SIZE=2.*--use_cpu true"):
+        check_processes_coordinated(_accelerator())
+    check_processes_coordinated(_accelerator(num_processes=2, distributed_type="MULTI_CPU"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    check_processes_coordinated(_accelerator())
+
+
+def test_pretrained_class_of_an_unsharded_model_is_its_class():
+    model = fsdp_worker.build_model()
+    assert pretrained_class(model) is type(model)
+    with saved_as_pretrained_class(model) as same:
+        assert same is model and type(model).__name__ == "RecurrentDepthForCausalLM"

@@ -1,0 +1,114 @@
+"""Guards and fixes for training on several processes (FSDP2, DeepSpeed, plain data parallel).
+
+* `check_optimizer_supports`: the low-memory optimizer updates each parameter in place inside backward, from a
+  gradient hook on the parameter object, with factored statistics shaped like the whole weight. FSDP2 replaces
+  every parameter by a DTensor shard (hooks registered before wrapping sit on the old objects); DeepSpeed owns
+  gradients and the optimizer step. Neither combination is verified, so it is refused up front.
+* `check_processes_coordinated`: a launcher can start several processes that never form a group (accelerate
+  turns FSDP/DeepSpeed on for accelerators only; without one each process trains alone on the same data and
+  writes the same output directory). That is refused instead of wasting the run.
+* `pretrained_class`: FSDP2 swaps the model's class for a generated `FSDP<Name>` subclass defined inside torch.
+  `save_pretrained` writes the class's module into `config.auto_map` and copies that module's source, so a
+  checkpoint saved from the sharded model would point at torch's FSDP code instead of the modeling file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+LOW_MEMORY_OPTIMIZER = "low_memory"
+SAFE_CHOICE = "--optimizer hf --optim adamw_torch (or --optim adafactor)"
+
+__all__ = [
+    "LOW_MEMORY_OPTIMIZER",
+    "check_optimizer_supports",
+    "check_processes_coordinated",
+    "pretrained_class",
+    "saved_as_pretrained_class",
+    "sharding_backend",
+]
+
+
+def _has_dtensor_parameters(model: nn.Module) -> bool:
+    if not torch.distributed.is_available():  # builds without distributed support have no DTensor
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(param, DTensor) for param in model.parameters())
+
+
+def _state(accelerator):
+    """`AcceleratorState` of an `Accelerator`, or the state itself, or None."""
+    return getattr(accelerator, "state", accelerator)
+
+
+def sharding_backend(model: nn.Module, accelerator=None) -> str | None:
+    """"FSDP" or "DeepSpeed" when the model is (or is about to be) sharded, else None.
+
+    `accelerator`: an `accelerate.Accelerator` (or its `AcceleratorState`). It matters because the HF Trainer
+    creates the optimizer *before* `accelerator.prepare` shards the model under FSDP2 and DeepSpeed: at that
+    moment the parameters are still plain tensors and only the accelerator knows what is coming.
+    """
+    state = _state(accelerator)
+    if state is not None and getattr(state, "deepspeed_plugin", None) is not None:
+        return "DeepSpeed"
+    if state is not None and getattr(state, "fsdp_plugin", None) is not None:
+        return "FSDP"
+    if _has_dtensor_parameters(model):
+        return "FSDP"
+    return None
+
+
+def check_optimizer_supports(model: nn.Module, optimizer_name: str, accelerator=None) -> None:
+    """Raise ValueError if `optimizer_name` cannot train `model` under the sharding in use."""
+    if optimizer_name != LOW_MEMORY_OPTIMIZER:
+        return
+    backend = sharding_backend(model, accelerator)
+    if backend is None:
+        return
+    raise ValueError(
+        f"--optimizer {LOW_MEMORY_OPTIMIZER} is not verified on parameters sharded by {backend}: its in-backward, "
+        f"in-place update is written for whole, unsharded tensors. Under FSDP or DeepSpeed pass {SAFE_CHOICE} "
+        "(RecurrentTrainingArguments.optimizer / .optim)."
+    )
+
+
+def check_processes_coordinated(accelerator) -> None:
+    """Raise ValueError if the launcher started several processes but the accelerator runs each one alone."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    state = _state(accelerator)
+    num_processes = getattr(state, "num_processes", 1)
+    if world_size > 1 and num_processes == 1:
+        raise ValueError(
+            f"The launcher started WORLD_SIZE={world_size} processes, but accelerate runs each one alone "
+            f"(distributed_type={getattr(state, 'distributed_type', None)}): they would all train the same model on "
+            "the same data and overwrite one output directory. FSDP and DeepSpeed need accelerators; on a machine "
+            "without them launch one process, or pass --use_cpu true for CPU data parallelism over gloo."
+        )
+
+
+def pretrained_class(model: nn.Module) -> type:
+    """The model's own class, under the `FSDP<Name>` subclass that FSDP2's `fully_shard` swaps in."""
+    if not torch.distributed.is_available():
+        return type(model)
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
+@contextlib.contextmanager
+def saved_as_pretrained_class(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block the model shows its own class, so `save_pretrained` records `auto_map` and copies the
+    modeling code of the model, not of torch's FSDP wrapper. Only for saving: FSDP's hooks are untouched, but
+    FSDPModule methods (unshard, reshard) are hidden until the block ends."""
+    sharded_class = type(model)
+    model.__class__ = pretrained_class(model)
+    try:
+        yield model
+    finally:
+        model.__class__ = sharded_class
