@@ -17,15 +17,22 @@ again with the same arguments and sources finds the manifest, checks the shards 
 without work. Different arguments are refused unless ``--overwrite`` is given. A directory
 without a manifest (an interrupted run) is cleaned of its shard/temp files and redone;
 shuffling needs the whole stream, so there is no partial resume.
+
+Taking the stream in pieces (the comparison pipeline's token cycles): ``--skip_tokens N`` starts
+after the first N tokens of the packed stream, ``--eval_only`` writes every sample to the eval
+split (a fixed held-out set), and ``--eval_from DIR`` copies DIR's eval split instead of holding
+samples out, so many directories share one held-out set (and, by default, DIR's tokenizer).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import glob
 import logging
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 
@@ -55,7 +62,10 @@ _TOKEN_FILE = ".tokens.bin.tmp"  # the packed stream before shuffling; removed a
 
 # Arguments that change where work happens or how fast, not what is written; a rerun that
 # differs only in these is still "the same data".
-_NON_CONTENT_ARGS = ("output_dir", "num_proc", "map_batch_size", "cache_dir", "overwrite")
+_NON_CONTENT_ARGS = ("output_dir", "num_proc", "map_batch_size", "cache_dir", "overwrite", "disable_tqdm")
+# Arguments added after manifests were first written: recorded only when set, so a directory
+# prepared before they existed still counts as prepared with the same arguments.
+_OPTIONAL_CONTENT_ARGS = {"skip_tokens": 0, "eval_only": False, "eval_from": None}
 
 
 @dataclass
@@ -106,6 +116,20 @@ class PrepareDataArguments:
     eval_samples: int | None = field(
         default=None, metadata={"help": "Exact number of eval samples; overrides --eval_fraction (0 = none)."}
     )
+    eval_only: bool = field(
+        default=False, metadata={"help": "Write every sample to the eval split (a fixed held-out set; no train split)."}
+    )
+    eval_from: str | None = field(
+        default=None,
+        metadata={"help": "Copy the eval split of this prepared directory instead of holding samples out of this "
+                  "stream (all samples go to train). Needs the same tokenizer and --seq_len; --tokenizer "
+                  "defaults to the one saved there."},
+    )
+    skip_tokens: int = field(
+        default=0,
+        metadata={"help": "Skip this many tokens at the start of the packed stream (before --max_tokens), to take "
+                  "the stream's next tokens after earlier directories. Skipped text is still read and tokenized."},
+    )
     shuffle: bool = field(default=True, metadata={"help": "Shuffle samples with --seed (--no_shuffle keeps stream order)."})
     seed: int = field(default=1234, metadata={"help": "Seed of the sample shuffle."})
     # ---- execution
@@ -113,6 +137,9 @@ class PrepareDataArguments:
     map_batch_size: int = field(default=1000, metadata={"help": "Documents per tokenization batch."})
     cache_dir: str | None = field(default=None, metadata={"help": "datasets cache dir (default: HF default)."})
     overwrite: bool = field(default=False, metadata={"help": "Replace an output dir prepared with other arguments."})
+    disable_tqdm: bool = field(
+        default=False, metadata={"help": "No packing / shard-writing progress bars (for callers that show their own)."}
+    )
 
     def __post_init__(self):
         if self.dataset is not None and self.files:
@@ -125,6 +152,15 @@ class PrepareDataArguments:
             raise ValueError(
                 f"--text_sample_by must be 'document', 'paragraph' or 'line', got '{self.text_sample_by}'."
             )
+        if self.skip_tokens < 0:
+            raise ValueError(f"--skip_tokens must be >= 0, got {self.skip_tokens}.")
+        if self.eval_from is not None:
+            if self.eval_only:
+                raise ValueError("Pass either --eval_only (write a held-out set) or --eval_from (copy one), not both.")
+            if self.eval_samples is not None:
+                raise ValueError("--eval_samples has no effect with --eval_from (the eval split is copied); drop it.")
+            if self.tokenizer is None:
+                self.tokenizer = self.eval_from  # the held-out ids are only comparable under its tokenizer
         positive = ("seq_len", "shard_size", "num_proc", "map_batch_size", "tokenizer_train_documents",
                     "max_documents", "max_tokens")
         for name in positive:
@@ -143,7 +179,8 @@ class PrepareDataArguments:
 
     def content_args(self) -> dict:
         """The arguments that determine the written data (recorded in the manifest)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in _NON_CONTENT_ARGS}
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in _NON_CONTENT_ARGS and not (k in _OPTIONAL_CONTENT_ARGS and v == _OPTIONAL_CONTENT_ARGS[k])}
 
 
 # ----------------------------------------------------------------------------- sources
@@ -260,19 +297,24 @@ def tokenize_documents(documents, tokenizer, dtype: np.dtype, num_proc: int, bat
 
 
 def pack_token_stream(token_ids, path: str, dtype: np.dtype, max_tokens: int | None, batch_size: int,
-                      total_documents: int | None) -> tuple[int, int]:
+                      total_documents: int | None, skip_tokens: int = 0, show_progress: bool = True) -> tuple[int, int]:
     """Append every document's ids to one flat binary file; return (num_tokens, num_documents).
 
-    Reads Arrow batches and flattens them without going through Python lists, so this stays
-    I/O bound at billions of tokens.
+    The first ``skip_tokens`` tokens of the stream are dropped before anything is written or
+    counted against ``max_tokens``. Reads Arrow batches and flattens them without going through
+    Python lists, so this stays I/O bound at billions of tokens.
     """
+    to_skip = skip_tokens
     num_tokens = 0
     num_documents = 0
-    progress = tqdm(total=total_documents, desc="Packing", unit="doc")
+    progress = tqdm(total=total_documents, desc="Packing", unit="doc", disable=not show_progress)
     with open(path, "wb") as f:
         for table in token_ids.with_format("arrow").iter(batch_size=batch_size):
             column = table.column("input_ids").combine_chunks()
             flat = column.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+            if to_skip:
+                dropped = min(to_skip, len(flat))
+                flat, to_skip = flat[dropped:], to_skip - dropped
             if max_tokens is not None and num_tokens + len(flat) > max_tokens:
                 flat = flat[: max_tokens - num_tokens]
             f.write(flat.tobytes())
@@ -288,6 +330,11 @@ def pack_token_stream(token_ids, path: str, dtype: np.dtype, max_tokens: int | N
 
 def split_indices(num_samples: int, args: PrepareDataArguments) -> dict[str, np.ndarray]:
     """Sample indices per split: a seeded permutation (or stream order), eval taken from its end."""
+    order = np.random.default_rng(args.seed).permutation(num_samples) if args.shuffle else np.arange(num_samples)
+    if args.eval_only:
+        return {"train": order[:0], "eval": order}
+    if args.eval_from is not None:  # the eval split is copied from there, none is held out here
+        return {"train": order, "eval": order[:0]}
     if args.eval_samples is not None:
         num_eval = args.eval_samples
     else:
@@ -299,16 +346,15 @@ def split_indices(num_samples: int, args: PrepareDataArguments) -> dict[str, np.
             f"The corpus gives {num_samples} samples of {args.seq_len + 1} tokens but {num_eval} are asked "
             "for eval, leaving none to train on; lower --eval_samples / --eval_fraction or add text."
         )
-    order = np.random.default_rng(args.seed).permutation(num_samples) if args.shuffle else np.arange(num_samples)
     num_train = num_samples - num_eval
     return {"train": order[:num_train], "eval": order[num_train:]}
 
 
 def write_split_shards(output_dir: str, samples: np.ndarray, indices: dict[str, np.ndarray],
-                       shard_size: int) -> dict:
+                       shard_size: int, show_progress: bool = True) -> dict:
     splits = {}
     num_shards = sum(-(-len(idx) // shard_size) for idx in indices.values())
-    with tqdm(total=num_shards, desc="Writing shards", unit="shard") as progress:
+    with tqdm(total=num_shards, desc="Writing shards", unit="shard", disable=not show_progress) as progress:
         for split, idx in indices.items():
             shards = []
             for shard_index, start in enumerate(range(0, len(idx), shard_size)):
@@ -322,6 +368,42 @@ def write_split_shards(output_dir: str, samples: np.ndarray, indices: dict[str, 
                 "shards": shards,
             }
     return splits
+
+
+def read_eval_source(args: PrepareDataArguments) -> dict:
+    """The manifest of ``--eval_from``, checked before any work: it must hold an eval split of this seq_len."""
+    manifest = read_manifest(args.eval_from)
+    path = os.path.join(args.eval_from, MANIFEST_NAME)
+    if not manifest["splits"].get("eval", {}).get("shards"):
+        raise ValueError(f"{path}: --eval_from needs a directory with an eval split, this one has none; prepare "
+                         "one with --eval_only (or --eval_samples N).")
+    if manifest["seq_len"] != args.seq_len:
+        raise ValueError(f"{path}: its samples have seq_len {manifest['seq_len']} but --seq_len is {args.seq_len}; "
+                         "pass the same --seq_len so both splits hold samples of one length.")
+    validate_data_dir(args.eval_from, split="eval")
+    return manifest
+
+
+def copy_eval_split(source_dir: str, source: dict, output_dir: str, tokenizer_id: str, dtype: np.dtype) -> dict:
+    """Place ``source_dir``'s eval shards in ``output_dir`` (hard links where possible, else copies; each
+    lands under its final name by rename) and return the split's manifest entry."""
+    path = os.path.join(source_dir, MANIFEST_NAME)
+    if source["tokenizer_hash"] != tokenizer_id:
+        raise ValueError(f"{path}: its eval split was made with another tokenizer than this data; omit --tokenizer "
+                         f"(it defaults to the one in {source_dir}) or prepare the eval set with yours.")
+    if np.dtype(source["dtype"]) != dtype:
+        raise ValueError(f"{path}: dtype {source['dtype']} differs from this data's {dtype.name}; re-prepare it.")
+    split = copy.deepcopy(source["splits"]["eval"])
+    for entry in split["shards"]:
+        tmp_path = os.path.join(output_dir, f".{entry['file']}.tmp")
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        try:
+            os.link(os.path.join(source_dir, entry["file"]), tmp_path)  # shards are never modified in place
+        except OSError:
+            shutil.copyfile(os.path.join(source_dir, entry["file"]), tmp_path)
+        os.replace(tmp_path, os.path.join(output_dir, entry["file"]))
+    return split
 
 
 # ----------------------------------------------------------------------------- output dir state
@@ -373,6 +455,7 @@ def prepare(args: PrepareDataArguments) -> dict:
     output_dir = args.output_dir
     os.makedirs(output_dir, exist_ok=True)
     sources, files = describe_sources(args)
+    eval_source = read_eval_source(args) if args.eval_from is not None else None
 
     given_tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
     if not args.overwrite:
@@ -403,21 +486,27 @@ def prepare(args: PrepareDataArguments) -> dict:
     token_path = os.path.join(output_dir, _TOKEN_FILE)
     total_documents = len(documents) if hasattr(documents, "__len__") else args.max_documents
     num_tokens, num_documents = pack_token_stream(token_ids, token_path, dtype, args.max_tokens,
-                                                  args.map_batch_size, total_documents)
+                                                  args.map_batch_size, total_documents, args.skip_tokens,
+                                                  show_progress=not args.disable_tqdm)
 
     sample_len = args.seq_len + 1
     num_samples = num_tokens // sample_len
     if num_samples == 0:
         os.remove(token_path)
         raise ValueError(
-            f"The corpus gives {num_tokens} tokens, fewer than one sample of seq_len + 1 = {sample_len}; "
+            f"The corpus gives {num_tokens} tokens"
+            + (f" after the {args.skip_tokens:,} skipped (--skip_tokens)" if args.skip_tokens else "")
+            + f", fewer than one sample of seq_len + 1 = {sample_len}; "
             "add text, raise --max_documents / --max_tokens, or lower --seq_len."
         )
     stream = np.memmap(token_path, dtype=dtype, mode="r", shape=(num_samples * sample_len,))
     samples = stream.reshape(num_samples, sample_len)
-    splits = write_split_shards(output_dir, samples, split_indices(num_samples, args), args.shard_size)
+    splits = write_split_shards(output_dir, samples, split_indices(num_samples, args), args.shard_size,
+                                show_progress=not args.disable_tqdm)
     del stream, samples
     os.remove(token_path)
+    if eval_source is not None:
+        splits["eval"] = copy_eval_split(args.eval_from, eval_source, output_dir, tokenizer_hash(tokenizer), dtype)
 
     manifest = {
         "format_version": FORMAT_VERSION,

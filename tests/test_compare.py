@@ -1,0 +1,224 @@
+"""Same-data comparison pipeline (scripts/compare.py): the stream taken in cycles, one held-out set, results,
+resuming after a kill, refusing other settings, pushes named after cycles; and the prepare_data options it uses."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from scripts import compare
+from scripts.prepare_data import PrepareDataArguments, prepare
+from hub_server import HubTestServer
+from trainer_ext.compare_state import CYCLE_STAGES, STATE_NAME, CompareState
+from trainer_ext.data import file_sha256
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Two cycles of 4 steps x 4 samples x 32 tokens on the debug presets, a 300-token BPE on 40 KJV chapters.
+TINY = ["--num_cycles", "2", "--cycle_tokens", "512", "--per_device_train_batch_size", "4", "--seq_len", "32",
+        "--max_documents", "40", "--vocab_size", "300", "--eval_tokens", "528", "--eval_depths", "1", "4", "24",
+        "--warmup_steps", "0", "--learning_rate", "3e-3", "--logging_steps", "4"]
+METRICS = ("ce", "perplexity", "top1", "top5", "tokens")
+
+
+def argv(out, *extra):
+    return ["--output_dir", str(out), *TINY, *extra]
+
+
+def read_state(out):
+    with open(os.path.join(out, STATE_NAME)) as f:
+        return json.load(f)
+
+
+def stage_times(state):
+    """{(cycle, stage): when it was recorded} for every finished stage, the held-out set as cycle 0."""
+    times = {(0, "heldout"): state["heldout"]["done_at"]} if state["heldout"] else {}
+    for cycle, stages in state["cycles"].items():
+        times.update({(int(cycle), s): stages[s]["done_at"] for s in CYCLE_STAGES if s in stages})
+    return times
+
+
+def numbers(records):
+    """{(cycle, model label): [metrics]}."""
+    return {(r["cycle"], r["model"]): [r[m] for m in METRICS] for r in records}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted two-cycle run."""
+    out = tmp_path_factory.mktemp("compare") / "reference"
+    result = compare.main(argv(out))
+    return out, result
+
+
+# ----------------------------------------------------------------------------- prepare_data additions
+
+
+def test_prepare_takes_consecutive_stream_pieces_with_one_heldout_set(tmp_path):
+    common = dict(max_documents=20, seq_len=16, shuffle=False)
+    full = prepare(PrepareDataArguments(output_dir=str(tmp_path / "full"), vocab_size=300, eval_samples=0, **common))
+    tokenizer = str(tmp_path / "full")
+    held = prepare(PrepareDataArguments(output_dir=str(tmp_path / "held"), tokenizer=tokenizer, eval_only=True,
+                                        max_tokens=17 * 8, **common))
+    pieces = [prepare(PrepareDataArguments(output_dir=str(tmp_path / f"piece{i}"), eval_from=str(tmp_path / "held"),
+                                           skip_tokens=17 * (8 + 10 * i), max_tokens=17 * 10, **common))
+              for i in range(2)]
+
+    stream = np.load(tmp_path / "full" / "train-00000.npy")
+    assert held["splits"]["train"]["num_samples"] == 0
+    assert np.array_equal(np.load(tmp_path / "held" / "eval-00000.npy"), stream[:8])
+    for i, piece in enumerate(pieces):
+        assert np.array_equal(np.load(tmp_path / f"piece{i}" / "train-00000.npy"), stream[8 + 10 * i: 18 + 10 * i])
+        assert piece["splits"]["eval"] == held["splits"]["eval"]  # the same shards, byte for byte (sha256)
+        assert file_sha256(tmp_path / f"piece{i}" / "eval-00000.npy") == held["splits"]["eval"]["shards"][0]["sha256"]
+        assert piece["tokenizer_hash"] == held["tokenizer_hash"] == full["tokenizer_hash"]  # --eval_from's tokenizer
+        assert piece["args"]["skip_tokens"] == 17 * (8 + 10 * i)
+    # Unset, the new options are not recorded: directories prepared before they existed stay current.
+    assert not {"skip_tokens", "eval_only", "eval_from"} & set(full["args"])
+    assert prepare(PrepareDataArguments(output_dir=str(tmp_path / "piece1"), eval_from=str(tmp_path / "held"),
+                                        skip_tokens=17 * 18, max_tokens=17 * 10, **common)) == pieces[1]
+
+    with pytest.raises(ValueError, match="seq_len 16 but --seq_len is 8"):
+        prepare(PrepareDataArguments(output_dir=str(tmp_path / "bad"), eval_from=str(tmp_path / "held"),
+                                     max_documents=20, seq_len=8))
+    with pytest.raises(ValueError, match="--eval_only .* or --eval_from"):
+        PrepareDataArguments(output_dir=str(tmp_path / "bad"), eval_from=str(tmp_path / "held"), eval_only=True)
+    with pytest.raises(ValueError, match="after the 100,000,000 skipped"):
+        prepare(PrepareDataArguments(output_dir=str(tmp_path / "bad"), tokenizer=tokenizer, skip_tokens=10**8,
+                                     **common))
+
+
+# ----------------------------------------------------------------------------- the pipeline
+
+
+def test_two_cycles_end_to_end(reference):
+    out, result = reference
+    state = read_state(out)
+    records = result["results"]
+    assert {(r["cycle"], r["arch"]) for r in records} == {(c, m) for c in (1, 2) for m in ("recurrent", "baseline")}
+    # The recurrent model at each depth up to 3 x mean_recurrence (4): 24 is dropped; the baseline at its one depth.
+    assert [(r["arch"], r["num_steps"]) for r in records if r["cycle"] == 2] == [
+        ("recurrent", 1), ("recurrent", 4), ("baseline", None)]
+    assert {r["tokens_seen"] for r in records} == {512, 1024}
+    for arch in ("recurrent", "baseline"):  # the same tokens made both models better
+        ce = {r["cycle"]: r["ce"] for r in records if r["arch"] == arch and r["num_steps"] in (None, 4)}
+        assert ce[2] < ce[1]
+
+    # One held-out set for every cycle and model: the same shards, still on disk, never trained on.
+    heldout = state["heldout"]
+    assert {r["tokens"] for r in records} == {heldout["num_samples"] * 32}
+    for cycle in ("1", "2"):
+        assert state["cycles"][cycle]["prepare"]["eval_shards"] == heldout["shards"]
+    assert file_sha256(os.path.join(out, "data", "heldout", "eval-00000.npy")) == heldout["shards"][0]
+    skips = [state["cycles"][c]["prepare"]["skip_tokens"] for c in ("1", "2")]
+    assert skips == [heldout["stream_tokens"], heldout["stream_tokens"] + 16 * 33]  # consecutive, no overlap
+
+    # Shards of finished cycles deleted, final weights kept, cycle 2 continued from cycle 1.
+    assert sorted(os.listdir(out / "data")) == ["heldout"]
+    assert state["cycles"]["2"]["train_recurrent"]["base"] == state["cycles"]["1"]["train_recurrent"]["final_dir"]
+    for arch in ("recurrent", "baseline"):
+        assert os.path.isfile(out / arch / "cycle-002" / "final" / "model.safetensors")
+    card = (out / "recurrent" / "cycle-002" / "final" / "README.md").read_text()
+    assert "Tokens seen: 1,024" in card and "transformer-debug" in card
+
+    with open(out / "results.jsonl") as f:
+        assert numbers(json.loads(line) for line in f) == numbers(records)
+    table = (out / "results.md").read_text()
+    assert "## Cycle 2: 1.02K tokens" in table and "| transformer-debug / 4 layers |" in table
+    with open(out / "learning_curves.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_killed_mid_cycle_resumes_without_redoing_stages_and_pushes_cycles(reference, tmp_path, monkeypatch):
+    out = tmp_path / "killed"
+    log = open(tmp_path / "killed.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "scripts.compare", *argv(out)], cwd=REPO_ROOT,
+                               stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    try:  # kill it as soon as cycle 2's recurrent training is recorded: the baseline's is under way
+        while "train_recurrent" not in _try_read(out).get("cycles", {}).get("2", {}):
+            assert process.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run did not reach cycle 2"
+            time.sleep(0.02)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        log.close()
+    killed = read_state(out)
+    before = stage_times(killed)
+    assert "evaluate" not in killed["cycles"]["2"] and os.path.isdir(out / "data" / "cycle-002")  # mid-cycle
+
+    with HubTestServer() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        push = ["--push_to_hub", "--hub_model_id", "test-org/cmp"]  # hub options may change between starts
+        result = compare.main(argv(out, *push))
+        after = stage_times(read_state(out))
+        assert len(after) == 1 + 2 * len(CYCLE_STAGES)
+        assert {key: after[key] for key in before} == before  # nothing finished was redone
+        expected = numbers(reference[1]["results"])  # the uninterrupted run's, to float rounding
+        assert numbers(result["results"]).keys() == expected.keys()
+        for key, values in numbers(result["results"]).items():
+            assert values == pytest.approx(expected[key], rel=1e-5), key
+        assert sorted(os.listdir(out / "data")) == ["heldout"]
+
+        # Cycle 1 (finished before the kill) is pushed at the start, cycle 2 after its evaluation.
+        for repo in ("test-org/cmp", "test-org/cmp-baseline"):
+            assert hub.commit_titles(repo)[-2:] == ["cycle 1: 512 tokens", "cycle 2: 1.02K tokens"]
+        files = hub.files("test-org/cmp")
+        assert "model.safetensors" in files and "training_args.bin" not in files
+        assert b'repo = "test-org/cmp"' in files["README.md"] and b"Tokens seen: 1,024" in files["README.md"]
+        assert all(read_state(out)["cycles"][c]["pushed"].keys() == {"recurrent", "baseline"} for c in ("1", "2"))
+        commits = len(hub.commit_titles("test-org/cmp"))
+        compare.main(argv(out, *push))  # everything done and pushed: nothing happens
+        assert len(hub.commit_titles("test-org/cmp")) == commits
+        assert stage_times(read_state(out)) == after
+
+
+def _try_read(out):
+    try:
+        return read_state(out)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def test_other_settings_are_refused_and_pass_through_checked(reference, tmp_path):
+    out, _ = reference
+    times = stage_times(read_state(out))
+    with pytest.raises(ValueError, match=r"other settings \(differs in: cycle_tokens\)"):
+        compare.main(argv(out, "--cycle_tokens", "4096"))
+    with pytest.raises(ValueError, match=r"other settings \(differs in: train_args\)"):
+        compare.main(argv(out, "--learning_rate", "1e-3"))
+    compare.main(argv(out, "--num_cycles", "1"))  # fewer cycles: the same run, nothing redone
+    assert stage_times(read_state(out)) == times
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(ValueError, match="--max_steps is set by the comparison .* --cycle_tokens"):
+        compare.main(argv(fresh, "--max_steps", "5"))
+    with pytest.raises(ValueError, match="no_such_option"):
+        compare.main(argv(fresh, "--no_such_option", "1"))
+    with pytest.raises(ValueError, match="less than one optimizer step"):
+        compare.main(argv(fresh, "--cycle_tokens", "100"))
+    with pytest.raises(ValueError, match="--baseline_preset='debug' is not a Transformer"):
+        compare.main(argv(fresh, "--baseline_preset", "debug"))
+    assert not os.path.exists(fresh / STATE_NAME)  # refused before any work
+
+
+def test_state_overwrite_discards_only_other_settings(tmp_path):
+    path = str(tmp_path / STATE_NAME)
+    removed = []
+    state = CompareState.open(path, {"cycle_tokens": 1})
+    state.mark_done(1, "prepare", dir="x")
+    assert CompareState.open(path, {"cycle_tokens": 1}, overwrite=True).is_done(1, "prepare")  # same run: kept
+    with pytest.raises(ValueError, match=r"differs in: cycle_tokens\). Run the same command"):
+        CompareState.open(path, {"cycle_tokens": 2})
+    fresh = CompareState.open(path, {"cycle_tokens": 2}, overwrite=True, remove_outputs=lambda: removed.append(1))
+    assert removed == [1] and not fresh.is_done(1, "prepare") and fresh.stages_done() == 0
+    assert CompareState.open(path, {"cycle_tokens": 2}).data["identity"] == {"cycle_tokens": 2}
+    with open(path, "w") as f:
+        f.write("{truncated")
+    with pytest.raises(ValueError, match="not a state file"):
+        CompareState.open(path, {"cycle_tokens": 2})

@@ -1,0 +1,152 @@
+"""Progress of a same-data comparison run (scripts/compare.py), kept in one JSON file.
+
+The file says which stages of which cycles are finished, with what they produced (checkpoint paths, metrics,
+evaluation records), so a run killed at any point continues where it stopped and redoes no finished stage.
+Every change rewrites the whole file through a temporary file and `os.replace`: a crash leaves the previous
+version or the new one, never half of one. A stage is marked done only after everything it wrote is complete
+on disk, so "done" in the file always means "its outputs exist".
+
+    state = CompareState.open(path, identity, overwrite=False)   # ValueError if `identity` differs
+    if not state.is_done(2, "train_recurrent"):
+        ...
+        state.mark_done(2, "train_recurrent", final_dir=..., train_loss=...)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+FORMAT_VERSION = 1
+STATE_NAME = "compare_state.json"
+# Per cycle, in order. The held-out set is prepared once, before the first cycle ("heldout").
+CYCLE_STAGES = ("prepare", "train_recurrent", "train_baseline", "evaluate", "cleanup")
+
+
+def _now() -> dict:
+    return {"done_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
+            "done_unix": time.time()}
+
+
+def _differences(previous: Any, current: Any, name: str = "") -> list[str]:
+    """Names of the leaf fields whose values differ (nested dicts are groups; their names are not repeated)."""
+    if isinstance(previous, dict) and isinstance(current, dict):
+        return [d for key in sorted(set(previous) | set(current))
+                for d in _differences(previous.get(key), current.get(key), key)]
+    return [name or "identity"] if previous != current else []
+
+
+class CompareState:
+    """The state file of one comparison output directory."""
+
+    def __init__(self, path: str, data: dict):
+        self.path = path
+        self.data = data
+
+    # -- opening
+
+    @classmethod
+    def open(cls, path: str, identity: dict, overwrite: bool = False,
+             remove_outputs: Callable[[], None] | None = None) -> "CompareState":
+        """Load the state at `path` if it was written with the same `identity`, or start one.
+
+        `identity` is what makes two runs the same run (the arguments that change data, models or results). A
+        state with another identity is refused unless `overwrite`: then `remove_outputs` deletes what that run
+        wrote and a fresh state replaces it. A state with the same identity is always continued, so rerunning
+        the very command that was interrupted (with or without --overwrite) never throws finished work away.
+        """
+        identity = json.loads(json.dumps(identity))  # as it will read back from JSON (tuples -> lists)
+        if os.path.exists(path):
+            data = cls._read(path, overwrite)
+            differences = _differences(data.get("identity"), identity) if data is not None else ["format"]
+            if not differences:
+                return cls(path, data)
+            if not overwrite:
+                raise ValueError(
+                    f"{path}: this output directory holds a comparison run with other settings "
+                    f"(differs in: {', '.join(differences)}). Run the same command to continue "
+                    "it, pass --overwrite to discard it and start again, or choose another --output_dir.")
+            if data is not None:
+                # Void the old state before deleting its outputs: a crash in between must not leave a state
+                # that describes files which are gone.
+                cls(path, {**data, "identity": {"discarded": True}}).save()
+            if remove_outputs is not None:
+                remove_outputs()
+        state = cls(path, {"format_version": FORMAT_VERSION, "identity": identity, "created": _now()["done_at"],
+                           "heldout": None, "cycles": {}})
+        state.save()
+        return state
+
+    @staticmethod
+    def _read(path: str, overwrite: bool) -> dict | None:
+        """The state's content; None for an unreadable file when `overwrite` (it is replaced anyway)."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            if data.get("format_version") != FORMAT_VERSION:
+                raise ValueError(f"format_version {data.get('format_version')}, this code reads {FORMAT_VERSION}")
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError, AttributeError) as err:
+            if overwrite:
+                return None
+            raise ValueError(f"{path}: not a state file this code can continue ({err}); pass --overwrite to start "
+                             "the run again.") from err
+        return data
+
+    def save(self) -> None:
+        directory, name = os.path.split(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.data, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    # -- stages
+
+    def cycle(self, cycle: int) -> dict:
+        return self.data["cycles"].setdefault(str(cycle), {})
+
+    def is_done(self, cycle: int, stage: str) -> bool:
+        assert stage in CYCLE_STAGES, stage
+        return stage in self.data["cycles"].get(str(cycle), {})
+
+    def stage(self, cycle: int, stage: str) -> dict:
+        """What a finished stage recorded (KeyError if it is not finished)."""
+        return self.data["cycles"][str(cycle)][stage]
+
+    def mark_done(self, cycle: int, stage: str, **info) -> None:
+        assert stage in CYCLE_STAGES, stage
+        self.cycle(cycle)[stage] = {**_now(), **info}
+        self.save()
+
+    @property
+    def heldout(self) -> dict | None:
+        return self.data.get("heldout")
+
+    def mark_heldout(self, **info) -> None:
+        self.data["heldout"] = {**_now(), **info}
+        self.save()
+
+    def stages_done(self) -> int:
+        """Finished stages, the held-out preparation included (what the progress bar counts)."""
+        return int(self.heldout is not None) + sum(
+            sum(stage in stages for stage in CYCLE_STAGES) for stages in self.data["cycles"].values())
+
+    def completed_cycles(self) -> list[int]:
+        """Cycles whose evaluation is recorded, in order."""
+        return sorted(int(c) for c, stages in self.data["cycles"].items() if "evaluate" in stages)
+
+    # -- hub pushes (not stages: they run in the background and are retried on the next start)
+
+    def is_pushed(self, cycle: int, model: str) -> bool:
+        return model in self.data["cycles"].get(str(cycle), {}).get("pushed", {})
+
+    def mark_pushed(self, cycle: int, model: str, **info) -> None:
+        self.cycle(cycle).setdefault("pushed", {})[model] = {**_now(), **info}
+        self.save()
