@@ -124,27 +124,32 @@ def write_manifest(data_dir: str, manifest: dict) -> str:
 # ----------------------------------------------------------------------------- reading + validation
 
 
-def read_manifest(data_dir: str) -> dict:
-    """Load and sanity-check ``manifest.json``; raise ValueError naming the file and the fix."""
-    path = os.path.join(os.fspath(data_dir), MANIFEST_NAME)
+def load_manifest(path: str, required: tuple[str, ...], format_version: int, not_found: str, fix: str) -> dict:
+    """Read a JSON manifest and check its fields and format version; every error names the file and the fix."""
     if not os.path.isfile(path):
-        raise ValueError(
-            f"{path}: not found. A data directory is complete only once prepare_data has "
-            f"written its manifest; run `python -m scripts.prepare_data --output_dir {data_dir}`."
-        )
+        raise ValueError(f"{path}: not found; {not_found}")
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); {_FIX_REPREPARE}.") from err
-    missing = [k for k in _REQUIRED_MANIFEST_FIELDS if k not in manifest]
+        raise ValueError(f"{path}: not valid JSON ({err}); {fix}.") from err
+    missing = [k for k in required if k not in manifest]
     if missing:
-        raise ValueError(f"{path}: missing fields {missing}; {_FIX_REPREPARE}.")
-    if manifest["format_version"] != FORMAT_VERSION:
+        raise ValueError(f"{path}: missing fields {missing}; {fix}.")
+    if manifest["format_version"] != format_version:
         raise ValueError(
             f"{path}: format_version {manifest['format_version']} but this code reads "
-            f"version {FORMAT_VERSION}; {_FIX_REPREPARE}."
+            f"version {format_version}; {fix}."
         )
+    return manifest
+
+
+def read_manifest(data_dir: str) -> dict:
+    """Load and sanity-check ``manifest.json``; raise ValueError naming the file and the fix."""
+    path = os.path.join(os.fspath(data_dir), MANIFEST_NAME)
+    not_found = ("a data directory is complete only once prepare_data has written its manifest; run "
+                 f"`python -m scripts.prepare_data --output_dir {data_dir}`.")
+    manifest = load_manifest(path, _REQUIRED_MANIFEST_FIELDS, FORMAT_VERSION, not_found, _FIX_REPREPARE)
     if manifest["dtype"] not in ("uint16", "uint32"):
         raise ValueError(f"{path}: dtype '{manifest['dtype']}' is not uint16/uint32; {_FIX_REPREPARE}.")
     return manifest

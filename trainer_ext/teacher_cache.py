@@ -26,7 +26,6 @@ cache built from other shards or another tokenizer is refused instead of silentl
 from __future__ import annotations
 
 import bisect
-import json
 import os
 import warnings
 
@@ -35,7 +34,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .atomic import write_json
-from .data import MANIFEST_NAME, ShardedTokenDataset, _read_npy_header, file_sha256, read_manifest
+from .data import MANIFEST_NAME, ShardedTokenDataset, _read_npy_header, file_sha256, load_manifest, read_manifest
 
 CACHE_FORMAT_VERSION = 1
 TEACHER_MANIFEST_NAME = "teacher_manifest.json"
@@ -61,26 +60,10 @@ def ids_dtype(vocab_size: int) -> np.dtype:
 
 def read_teacher_manifest(cache_dir: str) -> dict:
     path = os.path.join(os.fspath(cache_dir), TEACHER_MANIFEST_NAME)
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"{path}: not found; {cache_dir} is not a teacher cache. Build one with "
-            f"`python -m scripts.cache_teacher --output_dir {cache_dir} --data_dir ... "
-            "--teacher_model_name_or_path ...`."
-        )
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); {_FIX_RECACHE} with --overwrite.") from err
-    missing = [k for k in ("format_version", "topk", "ids_dtype", "data", "teacher", "splits") if k not in manifest]
-    if missing:
-        raise ValueError(f"{path}: missing fields {missing}; {_FIX_RECACHE} with --overwrite.")
-    if manifest["format_version"] != CACHE_FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: format_version {manifest['format_version']} but this code reads version "
-            f"{CACHE_FORMAT_VERSION}; {_FIX_RECACHE} with --overwrite."
-        )
-    return manifest
+    not_found = (f"{cache_dir} is not a teacher cache. Build one with `python -m scripts.cache_teacher "
+                 f"--output_dir {cache_dir} --data_dir ... --teacher_model_name_or_path ...`.")
+    required = ("format_version", "topk", "ids_dtype", "data", "teacher", "splits")
+    return load_manifest(path, required, CACHE_FORMAT_VERSION, not_found, f"{_FIX_RECACHE} with --overwrite")
 
 
 def write_teacher_manifest(cache_dir: str, manifest: dict) -> str:
