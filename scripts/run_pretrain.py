@@ -49,6 +49,10 @@ class ModelArguments:
     attn_implementation: str = field(default="sdpa", metadata={"help": "eager, sdpa or flash_attention_2."})
     teacher_model_name_or_path: str | None = field(
         default=None, metadata={"help": "Online teacher: any causal LM sharing the student's tokenizer."})
+    teacher_device: str | None = field(
+        default=None, metadata={"help": "Where the teacher runs, e.g. cuda:1 (default: the training device)."})
+    teacher_quantization: str = field(
+        default="none", metadata={"help": "none, 8bit or 4bit (bitsandbytes, CUDA only) to fit a larger teacher."})
 
 
 @dataclass
@@ -138,15 +142,31 @@ def build_model(model_args: ModelArguments, vocab_size: int, tokenizer, device: 
                                                 attn_implementation=model_args.attn_implementation)
 
 
-def load_teacher(name_or_path: str, student_tokenizer, device):
-    teacher = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.bfloat16 if device.type == "cuda"
-                                                   else torch.float32, trust_remote_code=True).to(device)
+QUANTIZATIONS = ("none", "8bit", "4bit")
+
+
+def load_teacher(name_or_path: str, student_tokenizer, device: torch.device, quantization: str = "none"):
+    """A frozen teacher in eval mode (bf16 on CUDA), checked to share the student's tokenizer before loading."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--teacher_quantization={quantization!r} is not allowed; choose one of {list(QUANTIZATIONS)}.")
     teacher_tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer_hash(teacher_tokenizer) != tokenizer_hash(student_tokenizer):
         raise ValueError(
             f"Teacher {name_or_path!r} uses a different tokenizer (hash {tokenizer_hash(teacher_tokenizer)}) than the "
             f"student's data (hash {tokenizer_hash(student_tokenizer)}); distillation needs one shared vocabulary.")
-    return teacher
+    kwargs = {"dtype": torch.bfloat16 if device.type == "cuda" else torch.float32, "trust_remote_code": True}
+    if quantization != "none":
+        if device.type != "cuda":
+            raise ValueError(f"--teacher_quantization {quantization} needs a CUDA teacher device (got {device}).")
+        from transformers import BitsAndBytesConfig  # needs the `bitsandbytes` package (extra: gpu)
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=quantization == "8bit",
+                                                           load_in_4bit=quantization == "4bit",
+                                                           bnb_4bit_compute_dtype=torch.bfloat16)
+        kwargs["device_map"] = {"": device}
+        return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs).eval().requires_grad_(False)
+    teacher = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs).to(device)
+    return teacher.eval().requires_grad_(False)
 
 
 def main(argv=None, callbacks=None) -> dict:
@@ -175,7 +195,9 @@ def main(argv=None, callbacks=None) -> dict:
 
     teacher = None
     if model_args.teacher_model_name_or_path:
-        teacher = load_teacher(model_args.teacher_model_name_or_path, tokenizer, training_args.device)
+        teacher_device = torch.device(model_args.teacher_device) if model_args.teacher_device else training_args.device
+        teacher = load_teacher(model_args.teacher_model_name_or_path, tokenizer, teacher_device,
+                               model_args.teacher_quantization)
     manifest = read_manifest(data_dir)
     card = ModelCardInfo(
         preset=None if model_args.model_name_or_path else model_args.preset,

@@ -151,3 +151,14 @@ def test_torch_compile_compiles_each_layer_and_keeps_state_dict_keys(tiny_data_d
     trainer.train()
     assert len(losses(trainer)) == 2
     assert not any(key.startswith("_orig_mod") or "._orig_mod" in key for key in trainer.model.state_dict())
+
+
+def test_teacher_quantization_needs_cuda_and_a_known_mode(tiny_data_dir, tmp_path):
+    _save_teacher(tiny_data_dir, tmp_path / "teacher")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_data_dir)
+    with pytest.raises(ValueError, match="CUDA"):
+        run_pretrain.load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"), "8bit")
+    with pytest.raises(ValueError, match="teacher_quantization"):
+        run_pretrain.load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"), "2bit")
+    teacher = run_pretrain.load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"))
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
