@@ -120,10 +120,22 @@ def _draw(ax, series: dict[str, list[dict]], x: str, key: str, ylabel: str) -> N
                     ax.annotate(f"n={row['num_steps']}", (x_value, y_value), textcoords="offset points",
                                 xytext=(0, 6), ha="center", fontsize="x-small", color=color)
     ax.margins(y=0.15)  # room for the n= labels above the points
+    if x == "tokens_seen":  # 200K, 400K, ... instead of 200000 run together
+        from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: _short_count(value)))
     ax.set_xlabel(_LABELS.get(x, x))
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
+
+
+def _short_count(value: float) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= scale:
+            return f"{value / scale:g}{suffix}"
+    return f"{value:g}"
 
 
 def _save(figure, path: str) -> str:
