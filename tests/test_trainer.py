@@ -162,3 +162,23 @@ def test_teacher_quantization_needs_cuda_and_a_known_mode(tiny_data_dir, tmp_pat
         run_pretrain.load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"), "2bit")
     teacher = run_pretrain.load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"))
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+
+
+def test_accelerate_launch_with_the_single_card_config(tiny_data_dir, tmp_path):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", os.path.join(root, "trainer_ext", "configs", "accelerate_single_24gb.yaml"),
+        "--cpu", "--mixed_precision", "no",  # the config's bf16 GPU settings, overridden for a CPU-only machine
+        os.path.join(root, "scripts", "run_pretrain.py"),
+        "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "2",
+        "--per_device_train_batch_size", "4", "--eval_strategy", "no", "--save_strategy", "no",
+        "--logging_steps", "1", "--disable_tqdm", "true",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.isfile(tmp_path / "run" / "final" / "model.safetensors")
+    assert len([e for e in json.load(open(tmp_path / "run" / "log_history.json")) if "loss" in e]) == 2
