@@ -67,6 +67,10 @@ class DataArguments:
 
 
 # What a bare `hf-recurrent-pretrain` runs: the debug preset on the embedded corpus, a few minutes on a CPU.
+# Models of LARGE_MODEL_PARAMS or more get LARGE_MODEL_DEFAULTS instead of the schedule flags below, unless the
+# command line sets them: a 3e-3 learning rate with 30 warm-up steps diverges at the billion scale.
+LARGE_MODEL_PARAMS = 50e6
+LARGE_MODEL_DEFAULTS = {"learning_rate": 3e-4, "warmup_steps": 2000, "max_steps": -1, "num_train_epochs": 1.0}
 DEFAULT_ARGS = [
     "--output_dir", os.path.join("outputs", "run_pretrain"),
     "--max_steps", "240",
@@ -92,7 +96,23 @@ def parse_args(argv=None):
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         return parser.parse_yaml_file(argv[0]) if argv[0].endswith("ml") else parser.parse_json_file(argv[0])
     # Defaults first, so anything on the command line wins (argparse keeps the last value).
-    return parser.parse_args_into_dataclasses(args=DEFAULT_ARGS + argv)
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=DEFAULT_ARGS + argv)
+    training_args.explicit_flags = {arg.split("=")[0].lstrip("-").replace("-", "_") for arg in argv
+                                    if arg.startswith("--")}
+    return model_args, data_args, training_args
+
+
+def apply_large_model_defaults(training_args, num_params: int) -> dict:
+    """The schedule defaults for a large model, where the command line left them unset; returns what changed."""
+    if num_params < LARGE_MODEL_PARAMS:
+        return {}
+    explicit = getattr(training_args, "explicit_flags", set())
+    changed = {k: v for k, v in LARGE_MODEL_DEFAULTS.items() if k not in explicit}
+    if "max_steps" in explicit:
+        changed.pop("num_train_epochs", None)
+    for key, value in changed.items():
+        setattr(training_args, key, value)
+    return changed
 
 
 def parse_overrides(text: str | None) -> dict:
@@ -190,6 +210,9 @@ def main(argv=None, callbacks=None) -> dict:
     if data_args.max_eval_samples is not None and len(eval_set) > data_args.max_eval_samples:
         eval_set = torch.utils.data.Subset(eval_set, range(data_args.max_eval_samples))
     params = sum(p.numel() for p in model.parameters())
+    changed = apply_large_model_defaults(training_args, params)
+    if changed:
+        logger.info("Defaults for a model of %.0fM parameters (set them to override): %s", params / 1e6, changed)
     logger.info("Model %s: %.2fM unique parameters, %d train samples of %d tokens", model_args.preset,
                 params / 1e6, len(train_set), train_set.seq_len)
 

@@ -182,3 +182,13 @@ def test_accelerate_launch_with_the_single_card_config(tiny_data_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.path.isfile(tmp_path / "run" / "final" / "model.safetensors")
     assert len([e for e in json.load(open(tmp_path / "run" / "log_history.json")) if "loss" in e]) == 2
+
+
+def test_large_models_get_a_conservative_schedule_unless_set():
+    _, _, args = run_pretrain.parse_args(["--preset", "recurrent-3.3b", "--learning_rate", "1e-4", "--use_cpu", "true"])
+    changed = run_pretrain.apply_large_model_defaults(args, num_params=3_000_000_000)
+    assert "learning_rate" not in changed and args.learning_rate == 1e-4  # what the command line said wins
+    assert args.warmup_steps == 2000 and args.max_steps == -1 and args.num_train_epochs == 1
+    _, _, small = run_pretrain.parse_args(["--use_cpu", "true"])
+    assert run_pretrain.apply_large_model_defaults(small, num_params=1_000_000) == {}
+    assert small.learning_rate == 3e-3 and small.max_steps == 240  # the CPU demo's schedule
