@@ -140,6 +140,7 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 def ensure_data(data_dir: str | None) -> str:
     if data_dir is not None:
+        read_manifest(data_dir)  # a clear error naming the file and the fix, before anything else loads
         return data_dir
     if not os.path.exists(os.path.join(DEFAULT_DATA_DIR, "manifest.json")):
         logger.info("Preparing the embedded corpus in %s", DEFAULT_DATA_DIR)

@@ -192,3 +192,8 @@ def test_large_models_get_a_conservative_schedule_unless_set():
     _, _, small = run_pretrain.parse_args(["--use_cpu", "true"])
     assert run_pretrain.apply_large_model_defaults(small, num_params=1_000_000) == {}
     assert small.learning_rate == 3e-3 and small.max_steps == 240  # the CPU demo's schedule
+
+
+def test_missing_data_dir_is_named_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="prepare_data"):
+        run_pretrain.main(["--data_dir", str(tmp_path / "nothing"), "--use_cpu", "true"])
