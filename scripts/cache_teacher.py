@@ -43,6 +43,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import hf_recurrent  # noqa: F401  (registers the recurrent model with the Auto classes)
 from trainer_ext.data import SPLITS, file_sha256, tokenizer_hash, validate_data_dir
+from trainer_ext.devices import resolve_device, resolve_dtype
 from trainer_ext.distill import teacher_topk
 from trainer_ext.teacher_cache import (
     CACHE_FORMAT_VERSION,
@@ -95,13 +96,6 @@ class CacheTeacherArguments:
         bad = [s for s in self.splits if s not in SPLITS]
         if bad or not self.splits:
             raise ValueError(f"--splits {self.splits} is not allowed; choose from {list(SPLITS)}.")
-
-
-def resolve_device_and_dtype(args: CacheTeacherArguments) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    if args.dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, getattr(torch, args.dtype)
 
 
 def load_teacher_tokenizer_hash(args: CacheTeacherArguments) -> str:
@@ -333,7 +327,8 @@ def cache_teacher(args: CacheTeacherArguments) -> dict:
     vocab_limit = token_manifest["vocab_size"]
     if args.topk > vocab_limit:
         raise ValueError(f"--topk {args.topk} exceeds the vocabulary size {vocab_limit}.")
-    device, dtype = resolve_device_and_dtype(args)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     identity = cache_identity(args, token_manifest, teacher_hash, dtype)
 
     os.makedirs(args.output_dir, exist_ok=True)

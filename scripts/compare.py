@@ -71,10 +71,12 @@ from transformers import HfArgumentParser, TrainerCallback
 import hf_recurrent  # noqa: F401  (registers the model with the Auto classes)
 from hf_recurrent import presets
 from scripts import run_pretrain
-from scripts.evaluate import load_checkpoint, markdown_table, resolve_device, resolve_dtype, unrolled_layers, write_text
+from scripts.evaluate import load_checkpoint, markdown_table, unrolled_layers
 from scripts.prepare_data import PrepareDataArguments, prepare
+from trainer_ext.atomic import write_text
 from trainer_ext.compare_state import CYCLE_STAGES, STATE_NAME, CompareState
 from trainer_ext.data import ShardedTokenDataset
+from trainer_ext.devices import resolve_device, resolve_dtype
 from trainer_ext.evaluation import evaluate_model
 from trainer_ext.hub import BackgroundPusher, cycle_commit_message
 from trainer_ext.model_card import ModelCardInfo, format_count, write_model_card

@@ -30,6 +30,7 @@ import hf_recurrent  # noqa: F401  (registers the model with the Auto classes)
 from hf_recurrent.presets import is_recurrent
 from trainer_ext.atomic import write_text
 from trainer_ext.data import ShardedTokenDataset, tokenizer_hash
+from trainer_ext.devices import resolve_device, resolve_dtype
 from trainer_ext.evaluation import cache_mode_cost, evaluate_model, generation_speed
 
 logger = logging.getLogger("evaluate")
@@ -94,18 +95,6 @@ def default_label(checkpoint: str) -> str:
     path = os.path.normpath(os.path.abspath(checkpoint))
     name = os.path.basename(path)
     return os.path.basename(os.path.dirname(path)) if name == "final" else name
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 def load_checkpoint(path: str, dtype: torch.dtype, device: torch.device):

@@ -28,6 +28,7 @@ from hf_recurrent import presets
 from scripts import prepare_data
 from trainer_ext.atomic import write_json
 from trainer_ext.data import ShardedTokenDataset, read_manifest, tokenizer_hash
+from trainer_ext.devices import resolve_dtype
 from trainer_ext.hub import HubPushCallback, ModelCardCallback, tokens_per_optimizer_step
 from trainer_ext.model_card import ModelCardInfo, write_model_card
 from trainer_ext.teacher_cache import TeacherCacheDataset, read_teacher_manifest
@@ -53,6 +54,10 @@ class ModelArguments:
         default=None, metadata={"help": "Where the teacher runs, e.g. cuda:1 (default: the training device)."})
     teacher_quantization: str = field(
         default="none", metadata={"help": "none, 8bit or 4bit (bitsandbytes, CUDA only) to fit a larger teacher."})
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"--dtype={self.dtype!r} is not allowed; choose one of ['auto', 'bfloat16', 'float32'].")
 
 
 @dataclass
@@ -130,14 +135,6 @@ def parse_overrides(text: str | None) -> dict:
     return overrides
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    if name not in ("bfloat16", "float32"):
-        raise ValueError(f"--dtype={name!r} is not allowed; choose one of ['auto', 'bfloat16', 'float32'].")
-    return getattr(torch, name)
-
-
 def ensure_data(data_dir: str | None) -> str:
     if data_dir is not None:
         read_manifest(data_dir)  # a clear error naming the file and the fix, before anything else loads
@@ -149,7 +146,7 @@ def ensure_data(data_dir: str | None) -> str:
 
 
 def build_model(model_args: ModelArguments, vocab_size: int, tokenizer, device: torch.device):
-    dtype = resolve_dtype(model_args.dtype)
+    dtype = resolve_dtype(model_args.dtype, device)
     if model_args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path, dtype=dtype, attn_implementation=model_args.attn_implementation,
@@ -175,7 +172,7 @@ def load_teacher(name_or_path: str, student_tokenizer, device: torch.device, qua
         raise ValueError(
             f"Teacher {name_or_path!r} uses a different tokenizer (hash {tokenizer_hash(teacher_tokenizer)}) than the "
             f"student's data (hash {tokenizer_hash(student_tokenizer)}); distillation needs one shared vocabulary.")
-    kwargs = {"dtype": torch.bfloat16 if device.type == "cuda" else torch.float32, "trust_remote_code": True}
+    kwargs = {"dtype": resolve_dtype("auto", device), "trust_remote_code": True}
     if quantization != "none":
         if device.type != "cuda":
             raise ValueError(f"--teacher_quantization {quantization} needs a CUDA teacher device (got {device}).")

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .atomic import write_json
+
 FORMAT_VERSION = 1
 STATE_NAME = "compare_state.json"
 # Per cycle, in order. The held-out set is prepared once, before the first cycle ("heldout").
@@ -97,15 +99,7 @@ class CompareState:
         return data
 
     def save(self) -> None:
-        directory, name = os.path.split(os.path.abspath(self.path))
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{name}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.data, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_json(self.path, self.data)
 
     # -- stages
 
