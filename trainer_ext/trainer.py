@@ -207,8 +207,9 @@ class RecurrentTrainer(Trainer):
             self._window["tokens"] += input_ids.numel()
             self._window["flops"] += input_ids.numel() * flops_per_token(
                 unwrapped.config, num_steps, depth.get("backprop_depth"), seq_len=input_ids.shape[1])
-            self._window["ce"] += float(out.ce)
-            self._window["kd"] += float(out.kd)
+            # Summed on the device and read at logging time: a float() here would wait for the GPU every step.
+            self._window["ce"] += out.ce.detach()
+            self._window["kd"] += out.kd.detach()
             self._window["depth"] += num_steps or 0
             self._window["steps"] += 1
         return (out.loss, {"loss": out.loss}) if return_outputs else out.loss
@@ -233,9 +234,10 @@ class RecurrentTrainer(Trainer):
             logs["tokens_per_second"] = round(window["tokens"] / elapsed, 1)
             if self.peak_flops:
                 logs["mfu"] = round(window["flops"] / elapsed / self.peak_flops, 4)
-            logs["ce"] = round(window["ce"] / window["steps"], 4)
-            if self.teacher is not None or window["kd"]:
-                logs["kd"] = round(window["kd"] / window["steps"], 4)
+            logs["ce"] = round(float(window["ce"]) / window["steps"], 4)
+            kd = float(window["kd"]) / window["steps"]
+            if self.teacher is not None or kd:
+                logs["kd"] = round(kd, 4)
             if self.recurrent:
                 logs["depth"] = round(window["depth"] / window["steps"], 2)
             optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
