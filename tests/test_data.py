@@ -353,3 +353,11 @@ def test_missing_split_and_bad_arguments_raise(prepared, tmp_path):
         PrepareDataArguments(files=["x.txt"])
     with pytest.raises(ValueError, match="matches no file"):
         prepare(PrepareDataArguments(files=[str(tmp_path / "nothing-*.jsonl")], output_dir=str(tmp_path / "o")))
+
+
+def test_text_file_in_another_encoding_is_read_with_replacement(tmp_path):
+    """A latin-1 file among UTF-8 files (as in source trees) is read, its bad bytes replaced, not fatal."""
+    (tmp_path / "a.txt").write_text("plain utf-8 text\n", encoding="utf-8")
+    (tmp_path / "b.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    dataset = corpus.load_local_files([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")])
+    assert dataset["text"] == ["plain utf-8 text\n", "caf\ufffd au lait\n"]

@@ -107,7 +107,7 @@ def _reference_run(params, grads_per_step, clips, lr, weight_decay, beta1, beta2
             update = update / max(1.0, update.square().mean().sqrt().item() / clip)
             if beta1 is not None:
                 momentum[i] = beta1 * momentum[i] + (1 - beta1) * update
-                update = momentum[i]
+                update = momentum[i] / (1 - beta1**t)
             p.mul_(1 - lr * weight_decay).sub_(lr * update)
     return params
 

@@ -163,6 +163,8 @@ def load_local_files(
     which matters with thousands of parquet shards) and concatenated in argument order.
     ``text_sample_by`` decides what one document of a plain-text file is: the whole file
     ("document"), each blank-line-separated block ("paragraph") or each line ("line").
+    Text files are read as UTF-8; bytes that are not valid UTF-8 become U+FFFD, so one file in
+    another encoding (common in source trees and web dumps) does not stop a large run.
     """
     import datasets
 
@@ -176,7 +178,7 @@ def load_local_files(
 
     parts = []
     for builder, paths in runs:
-        kwargs = {"sample_by": text_sample_by} if builder == "text" else {}
+        kwargs = {"sample_by": text_sample_by, "encoding_errors": "replace"} if builder == "text" else {}
         part = datasets.load_dataset(
             builder, data_files=paths, split="train", cache_dir=cache_dir, **kwargs
         )

@@ -35,12 +35,13 @@ from torch import nn
 __all__ = ["LowMemoryAdafactor", "check_gradient_accumulation", "create_optimizer"]
 
 # Tensors larger than this many elements are updated in row chunks of at most this size, so that fp32
-# temporaries are bounded by 64 MiB (2**24 * 4 bytes) instead of the size of the weight. Eager mode makes
+# temporaries are bounded by 256 MiB (2**26 * 4 bytes) instead of the size of the weight. Eager mode makes
 # several fp32 temporaries; a compiled update that is one graph still materialises one fp32 copy of the
 # gradient (measured on a 32000 x 4096 bf16 weight: +500 MiB as one graph, +0.6 MiB in chunks).
-# 2**24 is also a 4096 x 4096 projection, so attention weights of 7B-class models stay one compiled call,
-# and element indices within a chunk fit int32 for the random-bit hash.
-DEFAULT_MAX_CHUNK_NUMEL = 2**24
+# 2**26 keeps every projection of 7B-class models (4096 x 11008 = 45M) one compiled call: each chunk costs
+# three more compiled calls, and a 3.3B step spent most of its host time in those calls (BENCHMARKS.md);
+# only embedding matrices are chunked. Element indices within a chunk fit int32 for the random-bit hash.
+DEFAULT_MAX_CHUNK_NUMEL = 2**26
 
 _STATE_DICT_KEY = "low_memory_adafactor"
 
@@ -133,9 +134,11 @@ def _apply_update(param: torch.Tensor, update: torch.Tensor, momentum: torch.Ten
                   ok: torch.Tensor, step: torch.Tensor, key: torch.Tensor, hyper: torch.Tensor) -> None:
     """Momentum (optional), decoupled weight decay, and the in-place weight write."""
     if momentum is not None:
+        # ``step`` already counts this update (when ok), so the first one divides by 1 - beta1.
         beta1 = hyper[_BETA1]
         update = beta1 * momentum.float() + (1.0 - beta1) * update
         _store(momentum, update, ok, key, step, _MOMENTUM_SALT)
+        update = update / (1.0 - beta1.pow(torch.clamp(step, min=1.0)))
     lr = hyper[_LR]
     new_param = param.float() * (1.0 - lr * hyper[_WEIGHT_DECAY]) - lr * update
     _store(param, new_param, ok, key, step, _WEIGHT_SALT)
@@ -313,7 +316,8 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         v      <- beta2_t * v + (1 - beta2_t) * (g**2 + eps)   factored into row/column means if ndim >= 2
         u      =  g / sqrt(v_hat)                              v_hat: bias-corrected (rank-1) estimate
         u      <- u / max(1, RMS(u) / clip_threshold)
-        u      <- m <- momentum * m + (1 - momentum) * u       only if momentum is not None
+        m      <- momentum * m + (1 - momentum) * u            only if momentum is not None,
+        u      <- m / (1 - momentum**t)                         then bias-corrected as in Adam
         w      <- w * (1 - lr * weight_decay) - lr * u          rounded stochastically if w is bf16
 
     Args:
