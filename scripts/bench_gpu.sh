@@ -60,8 +60,17 @@ case $STAGE in
   quality)
     prepare_1024
     python3 -m scripts.bench_optimizer_quality --data_dir $DATA_1024 --output_dir "$OUT/quality" "$@" 2>&1 | quiet ;;
-  compare)
-    python3 -m scripts.compare --files "$STDLIB/**/*.py" --num_proc 16 "$@" 2>&1 | quiet ;;
+  compare)  # then the last cycle's checkpoints through scripts/evaluate.py (generation speed, depth plots)
+    DIR=${COMPARE_DIR:-outputs/compare-125m}
+    python3 -m scripts.compare --files "$STDLIB/**/*.py" --num_proc 16 --output_dir $DIR "$@" > "$OUT/compare.log" 2>&1
+    CODE=$?; echo "compare exit code $CODE"; tr '\r' '\n' < "$OUT/compare.log" | grep -E "Error|rror:|Wrote" | tail -8
+    mkdir -p "$OUT/compare"; cp $DIR/results.* $DIR/*.png $DIR/compare_state.json "$OUT/compare/" 2>/dev/null
+    RECURRENT=$(ls -d $DIR/recurrent/cycle-*/final | tail -1) BASELINE=$(ls -d $DIR/baseline/cycle-*/final | tail -1)
+    [ $CODE = 0 ] || exit $CODE
+    cp $RECURRENT/README.md "$OUT/compare/model_card_recurrent.md"; cp $BASELINE/README.md "$OUT/compare/model_card_baseline.md"
+    python3 -m scripts.evaluate --checkpoints $RECURRENT $BASELINE --labels recurrent baseline \
+      --data_dir $DIR/data/heldout --depths 1 3 6 12 24 --cache_cost_depths 3 6 12 --output_dir "$OUT/compare/eval" \
+      > "$OUT/evaluate.log" 2>&1; echo "evaluate exit code $?"; cat "$OUT"/compare/eval/*.md ;;
   *)
     echo "unknown stage $STAGE (train, distill, quality, compare)" >&2; exit 2 ;;
 esac
