@@ -62,7 +62,8 @@ case $STAGE in
     python3 -m scripts.bench_optimizer_quality --data_dir $DATA_1024 --output_dir "$OUT/quality" "$@" 2>&1 | quiet ;;
   compare)  # then the last cycle's checkpoints through scripts/evaluate.py (generation speed, depth plots)
     DIR=${COMPARE_DIR:-outputs/compare-125m}
-    python3 -m scripts.compare --files "$STDLIB/**/*.py" --num_proc 16 --output_dir $DIR "$@" > "$OUT/compare.log" 2>&1
+    PURELIB=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")  # more real text
+    python3 -m scripts.compare --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" --num_proc 16 --output_dir $DIR "$@" > "$OUT/compare.log" 2>&1
     CODE=$?; echo "compare exit code $CODE"; tr '\r' '\n' < "$OUT/compare.log" | grep -E "Error|rror:|Wrote" | tail -8
     mkdir -p "$OUT/compare"; cp $DIR/results.* $DIR/*.png $DIR/compare_state.json "$OUT/compare/" 2>/dev/null
     RECURRENT=$(ls -d $DIR/recurrent/cycle-*/final | tail -1) BASELINE=$(ls -d $DIR/baseline/cycle-*/final | tail -1)

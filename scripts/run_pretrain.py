@@ -211,8 +211,8 @@ def main(argv=None, callbacks=None) -> dict:
     changed = apply_large_model_defaults(training_args, params)
     if changed:
         logger.info("Defaults for a model of %.0fM parameters (set them to override): %s", params / 1e6, changed)
-    logger.info("Model %s: %.2fM unique parameters, %d train samples of %d tokens", model_args.preset,
-                params / 1e6, len(train_set), train_set.seq_len)
+    logger.info("Model %s: %.2fM unique parameters, %d train samples of %d tokens",
+                model_args.model_name_or_path or model_args.preset, params / 1e6, len(train_set), train_set.seq_len)
 
     teacher = None
     if model_args.teacher_model_name_or_path:

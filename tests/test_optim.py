@@ -1,6 +1,5 @@
 """Tests of the low-memory optimizer (CPU; the GPU test skips without CUDA)."""
 
-import copy
 import io
 import math
 
