@@ -77,7 +77,7 @@ from trainer_ext.atomic import write_text
 from trainer_ext.compare_state import CYCLE_STAGES, STATE_NAME, CompareState
 from trainer_ext.data import ShardedTokenDataset
 from trainer_ext.devices import resolve_device, resolve_dtype
-from trainer_ext.evaluation import evaluate_model
+from trainer_ext.evaluation import depth_collapse_warning, evaluate_model
 from trainer_ext.hub import BackgroundPusher, cycle_commit_message
 from trainer_ext.model_card import ModelCardInfo, format_count, write_model_card
 
@@ -563,6 +563,11 @@ class ComparisonRun:
                           "layers": unrolled_layers(model.config, depth), "checkpoint": final_dir, **metrics}
                 record["model"] = _label(record)
                 records.append(record)
+            if recurrent:
+                warning = depth_collapse_warning(
+                    f"cycle {cycle}, {preset}", {r["num_steps"]: r["ce"] for r in records if r["arch"] == model_name})
+                if warning:
+                    logger.warning(warning)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()

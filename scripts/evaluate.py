@@ -31,7 +31,7 @@ from hf_recurrent.presets import is_recurrent
 from trainer_ext.atomic import write_text
 from trainer_ext.data import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.devices import resolve_device, resolve_dtype
-from trainer_ext.evaluation import cache_mode_cost, evaluate_model, generation_speed
+from trainer_ext.evaluation import cache_mode_cost, depth_collapse_warning, evaluate_model, generation_speed
 
 logger = logging.getLogger("evaluate")
 
@@ -157,6 +157,10 @@ def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, de
             **quality,
             **{f"tokens_per_s_batch_{b}": s for b, s in speed.items()},
         })
+    if recurrent:
+        warning = depth_collapse_warning(label, {r["num_steps"]: r["ce"] for r in records})
+        if warning:
+            logger.warning(warning)
     if recurrent and args.cache_cost_samples > 0:
         seq_len = dataset[0]["input_ids"].shape[0]
         prefix_len = max(seq_len - args.cache_cost_tokens, 0)

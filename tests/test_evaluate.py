@@ -11,6 +11,7 @@ from scripts import evaluate as evaluate_script
 from trainer_ext.data import ShardedTokenDataset
 from trainer_ext.evaluation import (
     cache_mode_cost,
+    depth_collapse_warning,
     evaluate_model,
     generation_speed,
     load_metric,
@@ -206,6 +207,36 @@ def test_evaluate_script_writes_json_and_markdown(tiny_data_dir, checkpoints, tm
     assert rows == ["CE", "perplexity", "top-1", "top-5", "tokens/s (batch 1)", "tokens/s (batch 2)"]
     assert f"{saved['results'][0]['ce']:.4f}" in lines[1]
     assert "shared - per_step" in table
+
+
+def test_depth_collapse_warning_thresholds():
+    assert depth_collapse_warning("m", {1: 4.50, 4: 4.48}) is None  # depth matters: healthy
+    assert depth_collapse_warning("m", {3: 7.1653}) is None  # one depth: nothing to compare
+    warning = depth_collapse_warning("m", {1: 7.1658, 3: 7.1653, 24: 7.1653})
+    assert warning.startswith("m: held-out CE is the same at depth 1 and depth 24")
+
+
+def test_evaluate_script_warns_about_a_collapsed_recurrent_model(tiny_data_dir, tmp_path, caplog):
+    """A core that writes nothing and an adapter that ignores the state: every depth gives the same output."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_data_dir)
+    torch.manual_seed(0)
+    model = RecurrentDepthForCausalLM(presets.get("debug", vocab_size=len(tokenizer)))
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        model.model.adapter.weight[:, :hidden] = 0  # the state half of the [state, embedded] input
+        for layer in model.model.core:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(tmp_path / "collapsed")
+    tokenizer.save_pretrained(tmp_path / "collapsed")
+    args = ["--data_dir", tiny_data_dir, "--depths", "1", "4", "--max_samples", "4", "--speed_batch_size", "1",
+            "--prompt_len", "8", "--new_tokens", "2", "--speed_repeats", "1", "--cache_cost_samples", "0",
+            "--plots", "false", "--output_dir", str(tmp_path / "eval")]
+    with caplog.at_level("WARNING"):
+        report = evaluate_script.main(["--checkpoints", str(tmp_path / "collapsed"), *args])
+    ce = [r["ce"] for r in report["results"]]
+    assert ce[0] == pytest.approx(ce[1], abs=1e-6)
+    assert "the recurrent state has probably collapsed" in caplog.text
 
 
 def test_evaluate_script_rejects_bad_arguments(tiny_data_dir, checkpoints, tmp_path):
