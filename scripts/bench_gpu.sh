@@ -51,7 +51,7 @@ case $STAGE in
     [ -f $TEACHER/final/config.json ] || python3 -m scripts.run_pretrain --preset transformer-125m --data_dir $DATA \
       --output_dir $TEACHER --max_steps 150 --per_device_train_batch_size 8 --learning_rate 1e-3 --warmup_steps 15 \
       --lr_scheduler_type cosine --bf16 true --eval_strategy no --save_strategy no --disable_tqdm true \
-      > "$OUT/teacher.log" 2>&1
+      --optimizer_momentum 0 > "$OUT/teacher.log" 2>&1
     grep -E "Eval loss|Error" "$OUT/teacher.log"
     python3 -m scripts.cache_teacher --teacher_model_name_or_path $TEACHER/final --data_dir $DATA --output_dir $CACHE \
       > "$OUT/cache_teacher.log" 2>&1; tail -3 "$OUT/cache_teacher.log"; du -sh $CACHE

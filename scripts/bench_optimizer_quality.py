@@ -19,7 +19,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 RUNS = {
-    "low_memory": ["--dtype", "bfloat16", "--optimizer", "low_memory"],
+    "low_memory": ["--dtype", "bfloat16", "--optimizer", "low_memory", "--optimizer_momentum", "0"],
     "low_memory_momentum": ["--dtype", "bfloat16", "--optimizer", "low_memory", "--optimizer_momentum", "0.9"],
     "adamw": ["--dtype", "float32", "--optimizer", "hf", "--optim", "adamw_torch", "--max_grad_norm", "1.0"],
     "hf_adafactor": ["--dtype", "float32", "--optimizer", "hf", "--optim", "adafactor", "--max_grad_norm", "1.0"],

@@ -71,6 +71,9 @@ class DistillDemoArguments:
     student_preset: str = field(default="debug")
     student_steps: int = field(default=100)
     student_learning_rate: float = field(default=3e-3)
+    optimizer_momentum: float = field(
+        default=0.0, metadata={"help": "Momentum of the low-memory optimizer, teacher and students (0 = off, as in "
+                                       "the figures recorded in BENCHMARKS_distill.md)."})
     batch_size: int = field(default=8)
     distill_alpha: float = field(default=0.5)
     distill_temperature: float = field(default=1.0)
@@ -103,6 +106,7 @@ def train_teacher(args: DistillDemoArguments) -> str:
             "--save_strategy", "no", "--logging_steps", str(max(args.teacher_steps // 6, 1)),
             "--seed", str(args.seed), "--disable_tqdm", "true",
             "--use_cpu", str(not torch.cuda.is_available()).lower(),
+            "--optimizer_momentum", str(args.optimizer_momentum),
         ])
     return final
 
@@ -172,7 +176,7 @@ def train_student(args: DistillDemoArguments, data_dir: str, cache_dir: str | No
         save_strategy="no", eval_strategy="no",
         report_to="none", seed=seed, dataloader_pin_memory=False, disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(), distill_alpha=args.distill_alpha,
-        distill_temperature=args.distill_temperature,
+        distill_temperature=args.distill_temperature, optimizer_momentum=args.optimizer_momentum,
         # The Trainer drops batch keys that model.forward does not name, the teacher keys included.
         remove_unused_columns=False,
     )

@@ -10,7 +10,7 @@ import hf_recurrent
 from hf_recurrent import presets
 from scripts import run_pretrain
 from trainer_ext.data import ShardedTokenDataset
-from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments
+from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments, resolve_momentum
 
 
 def make_trainer(data_dir, out_dir, **overrides):
@@ -73,6 +73,17 @@ def test_resume_reproduces_the_uninterrupted_loss_sequence(tiny_data_dir, tmp_pa
     assert losses(full)[4:] == pytest.approx(losses(resumed)[-4:], rel=1e-6)
     depths = [entry["depth"] for entry in full.state.log_history if "depth" in entry]
     assert depths[4:] == [entry["depth"] for entry in resumed.state.log_history if "depth" in entry][-4:]
+
+
+def test_momentum_defaults_by_model_size_and_can_be_turned_off(tiny_data_dir, tmp_path):
+    assert resolve_momentum(None, 3_400_000_000) == 0.9  # recurrent-3.3b: +6.7 GB fits a 24 GB card
+    assert resolve_momentum(None, 6_900_000_000) is None  # recurrent-7b: +13.8 GB does not
+    assert resolve_momentum(0.0, 1_000) is None and resolve_momentum(0.95, 7_000_000_000) == 0.95
+    for momentum, has_momentum in ((None, True), (0.0, False)):  # the debug model is small: on by default
+        trainer = make_trainer(tiny_data_dir, tmp_path / str(momentum), max_steps=1, optimizer_momentum=momentum)
+        trainer.train()
+        states = list(trainer.optimizer.state.values())
+        assert states and all(("momentum" in state) == has_momentum for state in states)
 
 
 def test_stock_optimizer_is_selectable(tiny_data_dir, tmp_path):
