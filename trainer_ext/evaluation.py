@@ -104,11 +104,8 @@ def evaluate_model(
     return metric.compute()
 
 
-# ----------------------------------------------------------------------------- speed
-
-
 # A recurrent model whose held-out CE moves less than this (nats) between its shallowest and deepest evaluated
-# depth ignores its core steps. Healthy models differ by 0.01-0.1 between n = 1 and n = mean_recurrence even when
+# depth ignores its core steps. Healthy models differ by 0.02-0.16 between n = 1 and n = mean_recurrence even when
 # the state converges fast (BENCHMARKS.md); a collapsed 125M run differed by under 0.001 from n = 1 to n = 24.
 DEPTH_COLLAPSE_TOLERANCE = 1e-3
 
@@ -126,6 +123,9 @@ def depth_collapse_warning(label: str, ce_by_depth: dict[int, float],
     return (f"{label}: held-out CE is the same at depth {shallow} and depth {deep} ({ce_by_depth[shallow]:.4f} vs "
             f"{ce_by_depth[deep]:.4f}): the output does not depend on the core steps, so the recurrent state has "
             "probably collapsed. Retrain with a lower learning rate or a longer warm-up (README: Training).")
+
+
+# ----------------------------------------------------------------------------- speed
 
 
 def generation_speed(
