@@ -113,7 +113,7 @@ DEPTH_COLLAPSE_TOLERANCE = 1e-3
 def depth_collapse_warning(label: str, ce_by_depth: dict[int, float],
                            tolerance: float = DEPTH_COLLAPSE_TOLERANCE) -> str | None:
     """A warning when a recurrent model's CE is the same at all evaluated depths (its state carries no
-    information, usually a sign of a learning rate too high for the unrolled core); None otherwise."""
+    information; seen with bf16 weights, no optimizer momentum and a high learning rate); None otherwise."""
     if len(ce_by_depth) < 2:
         return None
     shallow, deep = min(ce_by_depth), max(ce_by_depth)
@@ -122,7 +122,8 @@ def depth_collapse_warning(label: str, ce_by_depth: dict[int, float],
         return None
     return (f"{label}: held-out CE is the same at depth {shallow} and depth {deep} ({ce_by_depth[shallow]:.4f} vs "
             f"{ce_by_depth[deep]:.4f}): the output does not depend on the core steps, so the recurrent state has "
-            "probably collapsed. Retrain with a lower learning rate or a longer warm-up (README: Training).")
+            "probably collapsed. Retrain with the optimizer's momentum on (the default below 5B parameters), a lower "
+            "learning rate or a longer warm-up (README: Training).")
 
 
 # ----------------------------------------------------------------------------- speed
