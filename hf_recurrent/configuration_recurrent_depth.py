@@ -11,6 +11,7 @@ INJECTION_MODES = ("concat", "add")
 STATE_INITS = ("zeros", "normal")
 KV_CACHE_MODES = ("per_step", "shared")
 DEPTH_DISTRIBUTIONS = ("fixed", "poisson_lognormal")
+BLOCK_NORMS = ("pre", "sandwich")
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -35,6 +36,8 @@ class RecurrentDepthConfig(PreTrainedConfig):
         injection: how the prelude output re-enters every step: `concat` (concat + linear adapter) or `add`.
         state_init: initial state, `zeros` or `normal` (std `state_init_std`, a fixed function of position and
             channel seeded by `state_init_seed`, so a forward pass is reproducible and cache-exact).
+        block_norm: `pre` (Llama: x + f(norm(x))) or `sandwich` (Huginn: the residual stream is normalised
+            after every attention and MLP, x = norm(x + f(norm(x))), which keeps a deep unrolled core stable).
         kv_cache_mode: `per_step` (one cache slot per step and core layer, exact) or `shared` (one slot per core
             layer written by the last step; memory independent of depth, an approximation for n > 1).
     """
@@ -63,6 +66,7 @@ class RecurrentDepthConfig(PreTrainedConfig):
     state_init_std: float = 1.0
     state_init_seed: int = 0
     kv_cache_mode: str = "per_step"
+    block_norm: str = "pre"
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02
     rms_norm_eps: float = 1e-6
@@ -127,6 +131,7 @@ class RecurrentDepthConfig(PreTrainedConfig):
         _check_choice("state_init", self.state_init, STATE_INITS)
         _check_choice("kv_cache_mode", self.kv_cache_mode, KV_CACHE_MODES)
         _check_choice("depth_distribution", self.depth_distribution, DEPTH_DISTRIBUTIONS)
+        _check_choice("block_norm", self.block_norm, BLOCK_NORMS)
 
 
 __all__ = ["RecurrentDepthConfig"]

@@ -135,7 +135,8 @@ class RecurrentDepthAttention(nn.Module):
 
 
 class RecurrentDepthDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm Llama block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Llama block: x + attn(norm(x)), then + mlp(norm(x)). With `block_norm="sandwich"` the sum is normalised
+    after each of the two (`attention_residual_norm`, `mlp_residual_norm`)."""
 
     def __init__(self, config: RecurrentDepthConfig, layer_idx: int):
         super().__init__()
@@ -143,6 +144,11 @@ class RecurrentDepthDecoderLayer(GradientCheckpointingLayer):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.block_norm == "sandwich":
+            self.attention_residual_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.mlp_residual_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        else:
+            self.attention_residual_norm = self.mlp_residual_norm = nn.Identity()
 
     def forward(
         self,
@@ -163,7 +169,9 @@ class RecurrentDepthDecoderLayer(GradientCheckpointingLayer):
             read_only_cache=read_only_cache,
             **kwargs,
         )
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = self.attention_residual_norm(hidden_states)
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return self.mlp_residual_norm(hidden_states)
 
 
 class RecurrentDepthPreTrainedModel(PreTrainedModel):

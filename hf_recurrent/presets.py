@@ -74,6 +74,9 @@ def get(name: str, vocab_size: int | None = None, **overrides) -> RecurrentDepth
             "n_coda_layers": shape.n_coda_layers,
             "mean_recurrence": shape.mean_recurrence,
             "backprop_depth": shape.backprop_depth,
+            # Measured on recurrent-125m (BENCHMARKS.md, "Recurrent training stability"): with pre-norm blocks the
+            # unrolled core trains poorly at lr 3e-4 and diverges at 1e-3, with AdamW as with our optimizer.
+            "block_norm": "sandwich",
             **overrides,
         }
     )

@@ -42,6 +42,7 @@ def test_auto_classes_registered():
         (dict(state_init="uniform"), "state_init"),
         (dict(depth_distribution="gamma"), "depth_distribution"),
         (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(block_norm="post"), "block_norm"),
     ],
 )
 def test_invalid_config_names_the_field(overrides, field):
@@ -124,6 +125,37 @@ def test_gradient_checkpointing_gives_same_gradients():
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
+
+
+def test_sandwich_blocks_normalise_every_layer_and_pre_norm_blocks_do_not():
+    x = tokens()
+    for block_norm, bounded in (("sandwich", True), ("pre", False)):
+        model = tiny(block_norm=block_norm)
+        outputs = []
+        hooks = [layer.register_forward_hook(lambda _m, _i, out: outputs.append(out)) for layer in model.model.prelude]
+        with torch.no_grad():
+            model(x, num_steps=2, use_cache=False)
+        for hook in hooks:
+            hook.remove()
+        # Norm weights start at one, so a normalised output has unit RMS per token.
+        rms = outputs[0].pow(2).mean(-1).sqrt()
+        assert torch.allclose(rms, torch.ones_like(rms), atol=1e-3) == bounded, block_norm
+
+
+def test_recurrent_presets_use_sandwich_blocks_and_old_configs_load_as_pre_norm(tmp_path):
+    assert presets.get("recurrent-125m").block_norm == "sandwich"
+    model = tiny()
+    model.save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        saved = json.load(f)
+    assert saved["block_norm"] == "sandwich"
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(x, num_steps=3).logits, model(x, num_steps=3).logits)
+    # A checkpoint written before the field existed has pre-norm blocks.
+    del saved["block_norm"]
+    assert RecurrentDepthConfig(**saved).block_norm == "pre"
 
 
 @pytest.mark.parametrize("num_steps", [1, 4, 8])
