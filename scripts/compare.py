@@ -485,14 +485,31 @@ class ComparisonRun:
                              f"than the held-out set's {self.eval_samples} (--eval_tokens); add data or lower it.")
         self.state.mark_heldout(dir=self.heldout_dir(), num_samples=num_samples,
                                 stream_tokens=num_samples * self.sample_len,
+                                stream_end=manifest.get("stream_end"),
                                 tokenizer_hash=manifest["tokenizer_hash"],
                                 shards=[s["sha256"] for s in manifest["splits"]["eval"]["shards"]])
 
+    def tokens_before(self, cycle: int) -> int:
+        """Stream tokens before cycle `cycle`'s: the held-out set's and those of the earlier cycles."""
+        return self.state.heldout["stream_tokens"] + (cycle - 1) * self.stream_per_cycle
+
+    def cycle_start(self, cycle: int) -> dict:
+        """Where cycle `cycle`'s tokens begin in the stream, as prepare_data's skip arguments: the end of the
+        previous piece (the held-out set before cycle 1), skipped by whole documents without tokenizing them.
+        A piece recorded without its end (by a version before stream positions) is skipped by its token count
+        instead, which tokenizes everything before it once; its successor records the position again."""
+        previous = self.state.heldout if cycle == 1 else self.state.stage(cycle - 1, "prepare")
+        end = previous.get("stream_end")
+        if end is None:
+            return {"skip_documents": 0, "skip_tokens": self.tokens_before(cycle)}
+        return {"skip_documents": end["documents"], "skip_tokens": end["tokens"]}
+
     def prepare_cycle(self, cycle: int) -> None:
-        skip = self.state.heldout["stream_tokens"] + (cycle - 1) * self.stream_per_cycle
+        skip = self.tokens_before(cycle)
+        start = self.cycle_start(cycle)
         manifest = prepare(self.data_args.prepare_args(
-            self.data_dir(cycle), tokenizer=None, eval_from=self.heldout_dir(), skip_tokens=skip,
-            max_tokens=self.stream_per_cycle))
+            self.data_dir(cycle), tokenizer=None, eval_from=self.heldout_dir(), max_tokens=self.stream_per_cycle,
+            **start))
         got = manifest["splits"]["train"]["num_samples"]
         needed = self.steps_per_cycle * self.global_batch
         if got < needed:
@@ -501,7 +518,8 @@ class ComparisonRun:
                 f"{needed * self.sample_len:,} tokens after the {skip:,} used before it but got "
                 f"{got * self.sample_len:,}. Add data (--files / --dataset), or lower --cycle_tokens or "
                 "--num_cycles.")
-        self.state.mark_done(cycle, "prepare", dir=self.data_dir(cycle), skip_tokens=skip, train_samples=got,
+        self.state.mark_done(cycle, "prepare", dir=self.data_dir(cycle), skip_tokens=skip, start=start,
+                             stream_end=manifest.get("stream_end"), train_samples=got,
                              eval_shards=[s["sha256"] for s in manifest["splits"]["eval"]["shards"]])
 
     def train_argv(self, model: str, cycle: int, previous_final: str | None) -> list[str]:
