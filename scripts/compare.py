@@ -11,7 +11,8 @@
 Every cycle takes the next `--cycle_tokens` training tokens of one data stream (the embedded corpus, `--files`
 or `--dataset`, read as prepare_data reads them) and, in this order:
 
-    prepare          shards of the cycle's tokens (scripts/prepare_data.py with --skip_tokens / --eval_from)
+    prepare          shards of the cycle's tokens (scripts/prepare_data.py with --skip_documents / --skip_tokens
+                     / --eval_from), starting where the previous cycle's stream ended
     train_recurrent  run_pretrain: cycle 1 from `--recurrent_preset`, later cycles from the previous final weights
     train_baseline   the same for `--baseline_preset` (a LlamaForCausalLM): same tokenizer, data, order and seed
     evaluate         both models on one fixed held-out set (the recurrent one at each of `--eval_depths`),
@@ -22,6 +23,9 @@ The held-out set is the first `--eval_tokens` tokens of the stream, prepared onc
 trains the tokenizer, unless `--tokenizer` is given); no cycle trains on it, every cycle and model is evaluated
 on exactly it. Cycle k trains for `cycle_tokens // (batch x grad accum x seq_len)` optimizer steps on exactly
 the samples those steps consume, so no prepared sample is left unused and no token of the stream is skipped.
+Each preparation records where its piece of the stream ends (prepare_data's `stream_end`) in the state file,
+and the next cycle skips to that position by whole documents without tokenizing them: a cycle reads the text
+before it but tokenizes only its own, and writes nothing proportional to the corpus besides its shards.
 Optimizer state starts fresh in each cycle (weights continue), hence the default `constant_with_warmup`
 schedule with a short warmup per cycle; any run_pretrain / TrainingArguments option not listed here
 (`--learning_rate`, `--warmup_steps`, `--bf16`, `--optimizer`, `--teacher_model_name_or_path`, ...) is passed
@@ -200,7 +204,7 @@ class CompareDataArguments:
     eval_tokens: int = field(
         default=1_000_000, metadata={"help": "Size of the held-out set: the first tokens of the stream."})
     shard_size: int = field(default=32768, metadata={"help": "Samples per shard file."})
-    num_proc: int = field(default=1, metadata={"help": "Tokenization processes (local data)."})
+    num_proc: int = field(default=1, metadata={"help": "No effect (the tokenizer runs in parallel threads)."})
     map_batch_size: int = field(default=1000, metadata={"help": "Documents per tokenization batch."})
     cache_dir: str | None = field(default=None, metadata={"help": "datasets cache dir."})
 

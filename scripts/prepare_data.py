@@ -6,11 +6,12 @@
         --tokenizer llm-jp/llm-jp-3-1.8b --seq_len 2048 --max_tokens 1_000_000_000 \
         --output_dir outputs/data/culturax-ja
 
-Steps: load documents (corpus.py) -> load or train a tokenizer -> tokenize with
-``datasets.map`` and append EOS after every document -> concatenate into one token stream
--> cut it into samples of ``seq_len + 1`` tokens (the tail shorter than one sample is
-dropped) -> shuffle samples with ``--seed`` -> hold out an eval split -> write
-``train-*.npy`` / ``eval-*.npy`` shards and ``manifest.json`` (format: trainer_ext/data.py).
+Steps: stream documents (corpus.py; nothing is copied into the datasets cache) -> load or
+train a tokenizer -> tokenize batch by batch and append EOS after every document ->
+concatenate into one token stream on disk (reading stops once ``--max_tokens`` are there) ->
+cut it into samples of ``seq_len + 1`` tokens (the tail shorter than one sample is dropped)
+-> shuffle samples with ``--seed`` -> hold out an eval split -> write ``train-*.npy`` /
+``eval-*.npy`` shards and ``manifest.json`` (format: trainer_ext/data.py).
 
 Reruns: the manifest is written last, so a directory with a manifest is complete. Running
 again with the same arguments and sources finds the manifest, checks the shards and exits
@@ -22,6 +23,12 @@ Taking the stream in pieces (the comparison pipeline's token cycles): ``--skip_t
 after the first N tokens of the packed stream, ``--eval_only`` writes every sample to the eval
 split (a fixed held-out set), and ``--eval_from DIR`` copies DIR's eval split instead of holding
 samples out, so many directories share one held-out set (and, by default, DIR's tokenizer).
+Skipped tokens must be tokenized to be counted, so the manifest also records where its stream
+ends as ``stream_end: {documents: D, tokens: T}`` (D whole documents of the source, skipped
+ones included, then T tokens of the next); ``--skip_documents D --skip_tokens T`` starts the
+next piece there, reading the D documents without tokenizing them. Each document is tokenized
+on its own, so this gives exactly the tokens of the equivalent absolute ``--skip_tokens``, and
+a piece costs the reading of what comes before it plus the tokenizing of its own documents.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ DEFAULT_OUTPUT_DIR = os.path.join("outputs", "data", "kjv")
 SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
 _BYTE_ALPHABET_SIZE = 256
 _TOKEN_FILE = ".tokens.bin.tmp"  # the packed stream before shuffling; removed at the end
+_FIRST_BATCH_SIZE = 16  # documents tokenized first when --max_tokens may be reached within the first batch
 
 # Arguments that change where work happens or how fast, not what is written; a rerun that
 # differs only in these is still "the same data".
@@ -97,8 +105,8 @@ class PrepareDataArguments:
     max_documents: int | None = field(default=None, metadata={"help": "Use at most this many documents."})
     max_tokens: int | None = field(
         default=None,
-        metadata={"help": "Stop once this many tokens are collected (after the skipped ones); no document after "
-                  "them is read."},
+        metadata={"help": "Stop once this many tokens are collected (after the skipped ones): reading and "
+                  "tokenizing stop there, after the batch of --map_batch_size documents under way."},
     )
     # ---- tokenizer
     tokenizer: str | None = field(
@@ -141,7 +149,11 @@ class PrepareDataArguments:
     shuffle: bool = field(default=True, metadata={"help": "Shuffle samples with --seed (--no_shuffle keeps stream order)."})
     seed: int = field(default=1234, metadata={"help": "Seed of the sample shuffle."})
     # ---- execution
-    num_proc: int = field(default=1, metadata={"help": "Processes for tokenization of local data (datasets.map)."})
+    num_proc: int = field(
+        default=1,
+        metadata={"help": "No effect, accepted so existing commands still run: a fast tokenizer encodes each batch "
+                  "in parallel threads (one core per thread, unless TOKENIZERS_PARALLELISM=false)."},
+    )
     map_batch_size: int = field(default=1000, metadata={"help": "Documents per tokenization batch."})
     cache_dir: str | None = field(default=None, metadata={"help": "datasets cache dir (default: HF default)."})
     overwrite: bool = field(default=False, metadata={"help": "Replace an output dir prepared with other arguments."})
@@ -291,6 +303,18 @@ def encode_documents(tokenizer, texts: list, eos_token_id: int) -> list[list[int
     return encoded
 
 
+def _growing_batches(documents, batch_size: int, small_first: bool):
+    """Lists of texts of ``batch_size`` documents; with ``small_first`` the first ones are smaller (16, 32, ...
+    documents), so that a small piece of a large corpus does not tokenize many documents it does not need."""
+    size = min(_FIRST_BATCH_SIZE, batch_size) if small_first else batch_size
+    for batch in documents.iter(batch_size=batch_size):
+        texts = batch["text"]
+        while texts:
+            yield texts[:size]
+            texts = texts[size:]
+            size = min(2 * size, batch_size)
+
+
 def pack_token_stream(documents, tokenizer, path: str, dtype: np.dtype, max_tokens: int | None, batch_size: int,
                       skip_documents: int = 0, skip_tokens: int = 0,
                       show_progress: bool = True) -> tuple[int, int, dict]:
@@ -298,7 +322,8 @@ def pack_token_stream(documents, tokenizer, path: str, dtype: np.dtype, max_toke
 
     ``documents`` starts after the ``skip_documents`` documents already skipped (never tokenized). The first
     ``skip_tokens`` tokens of what follows are dropped before anything is written or counted against
-    ``max_tokens``; reading stops as soon as ``max_tokens`` are written. ``end`` is where the written stream
+    ``max_tokens``; reading stops as soon as ``max_tokens`` are written (the batches grow from a few documents to
+    ``batch_size`` then, so little is tokenized beyond that point). ``end`` is where the written stream
     ends, as a position that can be skipped without tokenizing: ``documents`` whole documents from the very
     start of the source (the skipped ones included), then ``tokens`` tokens of the next document. Since every
     document is tokenized on its own, skipping to that position gives exactly the tokens that follow.
@@ -310,8 +335,8 @@ def pack_token_stream(documents, tokenizer, path: str, dtype: np.dtype, max_toke
     end = {"documents": skip_documents, "tokens": skip_tokens}
     progress = tqdm(total=max_tokens, desc="Packing", unit="tok", unit_scale=True, disable=not show_progress)
     with open(path, "wb") as f:
-        for batch in documents.iter(batch_size=batch_size):
-            encoded = encode_documents(tokenizer, batch["text"], eos)
+        for texts in _growing_batches(documents, batch_size, small_first=max_tokens is not None):
+            encoded = encode_documents(tokenizer, texts, eos)
             lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
             flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=int(lengths.sum()))
             start = min(to_skip, len(flat))
@@ -469,6 +494,8 @@ def prepare(args: PrepareDataArguments) -> dict:
         if existing is not None:
             logger.info("%s is already prepared with these arguments; nothing to do.", output_dir)
             return existing
+    if args.num_proc > 1:
+        logger.warning("--num_proc has no effect: the tokenizer encodes each batch in parallel threads.")
     # Overwriting, or leftovers of an interrupted run (no manifest): start clean.
     _remove_stale_outputs(output_dir)
 

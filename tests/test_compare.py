@@ -115,7 +115,6 @@ def test_cycles_start_at_the_previous_end_and_get_the_tokens_of_the_absolute_ski
         np.testing.assert_array_equal(np.load(os.path.join(run.data_dir(2), shard["file"])),
                                       np.load(tmp_path / "absolute" / shard["file"]))
     assert manifest["stream_end"] == absolute["stream_end"]
-    assert absolute["num_documents"] > manifest["num_documents"]  # the absolute skip tokenized cycle 1's too
 
 
 # ----------------------------------------------------------------------------- the pipeline

@@ -221,6 +221,20 @@ def test_streaming_dataset_source_respects_max_tokens(source_dir, tmp_path):
     np.testing.assert_array_equal(stored, expected[: stored.size])
 
 
+def test_streaming_dataset_source_skips_documents_and_trains_on_the_leading_ones(source_dir, tmp_path):
+    root, docs = source_dir
+    hub_like = tmp_path / "hub_like"
+    hub_like.mkdir()
+    shutil.copy(root / "part-0.jsonl", hub_like / "train.jsonl")
+    common = dict(dataset=str(hub_like), vocab_size=VOCAB, seq_len=SEQ_LEN, eval_samples=0, shuffle=False)
+    whole = prepare(PrepareDataArguments(output_dir=str(tmp_path / "whole"), **common))
+    piece = prepare(PrepareDataArguments(output_dir=str(tmp_path / "piece"), skip_documents=3, skip_tokens=5,
+                                         max_tokens=20 * (SEQ_LEN + 1), **common))
+    assert piece["tokenizer_hash"] == whole["tokenizer_hash"]  # the BPE is trained on the first documents still
+    expected = _expected_stream(AutoTokenizer.from_pretrained(tmp_path / "piece"), docs[3:18])[5:5 + 20 * (SEQ_LEN + 1)]
+    np.testing.assert_array_equal(_load_split(tmp_path / "piece", "train").reshape(-1), expected)
+
+
 # ----------------------------------------------------------------------------- pieces of the stream
 
 
