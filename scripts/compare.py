@@ -11,7 +11,8 @@
 Every cycle takes the next `--cycle_tokens` training tokens of one data stream (the embedded corpus, `--files`
 or `--dataset`, read as prepare_data reads them) and, in this order:
 
-    prepare          shards of the cycle's tokens (scripts/prepare_data.py with --skip_tokens / --eval_from)
+    prepare          shards of the cycle's tokens (scripts/prepare_data.py with --skip_documents / --skip_tokens
+                     / --eval_from), starting where the previous cycle's stream ended
     train_recurrent  run_pretrain: cycle 1 from `--recurrent_preset`, later cycles from the previous final weights
     train_baseline   the same for `--baseline_preset` (a LlamaForCausalLM): same tokenizer, data, order and seed
     evaluate         both models on one fixed held-out set (the recurrent one at each of `--eval_depths`),
@@ -22,6 +23,9 @@ The held-out set is the first `--eval_tokens` tokens of the stream, prepared onc
 trains the tokenizer, unless `--tokenizer` is given); no cycle trains on it, every cycle and model is evaluated
 on exactly it. Cycle k trains for `cycle_tokens // (batch x grad accum x seq_len)` optimizer steps on exactly
 the samples those steps consume, so no prepared sample is left unused and no token of the stream is skipped.
+Each preparation records where its piece of the stream ends (prepare_data's `stream_end`) in the state file,
+and the next cycle skips to that position by whole documents without tokenizing them: a cycle reads the text
+before it but tokenizes only its own, and writes nothing proportional to the corpus besides its shards.
 Optimizer state starts fresh in each cycle (weights continue), hence the default `constant_with_warmup`
 schedule with a short warmup per cycle; any run_pretrain / TrainingArguments option not listed here
 (`--learning_rate`, `--warmup_steps`, `--bf16`, `--optimizer`, `--teacher_model_name_or_path`, ...) is passed
@@ -200,7 +204,7 @@ class CompareDataArguments:
     eval_tokens: int = field(
         default=1_000_000, metadata={"help": "Size of the held-out set: the first tokens of the stream."})
     shard_size: int = field(default=32768, metadata={"help": "Samples per shard file."})
-    num_proc: int = field(default=1, metadata={"help": "Tokenization processes (local data)."})
+    num_proc: int = field(default=1, metadata={"help": "No effect (the tokenizer runs in parallel threads)."})
     map_batch_size: int = field(default=1000, metadata={"help": "Documents per tokenization batch."})
     cache_dir: str | None = field(default=None, metadata={"help": "datasets cache dir."})
 
@@ -485,14 +489,31 @@ class ComparisonRun:
                              f"than the held-out set's {self.eval_samples} (--eval_tokens); add data or lower it.")
         self.state.mark_heldout(dir=self.heldout_dir(), num_samples=num_samples,
                                 stream_tokens=num_samples * self.sample_len,
+                                stream_end=manifest.get("stream_end"),
                                 tokenizer_hash=manifest["tokenizer_hash"],
                                 shards=[s["sha256"] for s in manifest["splits"]["eval"]["shards"]])
 
+    def tokens_before(self, cycle: int) -> int:
+        """Stream tokens before cycle `cycle`'s: the held-out set's and those of the earlier cycles."""
+        return self.state.heldout["stream_tokens"] + (cycle - 1) * self.stream_per_cycle
+
+    def cycle_start(self, cycle: int) -> dict:
+        """Where cycle `cycle`'s tokens begin in the stream, as prepare_data's skip arguments: the end of the
+        previous piece (the held-out set before cycle 1), skipped by whole documents without tokenizing them.
+        A piece recorded without its end (by a version before stream positions) is skipped by its token count
+        instead, which tokenizes everything before it once; its successor records the position again."""
+        previous = self.state.heldout if cycle == 1 else self.state.stage(cycle - 1, "prepare")
+        end = previous.get("stream_end")
+        if end is None:
+            return {"skip_documents": 0, "skip_tokens": self.tokens_before(cycle)}
+        return {"skip_documents": end["documents"], "skip_tokens": end["tokens"]}
+
     def prepare_cycle(self, cycle: int) -> None:
-        skip = self.state.heldout["stream_tokens"] + (cycle - 1) * self.stream_per_cycle
+        skip = self.tokens_before(cycle)
+        start = self.cycle_start(cycle)
         manifest = prepare(self.data_args.prepare_args(
-            self.data_dir(cycle), tokenizer=None, eval_from=self.heldout_dir(), skip_tokens=skip,
-            max_tokens=self.stream_per_cycle))
+            self.data_dir(cycle), tokenizer=None, eval_from=self.heldout_dir(), max_tokens=self.stream_per_cycle,
+            **start))
         got = manifest["splits"]["train"]["num_samples"]
         needed = self.steps_per_cycle * self.global_batch
         if got < needed:
@@ -501,7 +522,8 @@ class ComparisonRun:
                 f"{needed * self.sample_len:,} tokens after the {skip:,} used before it but got "
                 f"{got * self.sample_len:,}. Add data (--files / --dataset), or lower --cycle_tokens or "
                 "--num_cycles.")
-        self.state.mark_done(cycle, "prepare", dir=self.data_dir(cycle), skip_tokens=skip, train_samples=got,
+        self.state.mark_done(cycle, "prepare", dir=self.data_dir(cycle), skip_tokens=skip, start=start,
+                             stream_end=manifest.get("stream_end"), train_samples=got,
                              eval_shards=[s["sha256"] for s in manifest["splits"]["eval"]["shards"]])
 
     def train_argv(self, model: str, cycle: int, previous_final: str | None) -> list[str]:

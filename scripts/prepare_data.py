@@ -6,11 +6,12 @@
         --tokenizer llm-jp/llm-jp-3-1.8b --seq_len 2048 --max_tokens 1_000_000_000 \
         --output_dir outputs/data/culturax-ja
 
-Steps: load documents (corpus.py) -> load or train a tokenizer -> tokenize with
-``datasets.map`` and append EOS after every document -> concatenate into one token stream
--> cut it into samples of ``seq_len + 1`` tokens (the tail shorter than one sample is
-dropped) -> shuffle samples with ``--seed`` -> hold out an eval split -> write
-``train-*.npy`` / ``eval-*.npy`` shards and ``manifest.json`` (format: trainer_ext/data.py).
+Steps: stream documents (corpus.py; nothing is copied into the datasets cache) -> load or
+train a tokenizer -> tokenize batch by batch and append EOS after every document ->
+concatenate into one token stream on disk (reading stops once ``--max_tokens`` are there) ->
+cut it into samples of ``seq_len + 1`` tokens (the tail shorter than one sample is dropped)
+-> shuffle samples with ``--seed`` -> hold out an eval split -> write ``train-*.npy`` /
+``eval-*.npy`` shards and ``manifest.json`` (format: trainer_ext/data.py).
 
 Reruns: the manifest is written last, so a directory with a manifest is complete. Running
 again with the same arguments and sources finds the manifest, checks the shards and exits
@@ -22,6 +23,12 @@ Taking the stream in pieces (the comparison pipeline's token cycles): ``--skip_t
 after the first N tokens of the packed stream, ``--eval_only`` writes every sample to the eval
 split (a fixed held-out set), and ``--eval_from DIR`` copies DIR's eval split instead of holding
 samples out, so many directories share one held-out set (and, by default, DIR's tokenizer).
+Skipped tokens must be tokenized to be counted, so the manifest also records where its stream
+ends as ``stream_end: {documents: D, tokens: T}`` (D whole documents of the source, skipped
+ones included, then T tokens of the next); ``--skip_documents D --skip_tokens T`` starts the
+next piece there, reading the D documents without tokenizing them. Each document is tokenized
+on its own, so this gives exactly the tokens of the equivalent absolute ``--skip_tokens``, and
+a piece costs the reading of what comes before it plus the tokenizing of its own documents.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import copy
 import dataclasses
 import datetime
 import glob
+import itertools
 import logging
 import os
 import shutil
@@ -59,13 +67,14 @@ DEFAULT_OUTPUT_DIR = os.path.join("outputs", "data", "kjv")
 SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
 _BYTE_ALPHABET_SIZE = 256
 _TOKEN_FILE = ".tokens.bin.tmp"  # the packed stream before shuffling; removed at the end
+_FIRST_BATCH_SIZE = 16  # documents tokenized first when --max_tokens may be reached within the first batch
 
 # Arguments that change where work happens or how fast, not what is written; a rerun that
 # differs only in these is still "the same data".
 _NON_CONTENT_ARGS = ("output_dir", "num_proc", "map_batch_size", "cache_dir", "overwrite", "disable_tqdm")
 # Arguments added after manifests were first written: recorded only when set, so a directory
 # prepared before they existed still counts as prepared with the same arguments.
-_OPTIONAL_CONTENT_ARGS = {"skip_tokens": 0, "eval_only": False, "eval_from": None}
+_OPTIONAL_CONTENT_ARGS = {"skip_documents": 0, "skip_tokens": 0, "eval_only": False, "eval_from": None}
 
 
 @dataclass
@@ -96,8 +105,8 @@ class PrepareDataArguments:
     max_documents: int | None = field(default=None, metadata={"help": "Use at most this many documents."})
     max_tokens: int | None = field(
         default=None,
-        metadata={"help": "Stop once this many tokens are collected. Streaming sources stop reading there; "
-                  "local files are tokenized in full first (bound that work with --max_documents)."},
+        metadata={"help": "Stop once this many tokens are collected (after the skipped ones): reading and "
+                  "tokenizing stop there, after the batch of --map_batch_size documents under way."},
     )
     # ---- tokenizer
     tokenizer: str | None = field(
@@ -125,15 +134,26 @@ class PrepareDataArguments:
                   "stream (all samples go to train). Needs the same tokenizer and --seq_len; --tokenizer "
                   "defaults to the one saved there."},
     )
+    skip_documents: int = field(
+        default=0,
+        metadata={"help": "Skip this many documents at the start of the source without tokenizing them (they are "
+                  "still read), before --skip_tokens. With --skip_tokens, continues the stream where an earlier "
+                  "directory's manifest says it ended (its stream_end: documents, tokens)."},
+    )
     skip_tokens: int = field(
         default=0,
-        metadata={"help": "Skip this many tokens at the start of the packed stream (before --max_tokens), to take "
-                  "the stream's next tokens after earlier directories. Skipped text is still read and tokenized."},
+        metadata={"help": "Skip this many tokens of the packed stream (after --skip_documents, before --max_tokens), "
+                  "to take the stream's next tokens after earlier directories. These tokens are tokenized and "
+                  "dropped; skip whole documents with --skip_documents to avoid that work."},
     )
     shuffle: bool = field(default=True, metadata={"help": "Shuffle samples with --seed (--no_shuffle keeps stream order)."})
     seed: int = field(default=1234, metadata={"help": "Seed of the sample shuffle."})
     # ---- execution
-    num_proc: int = field(default=1, metadata={"help": "Processes for tokenization of local data (datasets.map)."})
+    num_proc: int = field(
+        default=1,
+        metadata={"help": "No effect, accepted so existing commands still run: a fast tokenizer encodes each batch "
+                  "in parallel threads (one core per thread, unless TOKENIZERS_PARALLELISM=false)."},
+    )
     map_batch_size: int = field(default=1000, metadata={"help": "Documents per tokenization batch."})
     cache_dir: str | None = field(default=None, metadata={"help": "datasets cache dir (default: HF default)."})
     overwrite: bool = field(default=False, metadata={"help": "Replace an output dir prepared with other arguments."})
@@ -152,8 +172,9 @@ class PrepareDataArguments:
             raise ValueError(
                 f"--text_sample_by must be 'document', 'paragraph' or 'line', got '{self.text_sample_by}'."
             )
-        if self.skip_tokens < 0:
-            raise ValueError(f"--skip_tokens must be >= 0, got {self.skip_tokens}.")
+        for name in ("skip_documents", "skip_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}.")
         if self.eval_from is not None:
             if self.eval_only:
                 raise ValueError("Pass either --eval_only (write a held-out set) or --eval_from (copy one), not both.")
@@ -204,7 +225,8 @@ def describe_sources(args: PrepareDataArguments) -> tuple[list[dict], list[str] 
 
 
 def load_documents(args: PrepareDataArguments, files: list[str] | None):
-    """A datasets ``Dataset`` (local / embedded) or ``IterableDataset`` (hub) with a ``text`` column."""
+    """The source's documents from its start (at most ``--max_documents``), as a streamed
+    ``datasets.IterableDataset`` with a ``text`` column: read only as far as they are used."""
     if args.dataset is not None:
         return corpus.load_hub_dataset(args.dataset, args.dataset_config, args.split, args.text_column,
                                        args.max_documents)
@@ -267,65 +289,73 @@ def load_tokenizer(name_or_path: str):
 # ----------------------------------------------------------------------------- tokenize + pack
 
 
-def _tokenize_batch(batch: dict, tokenizer, eos_token_id: int) -> dict:
-    # No special tokens from the tokenizer (e.g. a Llama BOS): the stream format is
-    # "doc EOS doc EOS ...", identical whatever tokenizer is used. Empty documents add nothing.
-    texts = [t or "" for t in batch["text"]]
-    encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
-    return {"input_ids": [ids + [eos_token_id] if ids else [] for ids in encoded]}
+def encode_documents(tokenizer, texts: list, eos_token_id: int) -> list[list[int]]:
+    """Each document's ids followed by EOS; an empty document gives no ids (not even EOS).
 
-
-def tokenize_documents(documents, tokenizer, dtype: np.dtype, num_proc: int, batch_size: int):
-    import datasets
-
-    list_feature = getattr(datasets, "List", datasets.Sequence)  # List replaced Sequence in datasets 4
-    features = datasets.Features({"input_ids": list_feature(datasets.Value(dtype.name))})
-    kwargs = dict(
-        batched=True,
-        batch_size=batch_size,
-        remove_columns=["text"],
-        features=features,
-        fn_kwargs={"tokenizer": tokenizer, "eos_token_id": tokenizer.eos_token_id},
-    )
-    if isinstance(documents, datasets.Dataset):
-        if num_proc > 1:
-            # Forked workers would otherwise each print a warning that Rust-side
-            # parallelism was disabled; one process per core is the parallelism here.
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        return documents.map(_tokenize_batch, num_proc=num_proc if num_proc > 1 else None, desc="Tokenizing", **kwargs)
-    return documents.map(_tokenize_batch, **kwargs)
-
-
-def pack_token_stream(token_ids, path: str, dtype: np.dtype, max_tokens: int | None, batch_size: int,
-                      total_documents: int | None, skip_tokens: int = 0, show_progress: bool = True) -> tuple[int, int]:
-    """Append every document's ids to one flat binary file; return (num_tokens, num_documents).
-
-    The first ``skip_tokens`` tokens of the stream are dropped before anything is written or
-    counted against ``max_tokens``. Reads Arrow batches and flattens them without going through
-    Python lists, so this stays I/O bound at billions of tokens.
+    No special tokens from the tokenizer (e.g. a Llama BOS): the stream format is "doc EOS doc EOS ...",
+    identical whatever tokenizer is used. A fast tokenizer encodes the batch in parallel Rust threads.
     """
+    encoded = tokenizer([t or "" for t in texts], add_special_tokens=False, return_attention_mask=False,
+                        verbose=False)["input_ids"]
+    for ids in encoded:
+        if ids:
+            ids.append(eos_token_id)
+    return encoded
+
+
+def _growing_batches(documents, batch_size: int, small_first: bool):
+    """Lists of texts of ``batch_size`` documents; with ``small_first`` the first ones are smaller (16, 32, ...
+    documents), so that a small piece of a large corpus does not tokenize many documents it does not need."""
+    size = min(_FIRST_BATCH_SIZE, batch_size) if small_first else batch_size
+    for batch in documents.iter(batch_size=batch_size):
+        texts = batch["text"]
+        while texts:
+            yield texts[:size]
+            texts = texts[size:]
+            size = min(2 * size, batch_size)
+
+
+def pack_token_stream(documents, tokenizer, path: str, dtype: np.dtype, max_tokens: int | None, batch_size: int,
+                      skip_documents: int = 0, skip_tokens: int = 0,
+                      show_progress: bool = True) -> tuple[int, int, dict]:
+    """Tokenize ``documents`` batch by batch into one flat binary file; return (num_tokens, num_documents, end).
+
+    ``documents`` starts after the ``skip_documents`` documents already skipped (never tokenized). The first
+    ``skip_tokens`` tokens of what follows are dropped before anything is written or counted against
+    ``max_tokens``; reading stops as soon as ``max_tokens`` are written (the batches grow from a few documents to
+    ``batch_size`` then, so little is tokenized beyond that point). ``end`` is where the written stream
+    ends, as a position that can be skipped without tokenizing: ``documents`` whole documents from the very
+    start of the source (the skipped ones included), then ``tokens`` tokens of the next document. Since every
+    document is tokenized on its own, skipping to that position gives exactly the tokens that follow.
+    """
+    eos = tokenizer.eos_token_id
     to_skip = skip_tokens
     num_tokens = 0
     num_documents = 0
-    progress = tqdm(total=total_documents, desc="Packing", unit="doc", disable=not show_progress)
+    end = {"documents": skip_documents, "tokens": skip_tokens}
+    progress = tqdm(total=max_tokens, desc="Packing", unit="tok", unit_scale=True, disable=not show_progress)
     with open(path, "wb") as f:
-        for table in token_ids.with_format("arrow").iter(batch_size=batch_size):
-            column = table.column("input_ids").combine_chunks()
-            flat = column.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-            if to_skip:
-                dropped = min(to_skip, len(flat))
-                flat, to_skip = flat[dropped:], to_skip - dropped
-            if max_tokens is not None and num_tokens + len(flat) > max_tokens:
-                flat = flat[: max_tokens - num_tokens]
-            f.write(flat.tobytes())
-            num_tokens += len(flat)
-            num_documents += len(column)
-            progress.update(len(column))
-            progress.set_postfix(tokens=f"{num_tokens:,}")
+        for texts in _growing_batches(documents, batch_size, small_first=max_tokens is not None):
+            encoded = encode_documents(tokenizer, texts, eos)
+            lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+            flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=int(lengths.sum()))
+            start = min(to_skip, len(flat))
+            to_skip -= start
+            stop = len(flat) if max_tokens is None else min(len(flat), start + max_tokens - num_tokens)
+            f.write(flat[start:stop].tobytes())
+            num_tokens += stop - start
+            # Whole documents of this batch before `stop`, then the tokens of the next one.
+            ends = np.cumsum(lengths)
+            whole = int(np.searchsorted(ends, stop, side="right"))
+            end = {"documents": skip_documents + num_documents + whole,
+                   "tokens": int(stop - (ends[whole - 1] if whole else 0))}
+            num_documents += len(encoded)
+            progress.update(stop - start)
+            progress.set_postfix(documents=f"{num_documents:,}")
             if max_tokens is not None and num_tokens >= max_tokens:
                 break
     progress.close()
-    return num_tokens, num_documents
+    return num_tokens, num_documents, end
 
 
 def split_indices(num_samples: int, args: PrepareDataArguments) -> dict[str, np.ndarray]:
@@ -464,6 +494,8 @@ def prepare(args: PrepareDataArguments) -> dict:
         if existing is not None:
             logger.info("%s is already prepared with these arguments; nothing to do.", output_dir)
             return existing
+    if args.num_proc > 1:
+        logger.warning("--num_proc has no effect: the tokenizer encodes each batch in parallel threads.")
     # Overwriting, or leftovers of an interrupted run (no manifest): start clean.
     _remove_stale_outputs(output_dir)
 
@@ -482,20 +514,23 @@ def prepare(args: PrepareDataArguments) -> dict:
     vocab_size = len(tokenizer)
     dtype = token_dtype(vocab_size)
 
-    token_ids = tokenize_documents(documents, tokenizer, dtype, args.num_proc, args.map_batch_size)
+    # The tokenizer above was trained on the source's leading documents whatever is skipped here.
+    if args.skip_documents:
+        documents = documents.skip(args.skip_documents)
     token_path = os.path.join(output_dir, _TOKEN_FILE)
-    total_documents = len(documents) if hasattr(documents, "__len__") else args.max_documents
-    num_tokens, num_documents = pack_token_stream(token_ids, token_path, dtype, args.max_tokens,
-                                                  args.map_batch_size, total_documents, args.skip_tokens,
-                                                  show_progress=not args.disable_tqdm)
+    num_tokens, num_documents, stream_end = pack_token_stream(
+        documents, tokenizer, token_path, dtype, args.max_tokens, args.map_batch_size, args.skip_documents,
+        args.skip_tokens, show_progress=not args.disable_tqdm)
 
     sample_len = args.seq_len + 1
     num_samples = num_tokens // sample_len
     if num_samples == 0:
         os.remove(token_path)
+        skipped = [f"{args.skip_documents:,} documents skipped (--skip_documents)"] if args.skip_documents else []
+        skipped += [f"{args.skip_tokens:,} skipped (--skip_tokens)"] if args.skip_tokens else []
         raise ValueError(
             f"The corpus gives {num_tokens} tokens"
-            + (f" after the {args.skip_tokens:,} skipped (--skip_tokens)" if args.skip_tokens else "")
+            + (f" after the {' and the '.join(skipped)}" if skipped else "")
             + f", fewer than one sample of seq_len + 1 = {sample_len}; "
             "add text, raise --max_documents / --max_tokens, or lower --seq_len."
         )
@@ -523,7 +558,8 @@ def prepare(args: PrepareDataArguments) -> dict:
         },
         "total_tokens": num_samples * sample_len,
         "stream_tokens": num_tokens,  # before dropping the tail shorter than one sample
-        "num_documents": num_documents,
+        "num_documents": num_documents,  # read and tokenized (the skipped documents not included)
+        "stream_end": stream_end,  # where the packed stream ends: pass as --skip_documents / --skip_tokens to go on
         "splits": splits,
         "sources": sources,
         "seed": args.seed,

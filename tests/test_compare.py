@@ -15,7 +15,7 @@ from scripts import compare
 from scripts.prepare_data import PrepareDataArguments, prepare
 from hub_server import HubTestServer
 from trainer_ext.compare_state import CYCLE_STAGES, STATE_NAME, CompareState
-from trainer_ext.data import file_sha256
+from trainer_ext.data import file_sha256, read_manifest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two cycles of 4 steps x 4 samples x 32 tokens on the debug presets, a 300-token BPE on 40 KJV chapters.
@@ -92,6 +92,31 @@ def test_prepare_takes_consecutive_stream_pieces_with_one_heldout_set(tmp_path):
                                      **common))
 
 
+def test_cycles_start_at_the_previous_end_and_get_the_tokens_of_the_absolute_skip(tmp_path):
+    """Each cycle's piece starts at the recorded end of the one before it (whole documents skipped untokenized)
+    and holds, byte for byte, the samples that skipping all earlier tokens gives."""
+    out = tmp_path / "run"
+    run = compare.ComparisonRun(*compare.parse_args(argv(out, "--cycle_tokens", "4096")))  # pieces of 4,224 tokens
+    run.state = CompareState.open(str(out / STATE_NAME), run.identity())
+    run.prepare_heldout()
+    for cycle in (1, 2):
+        run.prepare_cycle(cycle)
+    cycle1, cycle2 = (run.state.stage(c, "prepare") for c in (1, 2))
+    assert cycle2["start"] == {"skip_documents": cycle1["stream_end"]["documents"],
+                               "skip_tokens": cycle1["stream_end"]["tokens"]}
+    assert cycle2["start"]["skip_documents"] > 0  # the test does skip documents
+
+    absolute = prepare(run.data_args.prepare_args(
+        str(tmp_path / "absolute"), eval_from=run.heldout_dir(), skip_tokens=cycle2["skip_tokens"],
+        max_tokens=run.stream_per_cycle))
+    manifest = read_manifest(run.data_dir(2))
+    assert manifest["splits"] == absolute["splits"]  # the same shards (sha256), train and eval
+    for shard in manifest["splits"]["train"]["shards"]:
+        np.testing.assert_array_equal(np.load(os.path.join(run.data_dir(2), shard["file"])),
+                                      np.load(tmp_path / "absolute" / shard["file"]))
+    assert manifest["stream_end"] == absolute["stream_end"]
+
+
 # ----------------------------------------------------------------------------- the pipeline
 
 
@@ -116,6 +141,10 @@ def test_two_cycles_end_to_end(reference):
     assert file_sha256(os.path.join(out, "data", "heldout", "eval-00000.npy")) == heldout["shards"][0]
     skips = [state["cycles"][c]["prepare"]["skip_tokens"] for c in ("1", "2")]
     assert skips == [heldout["stream_tokens"], heldout["stream_tokens"] + 16 * 33]  # consecutive, no overlap
+    ends = [heldout["stream_end"]] + [state["cycles"][c]["prepare"]["stream_end"] for c in ("1", "2")]
+    for cycle, end in zip(("1", "2"), ends):  # each piece starts where the one before it ended
+        assert state["cycles"][cycle]["prepare"]["start"] == {"skip_documents": end["documents"],
+                                                              "skip_tokens": end["tokens"]}
 
     # Shards of finished cycles deleted, final weights kept, cycle 2 continued from cycle 1.
     assert sorted(os.listdir(out / "data")) == ["heldout"]
@@ -176,6 +205,28 @@ def test_killed_mid_cycle_resumes_without_redoing_stages_and_pushes_cycles(refer
         compare.main(argv(out, *push))  # everything done and pushed: nothing happens
         assert len(hub.commit_titles("test-org/cmp")) == commits
         assert stage_times(read_state(out)) == after
+
+
+def test_state_without_stream_positions_resumes_by_token_count(reference, tmp_path):
+    """A state written before stream positions were recorded continues: the next cycle skips by token count,
+    trains on the same tokens, and records its end again."""
+    out = tmp_path / "old"
+    compare.main(argv(out, "--num_cycles", "1"))
+    state = read_state(out)
+    del state["heldout"]["stream_end"]
+    for field in ("start", "stream_end"):
+        del state["cycles"]["1"]["prepare"][field]
+    with open(out / STATE_NAME, "w") as f:
+        json.dump(state, f)
+
+    result = compare.main(argv(out))
+    cycle2 = read_state(out)["cycles"]["2"]["prepare"]
+    assert cycle2["start"] == {"skip_documents": 0, "skip_tokens": state["heldout"]["stream_tokens"] + 16 * 33}
+    assert cycle2["stream_end"] == read_state(reference[0])["cycles"]["2"]["prepare"]["stream_end"]
+    expected = numbers(reference[1]["results"])
+    assert numbers(result["results"]).keys() == expected.keys()
+    for key, values in numbers(result["results"]).items():
+        assert values == pytest.approx(expected[key], rel=1e-5), key
 
 
 def _try_read(out):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, default_data_collator
 
+from scripts import prepare_data
 from scripts.prepare_data import PrepareDataArguments, main, prepare
 from trainer_ext import corpus
 from trainer_ext.data import MANIFEST_NAME, ShardedTokenDataset, read_manifest, token_dtype, tokenizer_hash
@@ -220,6 +221,121 @@ def test_streaming_dataset_source_respects_max_tokens(source_dir, tmp_path):
     np.testing.assert_array_equal(stored, expected[: stored.size])
 
 
+def test_streaming_dataset_source_skips_documents_and_trains_on_the_leading_ones(source_dir, tmp_path):
+    root, docs = source_dir
+    hub_like = tmp_path / "hub_like"
+    hub_like.mkdir()
+    shutil.copy(root / "part-0.jsonl", hub_like / "train.jsonl")
+    common = dict(dataset=str(hub_like), vocab_size=VOCAB, seq_len=SEQ_LEN, eval_samples=0, shuffle=False)
+    whole = prepare(PrepareDataArguments(output_dir=str(tmp_path / "whole"), **common))
+    piece = prepare(PrepareDataArguments(output_dir=str(tmp_path / "piece"), skip_documents=3, skip_tokens=5,
+                                         max_tokens=20 * (SEQ_LEN + 1), **common))
+    assert piece["tokenizer_hash"] == whole["tokenizer_hash"]  # the BPE is trained on the first documents still
+    expected = _expected_stream(AutoTokenizer.from_pretrained(tmp_path / "piece"), docs[3:18])[5:5 + 20 * (SEQ_LEN + 1)]
+    np.testing.assert_array_equal(_load_split(tmp_path / "piece", "train").reshape(-1), expected)
+
+
+# ----------------------------------------------------------------------------- pieces of the stream
+
+
+def _piece(root, out, tokenizer, **kwargs) -> dict:
+    """Prepare a piece of the file corpus's stream with a fixed tokenizer, all of it in the train split."""
+    return prepare(PrepareDataArguments(
+        files=[str(root / "part-*.jsonl"), str(root / "notes-*.txt"), str(root / "extra.parquet")],
+        output_dir=str(out), tokenizer=tokenizer, seq_len=SEQ_LEN, shard_size=16, eval_samples=0,
+        map_batch_size=4, **kwargs))
+
+
+def _position(lengths: np.ndarray, tokens: int) -> dict:
+    """The (whole documents, tokens of the next one) position of an absolute token offset."""
+    ends = np.cumsum(lengths)
+    whole = int(np.searchsorted(ends, tokens, side="right"))
+    return {"documents": whole, "tokens": tokens - int(ends[whole - 1] if whole else 0)}
+
+
+# Absolute offsets: inside a document, at a document boundary, inside the last JSONL document, in the
+# parquet file (after both text files).
+@pytest.mark.parametrize("offset", [500, None, 1, -40])
+def test_skip_by_position_gives_the_same_samples_as_skip_by_tokens(source_dir, prepared, offset, tmp_path):
+    """A piece that starts at an earlier piece's stream_end (skipped documents never tokenized) holds the very
+    samples, byte for byte, of one that skips the same number of tokens; stream_end is where it ends."""
+    out, docs = prepared
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    lengths = np.array([len(_expected_stream(tokenizer, [doc])) for doc in docs])
+    ends = np.cumsum(lengths)
+    offset = {None: int(ends[9]), 1: int(ends[35]) - 7, -40: int(ends[-1]) - 40 * (SEQ_LEN + 1)}.get(offset, offset)
+    size = 12 * (SEQ_LEN + 1)
+    root, _ = source_dir
+    head = _piece(root, tmp_path / "head", str(out), max_tokens=offset)
+    assert head["stream_end"] == _position(lengths, offset)
+
+    by_tokens = _piece(root, tmp_path / "by_tokens", str(out), skip_tokens=offset, max_tokens=size)
+    start = head["stream_end"]
+    by_position = _piece(root, tmp_path / "by_position", str(out), skip_documents=start["documents"],
+                         skip_tokens=start["tokens"], max_tokens=size)
+
+    assert by_position["splits"]["train"] == by_tokens["splits"]["train"]  # same shards, same sha256
+    for shard in by_tokens["splits"]["train"]["shards"]:  # shuffled the same way: equal arrays
+        np.testing.assert_array_equal(np.load(tmp_path / "by_position" / shard["file"]),
+                                      np.load(tmp_path / "by_tokens" / shard["file"]))
+    expected = _expected_stream(tokenizer, docs)[offset:offset + size].reshape(-1, SEQ_LEN + 1)
+    np.testing.assert_array_equal(np.unique(_load_split(tmp_path / "by_position", "train"), axis=0),
+                                  np.unique(expected, axis=0))
+    assert by_position["stream_end"] == by_tokens["stream_end"] == _position(lengths, offset + size)
+    assert by_position["args"]["skip_documents"] == start["documents"]
+
+
+def test_stream_end_continues_the_stream_and_marks_its_end(source_dir, prepared, tmp_path):
+    out, docs = prepared
+    expected = _expected_stream(AutoTokenizer.from_pretrained(out), docs)
+    root, _ = source_dir
+    sample_len = SEQ_LEN + 1
+    pieces, start = [], {"documents": 0, "tokens": 0}
+    for i, size in enumerate((5, 9, 4)):
+        manifest = _piece(root, tmp_path / f"piece{i}", str(out), skip_documents=start["documents"],
+                          skip_tokens=start["tokens"], max_tokens=size * sample_len, shuffle=False)
+        pieces.append(_load_split(tmp_path / f"piece{i}", "train").reshape(-1))
+        start = manifest["stream_end"]
+    np.testing.assert_array_equal(np.concatenate(pieces), expected[:18 * sample_len])
+
+    # Unlimited, the stream ends after the last document.
+    rest = _piece(root, tmp_path / "rest", str(out), skip_documents=start["documents"], skip_tokens=start["tokens"],
+                  shuffle=False)
+    assert rest["stream_end"] == {"documents": len(docs), "tokens": 0}
+    assert rest["stream_tokens"] == len(expected) - 18 * sample_len
+    with pytest.raises(ValueError, match=r"after the 50 documents skipped \(--skip_documents\)"):
+        _piece(root, tmp_path / "past", str(out), skip_documents=len(docs))
+
+
+def test_a_slice_reads_and_tokenizes_no_document_beyond_it(source_dir, prepared, tmp_path, monkeypatch):
+    """Preparing a piece tokenizes only its own documents (the skipped ones are read, not tokenized) and stops
+    reading where the piece ends: a broken file after it does not matter."""
+    out, docs = prepared
+    root, _ = source_dir
+    broken = tmp_path / "src"
+    broken.mkdir()
+    for name in ("part-0.jsonl", "notes-0.txt", "notes-1.txt", "extra.parquet"):
+        shutil.copy(root / name, broken / name)
+    (broken / "part-1.jsonl").write_text('{"text": "fine"}\nthis line is not JSON\n')
+    piece = dict(skip_documents=6, skip_tokens=3, max_tokens=3 * (SEQ_LEN + 1))
+    reference = _piece(root, tmp_path / "reference", str(out), **piece)
+    encoded = []
+    real_encode = prepare_data.encode_documents
+
+    def counting_encode(tokenizer, texts, eos_token_id):
+        encoded.extend(texts)
+        return real_encode(tokenizer, texts, eos_token_id)
+
+    monkeypatch.setattr(prepare_data, "encode_documents", counting_encode)
+    sliced = _piece(broken, tmp_path / "piece", str(out), **piece)
+    assert sliced["splits"]["train"] == reference["splits"]["train"]
+    # 99 tokens from the 7th document on, in batches of 4 documents: one batch tokenized, the first 6 skipped.
+    assert encoded == docs[6:10]
+    assert 6 <= sliced["stream_end"]["documents"] < 10
+    with pytest.raises(ValueError, match="JSON parse error"):  # the whole stream does reach the broken file
+        _piece(broken, tmp_path / "whole", str(out))
+
+
 # ----------------------------------------------------------------------------- reruns
 
 
@@ -360,4 +476,4 @@ def test_text_file_in_another_encoding_is_read_with_replacement(tmp_path):
     (tmp_path / "a.txt").write_text("plain utf-8 text\n", encoding="utf-8")
     (tmp_path / "b.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
     dataset = corpus.load_local_files([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")])
-    assert dataset["text"] == ["plain utf-8 text\n", "caf\ufffd au lait\n"]
+    assert [row["text"] for row in dataset] == ["plain utf-8 text\n", "caf\ufffd au lait\n"]

@@ -6,8 +6,11 @@ needs no network, so a fresh checkout can prepare data and train end to end offl
 Verses are grouped by chapter so each document is a few hundred tokens long, which makes
 the EOS-separated packing look like real pretraining data rather than one-line snippets.
 
-Every loader returns a ``datasets`` dataset with a single ``"text"`` column, so the
-tokenize/pack step downstream does not care where the text came from.
+Every loader returns a streamed ``datasets.IterableDataset`` with a single ``"text"`` column, so
+the tokenize/pack step downstream does not care where the text came from, and documents are read
+only as far as they are used: nothing is copied into the ``datasets`` cache (a second copy of a
+large corpus would not fit on a small disk), and taking a slice of the stream (``skip`` /
+``take``) reads the documents before it but no document after it.
 """
 
 from __future__ import annotations
@@ -139,15 +142,17 @@ def file_format(path: str) -> str:
 
 
 def load_default_corpus(max_documents: int | None = None):
-    """The embedded corpus as an in-memory ``datasets.Dataset`` with a ``text`` column."""
+    """The embedded corpus as a streamed ``datasets.IterableDataset`` with a ``text`` column."""
     import datasets
 
-    documents = []
+    features = datasets.Features({"text": datasets.Value("string")})
+    documents = datasets.IterableDataset.from_generator(_default_rows, features=features)
+    return documents.take(max_documents) if max_documents is not None else documents
+
+
+def _default_rows() -> Iterator[dict]:
     for document in iter_default_documents():
-        if max_documents is not None and len(documents) >= max_documents:
-            break
-        documents.append(document)
-    return datasets.Dataset.from_dict({"text": documents})
+        yield {"text": document}
 
 
 def load_local_files(
@@ -157,9 +162,9 @@ def load_local_files(
     max_documents: int | None = None,
     cache_dir: str | None = None,
 ):
-    """Local text / JSONL / parquet files as one ``datasets.Dataset`` with a ``text`` column.
+    """Local text / JSONL / parquet files as one streamed ``datasets.IterableDataset`` with a ``text`` column.
 
-    Consecutive files of the same format are loaded together (one builder call per run,
+    Files are opened one after the other as the stream reaches them. Consecutive files of the same format are loaded together (one builder call per run,
     which matters with thousands of parquet shards) and concatenated in argument order.
     ``text_sample_by`` decides what one document of a plain-text file is: the whole file
     ("document"), each blank-line-separated block ("paragraph") or each line ("line").
@@ -180,14 +185,12 @@ def load_local_files(
     for builder, paths in runs:
         kwargs = {"sample_by": text_sample_by, "encoding_errors": "replace"} if builder == "text" else {}
         part = datasets.load_dataset(
-            builder, data_files=paths, split="train", cache_dir=cache_dir, **kwargs
+            builder, data_files=paths, split="train", cache_dir=cache_dir, streaming=True, **kwargs
         )
         column = "text" if builder == "text" else text_column
         parts.append(_only_text_column(part, column, source=", ".join(paths)))
     dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    if max_documents is not None and max_documents < len(dataset):
-        dataset = dataset.select(range(max_documents))
-    return dataset
+    return dataset.take(max_documents) if max_documents is not None else dataset
 
 
 def load_hub_dataset(
