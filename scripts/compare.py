@@ -81,7 +81,7 @@ from trainer_ext.atomic import write_text
 from trainer_ext.compare_state import CYCLE_STAGES, STATE_NAME, CompareState
 from trainer_ext.data import ShardedTokenDataset
 from trainer_ext.devices import resolve_device, resolve_dtype
-from trainer_ext.evaluation import depth_collapse_warning, evaluate_model
+from trainer_ext.evaluation import evaluate_model, learning_warnings, unigram_cross_entropy
 from trainer_ext.hub import BackgroundPusher, cycle_commit_message
 from trainer_ext.model_card import ModelCardInfo, format_count, write_model_card
 
@@ -567,6 +567,7 @@ class ComparisonRun:
         dtype = resolve_dtype(self.args.eval_dtype, device)
         tokens_seen = cycle * self.tokens_per_cycle
         records = []
+        unigram_ce = None
         for model_name in MODELS:
             final_dir = self.state.stage(cycle, f"train_{model_name}")["final_dir"]
             preset = getattr(self.args, f"{model_name}_preset")
@@ -574,6 +575,10 @@ class ComparisonRun:
             heldout = ShardedTokenDataset(self.heldout_dir(), "eval",
                                           expected_tokenizer_hash=self.state.heldout["tokenizer_hash"],
                                           model_vocab_size=model.config.vocab_size)
+            if unigram_ce is None:  # over the samples evaluate_model reads
+                evaluated = len(heldout) if self.args.eval_max_batches is None else min(
+                    len(heldout), self.args.eval_max_batches * self.args.eval_batch_size)
+                unigram_ce = unigram_cross_entropy(torch.utils.data.Subset(heldout, range(evaluated)))
             recurrent = presets.is_recurrent(model.config)
             for depth in self.depths if recurrent else [None]:
                 self.progress.bar.set_postfix_str(f"cycle={cycle}, model={model_name}, stage=evaluate"
@@ -585,11 +590,9 @@ class ComparisonRun:
                           "layers": unrolled_layers(model.config, depth), "checkpoint": final_dir, **metrics}
                 record["model"] = _label(record)
                 records.append(record)
-            if recurrent:
-                warning = depth_collapse_warning(
-                    f"cycle {cycle}, {preset}", {r["num_steps"]: r["ce"] for r in records if r["arch"] == model_name})
-                if warning:
-                    logger.warning(warning)
+            ce_by_depth = {r["num_steps"]: r["ce"] for r in records if r["arch"] == model_name}
+            for warning in learning_warnings(f"cycle {cycle}, {preset}", ce_by_depth, unigram_ce):
+                logger.warning(warning)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -31,7 +31,13 @@ from hf_recurrent.presets import is_recurrent
 from trainer_ext.atomic import write_text
 from trainer_ext.data import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.devices import resolve_device, resolve_dtype
-from trainer_ext.evaluation import cache_mode_cost, depth_collapse_warning, evaluate_model, generation_speed
+from trainer_ext.evaluation import (
+    cache_mode_cost,
+    evaluate_model,
+    generation_speed,
+    learning_warnings,
+    unigram_cross_entropy,
+)
 
 logger = logging.getLogger("evaluate")
 
@@ -133,8 +139,10 @@ def speed_prompt(dataset, prompt_len: int) -> torch.Tensor:
     return prompt[:prompt_len]
 
 
-def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, device, dtype) -> tuple[list, list]:
-    """Result records (one per depth) and KV cache comparisons for one checkpoint."""
+def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, device, dtype,
+                        unigram_ce: float | None = None) -> tuple[list, list]:
+    """Result records (one per depth) and KV cache comparisons for one checkpoint; `unigram_ce` (the held-out
+    tokens' frequency-only CE) is what a model that learned nothing from the context would score."""
     model = load_checkpoint(checkpoint, dtype, device)
     dataset = load_eval_data(args, checkpoint, model)
     recurrent = is_recurrent(model.config)
@@ -157,10 +165,8 @@ def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, de
             **quality,
             **{f"tokens_per_s_batch_{b}": s for b, s in speed.items()},
         })
-    if recurrent:
-        warning = depth_collapse_warning(label, {r["num_steps"]: r["ce"] for r in records})
-        if warning:
-            logger.warning(warning)
+    for warning in learning_warnings(label, {r["num_steps"]: r["ce"] for r in records}, unigram_ce):
+        logger.warning(warning)
     if recurrent and args.cache_cost_samples > 0:
         seq_len = dataset[0]["input_ids"].shape[0]
         prefix_len = max(seq_len - args.cache_cost_tokens, 0)
@@ -215,7 +221,11 @@ def _format(value, fmt: str) -> str:
 def render_report(report: dict) -> str:
     data = report["data"]
     text = (f"# Evaluation\n\nHeld-out split `{data['split']}` of `{data['data_dir']}`: {data['samples']} samples. "
-            "CE in nats per token; tokens/s: greedy generation with the KV cache.\n\n")
+            "CE in nats per token; tokens/s: greedy generation with the KV cache.")
+    if data.get("frequency_only_ce") is not None:  # reports written before it was recorded lack it
+        text += (f" Predicting every token from its frequency alone gives CE {data['frequency_only_ce']:.4f} on these "
+                 "tokens.")
+    text += "\n\n"
     text += markdown_table(report["results"])
     if report["cache_mode_cost"]:
         text += ("\n## KV cache modes\n\nTeacher-forced decoding, one token at a time after a prefilled prefix. "
@@ -238,15 +248,17 @@ def main(argv=None) -> dict:
     if len(set(labels)) != len(labels):
         raise ValueError(f"--labels: the names {labels} repeat; give each checkpoint its own label with --labels.")
 
+    heldout = ShardedTokenDataset(args.data_dir, args.split)
+    num_samples = len(heldout) if args.max_samples is None else min(len(heldout), args.max_samples)
+    unigram_ce = unigram_cross_entropy(torch.utils.data.Subset(heldout, range(num_samples)))
     results, costs = [], []
     for checkpoint, label in zip(args.checkpoints, labels):
-        records, checkpoint_costs = evaluate_checkpoint(args, checkpoint, label, device, dtype)
+        records, checkpoint_costs = evaluate_checkpoint(args, checkpoint, label, device, dtype, unigram_ce)
         results += records
         costs += checkpoint_costs
-    num_samples = len(ShardedTokenDataset(args.data_dir, args.split))
     report = {
-        "data": {"data_dir": args.data_dir, "split": args.split,
-                 "samples": num_samples if args.max_samples is None else min(num_samples, args.max_samples)},
+        "data": {"data_dir": args.data_dir, "split": args.split, "samples": num_samples,
+                 "frequency_only_ce": unigram_ce},
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "args": asdict(args),

@@ -11,11 +11,14 @@ from scripts import evaluate as evaluate_script
 from trainer_ext.data import ShardedTokenDataset
 from trainer_ext.evaluation import (
     cache_mode_cost,
+    context_free_warning,
     depth_collapse_warning,
     evaluate_model,
     generation_speed,
+    learning_warnings,
     load_metric,
     token_statistics,
+    unigram_cross_entropy,
 )
 
 
@@ -216,6 +219,29 @@ def test_depth_collapse_warning_thresholds():
     assert warning.startswith("m: held-out CE is the same at depth 1 and depth 24")
 
 
+def test_unigram_cross_entropy_is_the_entropy_of_the_target_frequencies(eval_set):
+    items = [{"shift_labels": torch.tensor([5, 5, 7, -100])}, {"shift_labels": torch.tensor([9, 5, -100, -100])}]
+    p = torch.tensor([3, 1, 1], dtype=torch.float64) / 5  # token 5 three times, 7 and 9 once; -100 ignored
+    assert unigram_cross_entropy(items) == pytest.approx(float(-(p * p.log()).sum()))
+    # On real shards: no context-free predictor beats it, e.g. the frequencies themselves scored as a model.
+    targets = torch.cat([eval_set[i]["shift_labels"] for i in range(len(eval_set))])
+    targets = targets[targets != -100]
+    log_freq = torch.bincount(targets).double().div(len(targets)).log()
+    assert unigram_cross_entropy(eval_set) == pytest.approx(float(-log_freq[targets].mean()))
+    with pytest.raises(ValueError, match="no target tokens"):
+        unigram_cross_entropy([{"shift_labels": torch.tensor([-100, -100])}])
+
+
+def test_context_free_and_depth_warnings():
+    assert context_free_warning("m", ce=4.9, unigram_ce=6.4) is None  # learned from the context
+    assert "frequency alone" in context_free_warning("m", ce=7.3, unigram_ce=6.4)  # the collapsed 125M run
+    assert context_free_warning("m", ce=6.3, unigram_ce=6.4) is not None  # within the margin
+    # A Transformer (one depth) is only checked against the frequencies; a recurrent model also across depths.
+    assert learning_warnings("t", {None: 4.9}, 6.4) == []
+    assert len(learning_warnings("r", {1: 7.3165, 24: 7.3165}, 6.4)) == 2
+    assert learning_warnings("r", {1: 5.0, 6: 4.9}, None) == []
+
+
 def test_evaluate_script_warns_about_a_collapsed_recurrent_model(tiny_data_dir, tmp_path, caplog):
     """A core that writes nothing and an adapter that ignores the state: every depth gives the same output."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_data_dir)
@@ -237,6 +263,12 @@ def test_evaluate_script_warns_about_a_collapsed_recurrent_model(tiny_data_dir, 
     ce = [r["ce"] for r in report["results"]]
     assert ce[0] == pytest.approx(ce[1], abs=1e-6)
     assert "the recurrent state has probably collapsed" in caplog.text
+    # An untrained model is also no better than the token frequencies of the four evaluated samples.
+    heldout = ShardedTokenDataset(tiny_data_dir, "eval")
+    frequency_only = unigram_cross_entropy([heldout[i] for i in range(4)])
+    assert report["data"]["frequency_only_ce"] == pytest.approx(frequency_only)
+    assert "no better than predicting every token from its frequency" in caplog.text
+    assert f"{frequency_only:.4f}" in (tmp_path / "eval" / "results.md").read_text()
 
 
 def test_evaluate_script_rejects_bad_arguments(tiny_data_dir, checkpoints, tmp_path):
