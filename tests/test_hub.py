@@ -100,6 +100,7 @@ def test_card_has_metadata_depth_usage_and_eval_table():
     counts = parameter_counts(config)
     assert f"{counts.unique:,}" in text and counts.per_step > 0
     assert "1 / 2 / 1" in text  # prelude / core / coda
+    assert "| block normalisation | `sandwich` |" in text
     # The evaluation table, one row per depth, and the training facts.
     assert "| depth | ce | top1 |" in text and "| 2 | 3.25 | 0.31 |" in text and "| 4 | 3.125 | 0.335 |" in text
     assert "400,000,000 (400M)" in text and "llm-jp/llm-jp-3-13b" in text and "factored second moment" in text

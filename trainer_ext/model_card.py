@@ -190,6 +190,7 @@ def _architecture_rows(config, counts: ParameterCounts, recurrent: bool) -> str:
             ("parameters per recurrent step", _count_with_scale(counts.per_step)),
             ("default depth (`mean_recurrence`)", str(config.mean_recurrence)),
             ("input injection", f"`{config.injection}`"),
+            ("block normalisation", f"`{config.block_norm}`"),
         ]
     else:
         rows.append(("layers", str(config.num_hidden_layers)))
