@@ -24,12 +24,12 @@ quiet() { grep -vE "it/s\]|s/it\]|Warning|warn" | tail -"${TAIL:-30}"; }
 DATA=outputs/data/pystdlib
 prepare_2048() {
   [ -f $DATA/manifest.json ] || python3 -m scripts.prepare_data --files "$STDLIB/**/*.py" --output_dir $DATA \
-    --vocab_size 65536 --seq_len 2048 --eval_samples 16 --num_proc 16 --max_documents 6000 2>&1 | tail -1
+    --vocab_size 65536 --seq_len 2048 --eval_samples 16 --max_documents 6000 2>&1 | tail -1
 }
 DATA_1024=outputs/data/py
 prepare_1024() {
   [ -f $DATA_1024/manifest.json ] || python3 -m scripts.prepare_data --files "$STDLIB/**/*.py" \
-    --output_dir $DATA_1024 --vocab_size 32768 --seq_len 1024 --eval_samples 64 --num_proc 16 --max_documents 6000 \
+    --output_dir $DATA_1024 --vocab_size 32768 --seq_len 1024 --eval_samples 64 --max_documents 6000 \
     2>&1 | tail -1
 }
 bench() {  # bench NAME PRESET... [-- run_pretrain args]
@@ -63,7 +63,7 @@ case $STAGE in
   compare)  # then the last cycle's checkpoints through scripts/evaluate.py (generation speed, depth plots)
     DIR=${COMPARE_DIR:-outputs/compare-125m}
     PURELIB=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")  # more real text
-    python3 -m scripts.compare --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" --num_proc 16 --output_dir $DIR "$@" > "$OUT/compare.log" 2>&1
+    python3 -m scripts.compare --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" --output_dir $DIR "$@" > "$OUT/compare.log" 2>&1
     CODE=$?; echo "compare exit code $CODE"; tr '\r' '\n' < "$OUT/compare.log" | grep -E "Error|rror:|Wrote" | tail -8
     mkdir -p "$OUT/compare"; cp $DIR/results.* $DIR/*.png $DIR/compare_state.json "$OUT/compare/" 2>/dev/null
     RECURRENT=$(ls -d $DIR/recurrent/cycle-*/final | tail -1) BASELINE=$(ls -d $DIR/baseline/cycle-*/final | tail -1)

@@ -5,7 +5,7 @@
     python -m scripts.compare --recurrent_preset recurrent-125m --baseline_preset transformer-125m \
         --dataset uonlp/CulturaX --dataset_config ja --tokenizer llm-jp/llm-jp-3-1.8b --seq_len 2048 \
         --cycle_tokens 200_000_000 --num_cycles 5 --per_device_train_batch_size 8 \
-        --learning_rate 1e-3 --bf16 --output_dir outputs/compare-125m \
+        --learning_rate 3e-4 --bf16 --output_dir outputs/compare-125m \
         --push_to_hub --hub_model_id me/recurrent-125m-ja
 
 Every cycle takes the next `--cycle_tokens` training tokens of one data stream (the embedded corpus, `--files`

@@ -164,8 +164,9 @@ def load_local_files(
 ):
     """Local text / JSONL / parquet files as one streamed ``datasets.IterableDataset`` with a ``text`` column.
 
-    Files are opened one after the other as the stream reaches them. Consecutive files of the same format are loaded together (one builder call per run,
-    which matters with thousands of parquet shards) and concatenated in argument order.
+    Files are opened one after the other as the stream reaches them. Consecutive files of the same
+    format are loaded together (one builder call per run, which matters with thousands of parquet
+    shards) and concatenated in argument order.
     ``text_sample_by`` decides what one document of a plain-text file is: the whole file
     ("document"), each blank-line-separated block ("paragraph") or each line ("line").
     Text files are read as UTF-8; bytes that are not valid UTF-8 become U+FFFD, so one file in
