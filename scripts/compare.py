@@ -29,7 +29,8 @@ before it but tokenizes only its own, and writes nothing proportional to the cor
 Optimizer state starts fresh in each cycle (weights continue), hence the default `constant_with_warmup`
 schedule with a short warmup per cycle; any run_pretrain / TrainingArguments option not listed here
 (`--learning_rate`, `--warmup_steps`, `--bf16`, `--optimizer`, `--teacher_model_name_or_path`, ...) is passed
-through to both trainings unchanged.
+through to both trainings unchanged, except that `--recurrent_learning_rate` / `--baseline_learning_rate` set one
+model's learning rate (each architecture at its own best rate; the recurrent presets need a lower one).
 
 Resuming: progress lives in `<output_dir>/compare_state.json` (written atomically). Killed at any point, the
 same command continues where it stopped: finished stages are not redone, an interrupted training resumes from
@@ -119,6 +120,9 @@ CONTROLLED_TRAIN_ARGS = {
 # Arguments that neither change data, models nor results: a rerun that differs only in these continues the run.
 NON_IDENTITY_ARGS = ("output_dir", "num_cycles", "overwrite", "push_to_hub", "hub_model_id", "hub_baseline_model_id",
                      "hub_private_repo", "num_proc", "map_batch_size", "cache_dir")
+# Arguments added after state files were first written: part of a run's identity only when set, so a run started
+# before they existed still continues.
+OPTIONAL_IDENTITY_ARGS = ("recurrent_learning_rate", "baseline_learning_rate")
 
 
 @dataclass
@@ -135,6 +139,11 @@ class CompareArguments:
     recurrent_config_overrides: str | None = field(
         default=None, metadata={"help": "Config fields of the recurrent model, e.g. 'mean_recurrence=8'."})
     baseline_config_overrides: str | None = field(default=None, metadata={"help": "Config fields of the baseline."})
+    recurrent_learning_rate: float | None = field(
+        default=None, metadata={"help": "Learning rate of the recurrent model only (default: --learning_rate). The "
+                                        "recurrent presets need a lower one than their Transformer peers."})
+    baseline_learning_rate: float | None = field(
+        default=None, metadata={"help": "Learning rate of the baseline only (default: --learning_rate)."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per step (both models)."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
     seed: int = field(default=0, metadata={"help": "Seed of both trainings (init, data order, depth sampling)."})
@@ -164,6 +173,10 @@ class CompareArguments:
                 raise ValueError(f"--{name} must be >= 1, got {value}.")
         if not self.eval_depths or any(d < 1 for d in self.eval_depths):
             raise ValueError(f"--eval_depths {self.eval_depths}: give one or more integers >= 1.")
+        for name in OPTIONAL_IDENTITY_ARGS:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name} must be > 0, got {value}.")
         if self.max_depth_factor <= 0:
             raise ValueError(f"--max_depth_factor must be > 0, got {self.max_depth_factor}.")
         for name, recurrent in (("recurrent_preset", True), ("baseline_preset", False)):
@@ -466,7 +479,8 @@ class ComparisonRun:
                                  f"(see the message above).") from err
 
     def identity(self) -> dict:
-        compare = {k: v for k, v in dataclasses.asdict(self.args).items() if k not in NON_IDENTITY_ARGS}
+        compare = {k: v for k, v in dataclasses.asdict(self.args).items()
+                   if k not in NON_IDENTITY_ARGS and not (k in OPTIONAL_IDENTITY_ARGS and v is None)}
         data = {k: v for k, v in dataclasses.asdict(self.data_args).items() if k not in NON_IDENTITY_ARGS}
         return {"compare": compare, "data": data, "train_args": list(self.passthrough)}
 
@@ -536,6 +550,9 @@ class ComparisonRun:
             "--gradient_accumulation_steps", str(args.gradient_accumulation_steps),
             "--seed", str(args.seed),
         ]
+        learning_rate = getattr(args, f"{model}_learning_rate")
+        if learning_rate is not None:  # after the pass-through arguments, so it wins over their --learning_rate
+            argv += ["--learning_rate", repr(learning_rate)]
         if previous_final is None:
             argv += ["--preset", getattr(args, f"{model}_preset")]
             overrides = getattr(args, f"{model}_config_overrides")

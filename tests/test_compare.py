@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from scripts import compare
+from scripts import compare, run_pretrain
 from scripts.prepare_data import PrepareDataArguments, prepare
 from hub_server import HubTestServer
 from trainer_ext.compare_state import CYCLE_STAGES, STATE_NAME, CompareState
@@ -256,6 +256,21 @@ def test_other_settings_are_refused_and_pass_through_checked(reference, tmp_path
     with pytest.raises(ValueError, match="--baseline_preset='debug' is not a Transformer"):
         compare.main(argv(fresh, "--baseline_preset", "debug"))
     assert not os.path.exists(fresh / STATE_NAME)  # refused before any work
+
+
+def test_learning_rate_per_model_wins_over_the_shared_one_and_is_part_of_the_run(reference, tmp_path):
+    out, _ = reference  # started without per-model learning rates: the unset options leave its identity alone
+    run = compare.ComparisonRun(*compare.parse_args(argv(tmp_path / "run", "--recurrent_learning_rate", "1e-4")))
+    learning_rates = {model: run_pretrain.parse_args(run.train_argv(model, 1, previous_final=None))[2].learning_rate
+                      for model in compare.MODELS}
+    assert learning_rates == {"recurrent": 1e-4, "baseline": 3e-3}  # the baseline keeps --learning_rate
+    times = stage_times(read_state(out))
+    with pytest.raises(ValueError, match=r"differs in: recurrent_learning_rate"):
+        compare.main(argv(out, "--recurrent_learning_rate", "1e-4"))
+    compare.main(argv(out))
+    assert stage_times(read_state(out)) == times
+    with pytest.raises(ValueError, match="--baseline_learning_rate must be > 0"):
+        compare.main(argv(tmp_path / "bad", "--baseline_learning_rate", "0"))
 
 
 def test_state_overwrite_discards_only_other_settings(tmp_path):
