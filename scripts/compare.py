@@ -329,7 +329,12 @@ def render_results(records: list[dict]) -> str:
                                                                                      r["num_steps"] or 0))))
     text = ["# Same-data comparison", "",
             "Held-out cross-entropy (nats/token, lower is better) after each cycle; both models saw the same tokens "
-            "in the same order.", ""]
+            "in the same order."]
+    frequency_only = next((r["frequency_only_ce"] for r in records if "frequency_only_ce" in r), None)
+    if frequency_only is not None:  # records written before it was recorded lack it
+        text[-1] += (f" Predicting every token from its frequency alone gives CE {frequency_only:.4f} on the held-out "
+                     "set.")
+    text.append("")
     for key, title, fmt in (("ce", "CE", "{:.4f}"), ("top1", "top-1", "{:.2%}")):
         text.append("| cycle | tokens seen | " + " | ".join(f"{label} {title}" for label in labels) + " |")
         text.append("|---:|---:|" + "---:|" * len(labels))
@@ -604,7 +609,8 @@ class ComparisonRun:
                                          max_batches=self.args.eval_max_batches, progress=False)
                 record = {"cycle": cycle, "tokens_seen": tokens_seen, "arch": model_name, "preset": preset,
                           "kind": "recurrent" if recurrent else "transformer", "num_steps": depth,
-                          "layers": unrolled_layers(model.config, depth), "checkpoint": final_dir, **metrics}
+                          "layers": unrolled_layers(model.config, depth), "checkpoint": final_dir,
+                          "frequency_only_ce": unigram_ce, **metrics}
                 record["model"] = _label(record)
                 records.append(record)
             ce_by_depth = {r["num_steps"]: r["ce"] for r in records if r["arch"] == model_name}

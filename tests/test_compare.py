@@ -15,7 +15,8 @@ from scripts import compare, run_pretrain
 from scripts.prepare_data import PrepareDataArguments, prepare
 from hub_server import HubTestServer
 from trainer_ext.compare_state import CYCLE_STAGES, STATE_NAME, CompareState
-from trainer_ext.data import file_sha256, read_manifest
+from trainer_ext.data import ShardedTokenDataset, file_sha256, read_manifest
+from trainer_ext.evaluation import unigram_cross_entropy
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two cycles of 4 steps x 4 samples x 32 tokens on the debug presets, a 300-token BPE on 40 KJV chapters.
@@ -158,6 +159,10 @@ def test_two_cycles_end_to_end(reference):
         assert numbers(json.loads(line) for line in f) == numbers(records)
     table = (out / "results.md").read_text()
     assert "## Cycle 2: 1.02K tokens" in table and "| transformer-debug / 4 layers |" in table
+    # The context-free reference: the held-out tokens' own frequencies.
+    frequency_only = unigram_cross_entropy(ShardedTokenDataset(str(out / "data" / "heldout"), "eval"))
+    assert [r["frequency_only_ce"] for r in records] == pytest.approx([frequency_only] * len(records))
+    assert f"frequency alone gives CE {frequency_only:.4f}" in table
     with open(out / "learning_curves.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
