@@ -143,8 +143,9 @@ def context_free_warning(label: str, ce: float, unigram_ce: float, margin: float
 
 
 # A recurrent model whose held-out CE moves less than this (nats) between its shallowest and deepest evaluated
-# depth ignores its core steps. Healthy models differ by 0.02-0.16 between n = 1 and n = mean_recurrence even when
-# the state converges fast (BENCHMARKS.md); a collapsed 125M run differed by under 0.001 from n = 1 to n = 24.
+# depth ignores its core steps. Healthy models differed by 0.01-0.16 between n = 1 and n = mean_recurrence even when
+# the state converges fast (BENCHMARKS.md); a collapsed 125M run differed by under 0.001 from n = 1 to n = 24. Another
+# collapsed run differed by 0.017, more than a healthy one, which is why `context_free_warning` exists.
 DEPTH_COLLAPSE_TOLERANCE = 1e-3
 
 
