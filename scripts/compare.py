@@ -45,9 +45,12 @@ cycle trains; commits are named after the cycle ("cycle 2: 400M tokens"). The ru
 pushes that did not finish are retried by the next start of the same command. The token comes from `HF_TOKEN`
 or the stored login and is never written to the state file, a card or a log.
 
-Not covered: per-cycle teacher caches (`--teacher_cache_dir`; online distillation through
-`--teacher_model_name_or_path` works and applies to both models), and launching across several processes
-(the pipeline runs its trainings in this one process).
+Distillation applies to both models. Online: `--teacher_model_name_or_path` is passed through. Offline, for a
+teacher too large to run beside the student: `--teacher_cache_model TEACHER` adds a stage after `prepare` that
+caches the teacher's top-k log-probs over the cycle's shards (scripts/cache_teacher.py, resumable), trains both
+models from that cache and deletes it with the shards; the data must then use the teacher's tokenizer
+(`--tokenizer TEACHER`). Not covered: launching across several processes (the pipeline runs its trainings in this
+one process).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ from transformers import HfArgumentParser, TrainerCallback
 import hf_recurrent  # noqa: F401  (registers the model with the Auto classes)
 from hf_recurrent import presets
 from scripts import run_pretrain
+from scripts.cache_teacher import CacheTeacherArguments, cache_teacher
 from scripts.evaluate import load_checkpoint, markdown_table, unrolled_layers
 from scripts.prepare_data import PrepareDataArguments, prepare
 from trainer_ext.atomic import write_text
@@ -113,8 +117,7 @@ CONTROLLED_TRAIN_ARGS = {
     "--resume_from_checkpoint": "nothing: an interrupted cycle resumes by itself",
     "--config_overrides": "--recurrent_config_overrides / --baseline_config_overrides",
     "--save_final": "nothing: the next cycle starts from the final weights",
-    "--teacher_cache_dir": "--teacher_model_name_or_path (online teacher); per-cycle teacher caches are not "
-                           "supported",
+    "--teacher_cache_dir": "--teacher_cache_model (a cache built for each cycle's shards)",
     "--hub_strategy": "--push_to_hub (the pipeline pushes once per cycle)",
 }
 # Arguments that neither change data, models nor results: a rerun that differs only in these continues the run.
@@ -122,7 +125,8 @@ NON_IDENTITY_ARGS = ("output_dir", "num_cycles", "overwrite", "push_to_hub", "hu
                      "hub_private_repo", "num_proc", "map_batch_size", "cache_dir")
 # Arguments added after state files were first written: part of a run's identity only when set, so a run started
 # before they existed still continues.
-OPTIONAL_IDENTITY_ARGS = ("recurrent_learning_rate", "baseline_learning_rate")
+OPTIONAL_IDENTITY_ARGS = ("recurrent_learning_rate", "baseline_learning_rate", "teacher_cache_model",
+                          "teacher_cache_topk")
 
 
 @dataclass
@@ -144,6 +148,11 @@ class CompareArguments:
                                         "recurrent presets need a lower one than their Transformer peers."})
     baseline_learning_rate: float | None = field(
         default=None, metadata={"help": "Learning rate of the baseline only (default: --learning_rate)."})
+    teacher_cache_model: str | None = field(
+        default=None, metadata={"help": "Distil both models from this teacher through a top-k cache built for each "
+                                        "cycle's shards and deleted with them (needs --tokenizer of the teacher)."})
+    teacher_cache_topk: int | None = field(
+        default=None, metadata={"help": "Token ids per position in the teacher cache (default 64)."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per step (both models)."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
     seed: int = field(default=0, metadata={"help": "Seed of both trainings (init, data order, depth sampling)."})
@@ -173,10 +182,12 @@ class CompareArguments:
                 raise ValueError(f"--{name} must be >= 1, got {value}.")
         if not self.eval_depths or any(d < 1 for d in self.eval_depths):
             raise ValueError(f"--eval_depths {self.eval_depths}: give one or more integers >= 1.")
-        for name in OPTIONAL_IDENTITY_ARGS:
+        for name in ("recurrent_learning_rate", "baseline_learning_rate", "teacher_cache_topk"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name} must be > 0, got {value}.")
+        if self.teacher_cache_topk is not None and self.teacher_cache_model is None:
+            raise ValueError("--teacher_cache_topk needs --teacher_cache_model (the teacher to cache).")
         if self.max_depth_factor <= 0:
             raise ValueError(f"--max_depth_factor must be > 0, got {self.max_depth_factor}.")
         for name, recurrent in (("recurrent_preset", True), ("baseline_preset", False)):
@@ -441,6 +452,13 @@ class ComparisonRun:
         self.stream_per_cycle = self.steps_per_cycle * self.global_batch * self.sample_len
         self.eval_samples = data_args.eval_tokens // self.sample_len
         self.depths = self._eval_depths()
+        if args.teacher_cache_model is not None and data_args.tokenizer is None:
+            raise ValueError("--teacher_cache_model needs --tokenizer: teacher and data must share one tokenizer, and "
+                             "one trained by the comparison cannot match the teacher's (pass --tokenizer "
+                             f"{args.teacher_cache_model}).")
+        if args.teacher_cache_model is not None and _option_value(passthrough, "--teacher_model_name_or_path"):
+            raise ValueError("Pass either --teacher_model_name_or_path (online teacher) or --teacher_cache_model "
+                             "(a cache per cycle), not both.")
         self._check_train_args()
         self.state: CompareState | None = None
         self.pushes: CyclePushes | None = None
@@ -453,6 +471,12 @@ class ComparisonRun:
 
     def data_dir(self, cycle: int) -> str:
         return os.path.join(self.out, "data", f"cycle-{cycle:03d}")
+
+    def teacher_cache_dir(self, cycle: int) -> str:
+        return os.path.join(self.out, "data", f"cycle-{cycle:03d}-teacher")
+
+    def stages_per_cycle(self) -> tuple[str, ...]:
+        return tuple(s for s in CYCLE_STAGES if s != "cache_teacher" or self.args.teacher_cache_model is not None)
 
     def train_dir(self, model: str, cycle: int) -> str:
         return os.path.join(self.out, model, f"cycle-{cycle:03d}")
@@ -555,6 +579,8 @@ class ComparisonRun:
             "--gradient_accumulation_steps", str(args.gradient_accumulation_steps),
             "--seed", str(args.seed),
         ]
+        if args.teacher_cache_model is not None:
+            argv += ["--teacher_cache_dir", self.teacher_cache_dir(cycle)]
         learning_rate = getattr(args, f"{model}_learning_rate")
         if learning_rate is not None:  # after the pass-through arguments, so it wins over their --learning_rate
             argv += ["--learning_rate", repr(learning_rate)]
@@ -570,6 +596,15 @@ class ComparisonRun:
             logger.info("Resuming the interrupted training of %s, cycle %d, from %s.", model, cycle, checkpoint)
             argv += ["--resume_from_checkpoint", checkpoint]
         return argv
+
+    def cache_teacher(self, cycle: int) -> None:
+        topk = self.args.teacher_cache_topk
+        manifest = cache_teacher(CacheTeacherArguments(
+            teacher_model_name_or_path=self.args.teacher_cache_model, data_dir=self.data_dir(cycle),
+            output_dir=self.teacher_cache_dir(cycle), splits=["train"], device=self.args.device,
+            **({"topk": topk} if topk is not None else {})))
+        self.state.mark_done(cycle, "cache_teacher", dir=self.teacher_cache_dir(cycle), topk=manifest["topk"],
+                             teacher=manifest["teacher"])
 
     def train(self, model: str, cycle: int) -> None:
         previous = self.state.stage(cycle - 1, f"train_{model}")["final_dir"] if cycle > 1 else None
@@ -635,7 +670,7 @@ class ComparisonRun:
         other = self.args.baseline_preset if model_name == "recurrent" else self.args.recurrent_preset
         repo = self.args.hub_model_id if model_name == "recurrent" else self.args.baseline_repo_id
         info = ModelCardInfo(
-            repo_id=repo, preset=getattr(self.args, f"{model_name}_preset"),
+            repo_id=repo, preset=getattr(self.args, f"{model_name}_preset"), teacher=self.teacher(),
             tokens_seen=cycle * self.tokens_per_cycle, eval_results=results,
             training_data=f"{self._source_text()}, cycle {cycle}: {cycle * self.tokens_per_cycle:,} tokens in "
                           f"cycles of {self.tokens_per_cycle:,}",
@@ -643,6 +678,12 @@ class ComparisonRun:
                                             "seed); evaluated on a fixed held-out set of "
                                             f"{self.state.heldout['num_samples'] * self.data_args.seq_len:,} tokens"})
         write_model_card(self.state.stage(cycle, f"train_{model_name}")["final_dir"], None, info)
+
+    def teacher(self) -> str | None:
+        """The teacher both models are distilled from (a per-cycle cache or an online teacher), if any."""
+        if self.args.teacher_cache_model is not None:
+            return self.args.teacher_cache_model
+        return _option_value(self.passthrough, "--teacher_model_name_or_path")
 
     def _source_text(self) -> str:
         if self.data_args.dataset:
@@ -654,6 +695,7 @@ class ComparisonRun:
 
     def cleanup(self, cycle: int) -> None:
         shutil.rmtree(self.data_dir(cycle), ignore_errors=True)
+        shutil.rmtree(self.teacher_cache_dir(cycle), ignore_errors=True)
         for model in MODELS:  # resume checkpoints of a finished cycle; the final weights stay
             for checkpoint in glob.glob(os.path.join(self.train_dir(model, cycle), "checkpoint-*")):
                 shutil.rmtree(checkpoint, ignore_errors=True)
@@ -685,7 +727,7 @@ class ComparisonRun:
         self.state = CompareState.open(os.path.join(self.out, STATE_NAME), self.identity(), args.overwrite,
                                        remove_outputs=self._remove_outputs)
         self.pushes = CyclePushes(args, self.state) if args.push_to_hub else None
-        total = 1 + len(CYCLE_STAGES) * args.num_cycles
+        total = 1 + len(self.stages_per_cycle()) * args.num_cycles
         with logging_redirect_tqdm():
             self.progress = RunProgress(total, self.state.stages_done())
             try:
@@ -717,6 +759,8 @@ class ComparisonRun:
         state = self.state
         if not state.is_done(cycle, "prepare"):
             self._stage(cycle, "-", "prepare", self.prepare_cycle, cycle)
+        if "cache_teacher" in self.stages_per_cycle() and not state.is_done(cycle, "cache_teacher"):
+            self._stage(cycle, "-", "cache_teacher", self.cache_teacher, cycle)
         for model in MODELS:
             if not state.is_done(cycle, f"train_{model}"):
                 self._stage(cycle, model, f"train_{model}", self.train, model, cycle)
@@ -726,6 +770,17 @@ class ComparisonRun:
                 self.submit_pushes(cycle)  # uploads while the next cycle trains
         if not state.is_done(cycle, "cleanup"):
             self._stage(cycle, "-", "cleanup", self.cleanup, cycle)
+
+
+def _option_value(argv: list[str], option: str) -> str | None:
+    """The last value given to `option` in `argv` (`--option value` or `--option=value`), as argparse keeps it."""
+    value = None
+    for index, arg in enumerate(argv):
+        if arg == option and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith(option + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _last_checkpoint(output_dir: str) -> str | None:

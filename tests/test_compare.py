@@ -10,7 +10,10 @@ import time
 
 import numpy as np
 import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
 
+from hf_recurrent import presets
 from scripts import compare, run_pretrain
 from scripts.prepare_data import PrepareDataArguments, prepare
 from hub_server import HubTestServer
@@ -191,7 +194,7 @@ def test_killed_mid_cycle_resumes_without_redoing_stages_and_pushes_cycles(refer
         push = ["--push_to_hub", "--hub_model_id", "test-org/cmp"]  # hub options may change between starts
         result = compare.main(argv(out, *push))
         after = stage_times(read_state(out))
-        assert len(after) == 1 + 2 * len(CYCLE_STAGES)
+        assert len(after) == 1 + 2 * (len(CYCLE_STAGES) - 1)  # every stage but the teacher cache
         assert {key: after[key] for key in before} == before  # nothing finished was redone
         expected = numbers(reference[1]["results"])  # the uninterrupted run's, to float rounding
         assert numbers(result["results"]).keys() == expected.keys()
@@ -210,6 +213,33 @@ def test_killed_mid_cycle_resumes_without_redoing_stages_and_pushes_cycles(refer
         compare.main(argv(out, *push))  # everything done and pushed: nothing happens
         assert len(hub.commit_titles("test-org/cmp")) == commits
         assert stage_times(read_state(out)) == after
+
+
+def test_teacher_cache_per_cycle_distils_both_models_and_goes_with_the_shards(reference, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(reference[0] / "data" / "heldout")  # a prepared dir holds its tokenizer
+    teacher_dir = str(tmp_path / "teacher")
+    torch.manual_seed(0)
+    LlamaForCausalLM(presets.get("transformer-debug", vocab_size=len(tokenizer))).save_pretrained(teacher_dir)
+    tokenizer.save_pretrained(teacher_dir)
+    out = tmp_path / "distil"
+    teacher_args = ["--num_cycles", "1", "--teacher_cache_model", teacher_dir, "--teacher_cache_topk", "8"]
+    with pytest.raises(ValueError, match="--teacher_cache_model needs --tokenizer"):
+        compare.main(argv(out, *teacher_args))
+    for online in (["--teacher_model_name_or_path", teacher_dir], [f"--teacher_model_name_or_path={teacher_dir}"]):
+        with pytest.raises(ValueError, match="not both"):
+            compare.main(argv(out, *teacher_args, "--tokenizer", teacher_dir, *online))
+
+    compare.main(argv(out, *teacher_args, "--tokenizer", teacher_dir))
+    cycle = read_state(out)["cycles"]["1"]
+    assert cycle["cache_teacher"]["topk"] == 8 and cycle["cache_teacher"]["teacher"]["name_or_path"] == teacher_dir
+    assert list(cycle) == [*compare.CYCLE_STAGES]  # the cache is built between preparation and training
+    for model in compare.MODELS:  # both trained on CE plus KD from the cache
+        with open(out / model / "cycle-001" / "log_history.json") as f:
+            steps = [entry for entry in json.load(f) if "loss" in entry]
+        assert steps and all(entry["kd"] > 0 for entry in steps)
+        card = (out / model / "cycle-001" / "final" / "README.md").read_text()
+        assert teacher_dir in card
+    assert sorted(os.listdir(out / "data")) == ["heldout"]  # the cache went with the cycle's shards
 
 
 def test_state_without_stream_positions_resumes_by_token_count(reference, tmp_path):

@@ -25,8 +25,9 @@ from .atomic import write_json
 
 FORMAT_VERSION = 1
 STATE_NAME = "compare_state.json"
-# Per cycle, in order. The held-out set is prepared once, before the first cycle ("heldout").
-CYCLE_STAGES = ("prepare", "train_recurrent", "train_baseline", "evaluate", "cleanup")
+# Per cycle, in order. The held-out set is prepared once, before the first cycle ("heldout"); "cache_teacher" runs
+# only when the comparison distils from a per-cycle teacher cache.
+CYCLE_STAGES = ("prepare", "cache_teacher", "train_recurrent", "train_baseline", "evaluate", "cleanup")
 
 
 def _now() -> dict:
