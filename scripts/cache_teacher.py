@@ -56,6 +56,7 @@ from trainer_ext.teacher_cache import (
     read_teacher_manifest,
     write_teacher_manifest,
 )
+from trainer_ext.teacher_model import QUANTIZATIONS, load_frozen_teacher
 
 logger = logging.getLogger("cache_teacher")
 
@@ -83,6 +84,9 @@ class CacheTeacherArguments:
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
     dtype: str = field(
         default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16 or float32."})
+    quantization: str = field(
+        default="none", metadata={"help": "none, 8bit or 4bit (bitsandbytes, CUDA only): a 32B teacher in 4-bit "
+                                          "takes about 18 GB."})
     overwrite: bool = field(default=False, metadata={"help": "Replace a cache built with other arguments."})
 
     def __post_init__(self):
@@ -93,6 +97,8 @@ class CacheTeacherArguments:
             raise ValueError(f"--num_steps must be >= 1, got {self.num_steps}.")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"--dtype={self.dtype!r} is not allowed; choose auto, bfloat16, float16 or float32.")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization={self.quantization!r} is not allowed; choose one of {list(QUANTIZATIONS)}.")
         bad = [s for s in self.splits if s not in SPLITS]
         if bad or not self.splits:
             raise ValueError(f"--splits {self.splits} is not allowed; choose from {list(SPLITS)}.")
@@ -131,6 +137,8 @@ def cache_identity(args, token_manifest: dict, teacher_hash: str, dtype: torch.d
             "tokenizer_hash": teacher_hash,
             "num_steps": args.num_steps,
             "dtype": str(dtype).removeprefix("torch."),
+            # Recorded only when used, so caches built before the option existed still match.
+            **({"quantization": args.quantization} if args.quantization != "none" else {}),
         },
     }
 
@@ -309,8 +317,6 @@ def record_shard(manifest: dict, split: str, entry: dict, token_order: list[str]
 
 def cache_teacher(args: CacheTeacherArguments) -> dict:
     """Build or finish the cache; return its manifest (also written to ``output_dir``)."""
-    from transformers import AutoModelForCausalLM
-
     token_manifest = None
     for split in args.splits:
         token_manifest = validate_data_dir(args.data_dir, split=split)
@@ -345,9 +351,8 @@ def cache_teacher(args: CacheTeacherArguments) -> dict:
         logger.info("%s already holds every shard of %s; nothing to do.", args.output_dir, args.splits)
         return manifest
 
-    model = AutoModelForCausalLM.from_pretrained(
-        args.teacher_model_name_or_path, revision=args.revision, dtype=dtype, trust_remote_code=True)
-    model.to(device).eval()
+    model = load_frozen_teacher(args.teacher_model_name_or_path, device, dtype, args.quantization, args.revision,
+                                option="--quantization")
     # Informational (not compared on reruns): what was actually loaded.
     manifest["teacher_details"] = {
         "model_type": model.config.model_type,

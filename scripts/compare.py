@@ -126,7 +126,7 @@ NON_IDENTITY_ARGS = ("output_dir", "num_cycles", "overwrite", "push_to_hub", "hu
 # Arguments added after state files were first written: part of a run's identity only when set, so a run started
 # before they existed still continues.
 OPTIONAL_IDENTITY_ARGS = ("recurrent_learning_rate", "baseline_learning_rate", "teacher_cache_model",
-                          "teacher_cache_topk")
+                          "teacher_cache_topk", "teacher_cache_quantization")
 
 
 @dataclass
@@ -153,6 +153,8 @@ class CompareArguments:
                                         "cycle's shards and deleted with them (needs --tokenizer of the teacher)."})
     teacher_cache_topk: int | None = field(
         default=None, metadata={"help": "Token ids per position in the teacher cache (default 64)."})
+    teacher_cache_quantization: str | None = field(
+        default=None, metadata={"help": "8bit or 4bit: load the cached teacher quantized (CUDA; default: bf16)."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per step (both models)."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
     seed: int = field(default=0, metadata={"help": "Seed of both trainings (init, data order, depth sampling)."})
@@ -186,8 +188,9 @@ class CompareArguments:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name} must be > 0, got {value}.")
-        if self.teacher_cache_topk is not None and self.teacher_cache_model is None:
-            raise ValueError("--teacher_cache_topk needs --teacher_cache_model (the teacher to cache).")
+        for name in ("teacher_cache_topk", "teacher_cache_quantization"):
+            if getattr(self, name) is not None and self.teacher_cache_model is None:
+                raise ValueError(f"--{name} needs --teacher_cache_model (the teacher to cache).")
         if self.max_depth_factor <= 0:
             raise ValueError(f"--max_depth_factor must be > 0, got {self.max_depth_factor}.")
         for name, recurrent in (("recurrent_preset", True), ("baseline_preset", False)):
@@ -598,11 +601,11 @@ class ComparisonRun:
         return argv
 
     def cache_teacher(self, cycle: int) -> None:
-        topk = self.args.teacher_cache_topk
+        options = {"topk": self.args.teacher_cache_topk, "quantization": self.args.teacher_cache_quantization}
         manifest = cache_teacher(CacheTeacherArguments(
             teacher_model_name_or_path=self.args.teacher_cache_model, data_dir=self.data_dir(cycle),
             output_dir=self.teacher_cache_dir(cycle), splits=["train"], device=self.args.device,
-            **({"topk": topk} if topk is not None else {})))
+            **{k: v for k, v in options.items() if v is not None}))
         self.state.mark_done(cycle, "cache_teacher", dir=self.teacher_cache_dir(cycle), topk=manifest["topk"],
                              teacher=manifest["teacher"])
 

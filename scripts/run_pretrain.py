@@ -32,6 +32,7 @@ from trainer_ext.devices import resolve_dtype
 from trainer_ext.hub import HubPushCallback, ModelCardCallback, tokens_per_optimizer_step
 from trainer_ext.model_card import ModelCardInfo, write_model_card
 from trainer_ext.teacher_cache import TeacherCacheDataset, read_teacher_manifest
+from trainer_ext.teacher_model import load_frozen_teacher
 from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments
 
 logger = logging.getLogger("run_pretrain")
@@ -160,31 +161,14 @@ def build_model(model_args: ModelArguments, vocab_size: int, tokenizer, device: 
                                                 attn_implementation=model_args.attn_implementation)
 
 
-QUANTIZATIONS = ("none", "8bit", "4bit")
-
-
 def load_teacher(name_or_path: str, student_tokenizer, device: torch.device, quantization: str = "none"):
     """A frozen teacher in eval mode (bf16 on CUDA), checked to share the student's tokenizer before loading."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"--teacher_quantization={quantization!r} is not allowed; choose one of {list(QUANTIZATIONS)}.")
     teacher_tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer_hash(teacher_tokenizer) != tokenizer_hash(student_tokenizer):
         raise ValueError(
             f"Teacher {name_or_path!r} uses a different tokenizer (hash {tokenizer_hash(teacher_tokenizer)}) than the "
             f"student's data (hash {tokenizer_hash(student_tokenizer)}); distillation needs one shared vocabulary.")
-    kwargs = {"dtype": resolve_dtype("auto", device), "trust_remote_code": True}
-    if quantization != "none":
-        if device.type != "cuda":
-            raise ValueError(f"--teacher_quantization {quantization} needs a CUDA teacher device (got {device}).")
-        from transformers import BitsAndBytesConfig  # needs the `bitsandbytes` package (extra: gpu)
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=quantization == "8bit",
-                                                           load_in_4bit=quantization == "4bit",
-                                                           bnb_4bit_compute_dtype=torch.bfloat16)
-        kwargs["device_map"] = {"": device}
-        return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs).eval().requires_grad_(False)
-    teacher = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs).to(device)
-    return teacher.eval().requires_grad_(False)
+    return load_frozen_teacher(name_or_path, device, resolve_dtype("auto", device), quantization)
 
 
 def main(argv=None, callbacks=None) -> dict:

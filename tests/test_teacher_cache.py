@@ -290,3 +290,12 @@ def test_cache_manifest_is_json_tying_data_and_teacher(cache_dir, teacher_dir):
     assert manifest["teacher"]["name_or_path"] == teacher_dir and manifest["topk"] == TOPK
     assert manifest["data"]["seq_len"] == 32 and manifest["ids_dtype"] == "uint16"
     assert manifest["teacher_details"]["model_type"] == "llama"
+
+
+def test_quantized_teacher_needs_cuda_and_a_known_mode(data_dir, teacher_dir, tmp_path):
+    args = ["--teacher_model_name_or_path", teacher_dir, "--data_dir", data_dir, "--output_dir", str(tmp_path / "q"),
+            "--device", "cpu"]
+    with pytest.raises(ValueError, match="--quantization='2bit' is not allowed"):
+        cache_teacher.main(args + ["--quantization", "2bit"])
+    with pytest.raises(ValueError, match="--quantization 4bit needs a CUDA device"):
+        cache_teacher.main(args + ["--quantization", "4bit"])

@@ -1,0 +1,32 @@
+"""Loading a frozen teacher for distillation, online (run_pretrain) or into a top-k cache (cache_teacher).
+
+A teacher too large for the card in bf16 (a 32B model needs 64 GB) loads quantized through bitsandbytes (the `gpu`
+extra): 8-bit halves that, 4-bit (NF4, bf16 compute) brings a 32B teacher to about 18 GB.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+QUANTIZATIONS = ("none", "8bit", "4bit")
+
+
+def load_frozen_teacher(name_or_path: str, device: torch.device, dtype: torch.dtype, quantization: str = "none",
+                        revision: str | None = None, option: str = "--teacher_quantization"):
+    """The teacher in eval mode without gradients, on `device`; `option` names the flag in error messages."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"{option}={quantization!r} is not allowed; choose one of {list(QUANTIZATIONS)}.")
+    kwargs = {"dtype": dtype, "trust_remote_code": True, "revision": revision}
+    if quantization == "none":
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs).to(device)
+    else:
+        if device.type != "cuda":
+            raise ValueError(f"{option} {quantization} needs a CUDA device (got {device}).")
+        from transformers import BitsAndBytesConfig  # needs the `bitsandbytes` package (extra: gpu)
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=quantization == "8bit",
+                                                           load_in_4bit=quantization == "4bit",
+                                                           bnb_4bit_compute_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, device_map={"": device}, **kwargs)
+    return model.eval().requires_grad_(False)
