@@ -89,6 +89,7 @@ from trainer_ext.devices import resolve_device, resolve_dtype
 from trainer_ext.evaluation import evaluate_model, learning_warnings, unigram_cross_entropy
 from trainer_ext.hub import BackgroundPusher, cycle_commit_message
 from trainer_ext.model_card import ModelCardInfo, format_count, write_model_card
+from trainer_ext.teacher_model import QUANTIZATIONS
 
 logger = logging.getLogger("compare")
 
@@ -191,6 +192,9 @@ class CompareArguments:
         for name in ("teacher_cache_topk", "teacher_cache_quantization"):
             if getattr(self, name) is not None and self.teacher_cache_model is None:
                 raise ValueError(f"--{name} needs --teacher_cache_model (the teacher to cache).")
+        if self.teacher_cache_quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"--teacher_cache_quantization={self.teacher_cache_quantization!r} is not allowed; "
+                             f"choose one of {list(QUANTIZATIONS)}.")
         if self.max_depth_factor <= 0:
             raise ValueError(f"--max_depth_factor must be > 0, got {self.max_depth_factor}.")
         for name, recurrent in (("recurrent_preset", True), ("baseline_preset", False)):

@@ -225,6 +225,8 @@ def test_teacher_cache_per_cycle_distils_both_models_and_goes_with_the_shards(re
     teacher_args = ["--num_cycles", "1", "--teacher_cache_model", teacher_dir, "--teacher_cache_topk", "8"]
     with pytest.raises(ValueError, match="--teacher_cache_quantization needs --teacher_cache_model"):
         compare.main(argv(out, "--teacher_cache_quantization", "4bit"))
+    with pytest.raises(ValueError, match="--teacher_cache_quantization='3bit' is not allowed"):
+        compare.main(argv(out, *teacher_args, "--teacher_cache_quantization", "3bit"))
     with pytest.raises(ValueError, match="--teacher_cache_model needs --tokenizer"):
         compare.main(argv(out, *teacher_args))
     for online in (["--teacher_model_name_or_path", teacher_dir], [f"--teacher_model_name_or_path={teacher_dir}"]):
