@@ -69,6 +69,9 @@ class DistillDemoArguments:
     train_samples: int = field(default=800, metadata={"help": "Train samples the students use (and the cache holds)."})
     topk: int = field(default=32)
     student_preset: str = field(default="debug")
+    student_block_norm: str = field(
+        default="pre", metadata={"help": "Block normalisation of the student (`pre`, as in the recorded figures, or "
+                                         "`sandwich`, the presets' default since)."})
     student_steps: int = field(default=100)
     student_learning_rate: float = field(default=3e-3)
     optimizer_momentum: float = field(
@@ -164,7 +167,8 @@ def train_student(args: DistillDemoArguments, data_dir: str, cache_dir: str | No
     tokenizer = AutoTokenizer.from_pretrained(data_dir)
     torch.manual_seed(seed)
     config = presets.get(args.student_preset, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         block_norm=args.student_block_norm)
     model = AutoModelForCausalLM.from_config(config)
     train_set = ShardedTokenDataset(data_dir, "train")
     if cache_dir is not None:
