@@ -179,13 +179,13 @@ class CompareArguments:
 
     def __post_init__(self):
         for name in ("num_cycles", "cycle_tokens", "per_device_train_batch_size", "gradient_accumulation_steps",
-                     "eval_batch_size", "eval_max_batches"):
+                     "eval_batch_size", "eval_max_batches", "teacher_cache_topk"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name} must be >= 1, got {value}.")
         if not self.eval_depths or any(d < 1 for d in self.eval_depths):
             raise ValueError(f"--eval_depths {self.eval_depths}: give one or more integers >= 1.")
-        for name in ("recurrent_learning_rate", "baseline_learning_rate", "teacher_cache_topk"):
+        for name in ("recurrent_learning_rate", "baseline_learning_rate"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name} must be > 0, got {value}.")
