@@ -12,6 +12,7 @@ STATE_INITS = ("zeros", "normal")
 KV_CACHE_MODES = ("per_step", "shared")
 DEPTH_DISTRIBUTIONS = ("fixed", "poisson_lognormal")
 BLOCK_NORMS = ("pre", "sandwich")
+INIT_SCHEMES = ("normal", "scaled")
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -32,12 +33,21 @@ class RecurrentDepthConfig(PreTrainedConfig):
         mean_recurrence: depth used when `num_steps` is not given, and the centre of the training distribution.
         backprop_depth: during training only the last `backprop_depth` steps carry gradients (None: all).
         depth_distribution: `fixed` (always `mean_recurrence`) or `poisson_lognormal` (Huginn's sampler).
+        depth_warmup_steps: a depth curriculum: the mean training depth grows linearly from 1 to `mean_recurrence`
+            over this many optimizer steps (0: no curriculum).
         depth_sigma: log-normal spread of the training depth; `max_recurrence` caps a sampled depth.
         injection: how the prelude output re-enters every step: `concat` (concat + linear adapter) or `add`.
         state_init: initial state, `zeros` or `normal` (std `state_init_std`, a fixed function of position and
             channel seeded by `state_init_seed`, so a forward pass is reproducible and cache-exact).
         block_norm: `pre` (Llama: x + f(norm(x))) or `sandwich` (Huginn: the residual stream is normalised
             after every attention and MLP, x = norm(x + f(norm(x))), which keeps a deep unrolled core stable).
+        init_scheme: `normal` (transformers' default: every weight N(0, `initializer_range`)) or `scaled` (std
+            sqrt(2 / (5 * hidden_size)) whatever the width, attention and MLP output projections further divided by
+            sqrt(2 * unrolled layers at `mean_recurrence`), as Huginn and "Spike No More": the first step's gradient
+            norm then stays of order 1 at every width, where `normal` grows with it).
+        embedding_scale: the token embeddings are multiplied by this in the forward pass. None: sqrt(hidden_size)
+            with `init_scheme="scaled"` (embeddings of RMS about 0.6, not 0.01, so the first norm does not amplify
+            their gradients 100x), 1.0 otherwise.
         kv_cache_mode: `per_step` (one cache slot per step and core layer, exact) or `shared` (one slot per core
             layer written by the last step; memory independent of depth, an approximation for n > 1).
     """
@@ -60,6 +70,7 @@ class RecurrentDepthConfig(PreTrainedConfig):
     backprop_depth: int | None = None
     depth_distribution: str = "poisson_lognormal"
     depth_sigma: float = 0.5
+    depth_warmup_steps: int = 0
     max_recurrence: int | None = None
     injection: str = "concat"
     state_init: str = "normal"
@@ -67,6 +78,8 @@ class RecurrentDepthConfig(PreTrainedConfig):
     state_init_seed: int = 0
     kv_cache_mode: str = "per_step"
     block_norm: str = "pre"
+    init_scheme: str = "normal"
+    embedding_scale: float | None = None
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02
     rms_norm_eps: float = 1e-6
@@ -84,6 +97,8 @@ class RecurrentDepthConfig(PreTrainedConfig):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         self._validate_recurrent_fields()
+        if self.embedding_scale is None:
+            self.embedding_scale = self.hidden_size**0.5 if self.init_scheme == "scaled" else 1.0
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         # Unique layers: what a cache built from this config has slots for (extra per-step slots are added
@@ -123,6 +138,8 @@ class RecurrentDepthConfig(PreTrainedConfig):
                     f"RecurrentDepthConfig.max_recurrence={self.max_recurrence} must be >= "
                     f"mean_recurrence={self.mean_recurrence}."
                 )
+        if not isinstance(self.depth_warmup_steps, int) or self.depth_warmup_steps < 0:
+            raise ValueError(f"RecurrentDepthConfig.depth_warmup_steps={self.depth_warmup_steps!r} must be an integer >= 0.")
         if not self.depth_sigma >= 0:
             raise ValueError(f"RecurrentDepthConfig.depth_sigma={self.depth_sigma!r} must be >= 0.")
         if not self.state_init_std >= 0:
@@ -132,6 +149,9 @@ class RecurrentDepthConfig(PreTrainedConfig):
         _check_choice("kv_cache_mode", self.kv_cache_mode, KV_CACHE_MODES)
         _check_choice("depth_distribution", self.depth_distribution, DEPTH_DISTRIBUTIONS)
         _check_choice("block_norm", self.block_norm, BLOCK_NORMS)
+        _check_choice("init_scheme", self.init_scheme, INIT_SCHEMES)
+        if self.embedding_scale is not None and not self.embedding_scale > 0:
+            raise ValueError(f"RecurrentDepthConfig.embedding_scale={self.embedding_scale!r} must be > 0 (or None).")
 
 
 __all__ = ["RecurrentDepthConfig"]

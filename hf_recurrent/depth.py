@@ -16,16 +16,24 @@ class DepthSampler:
         self.mean = config.mean_recurrence
         self.distribution = config.depth_distribution
         self.sigma = config.depth_sigma
+        self.warmup_steps = config.depth_warmup_steps
         self.max_steps = config.max_recurrence or 4 * config.mean_recurrence
         self.seed = seed
+
+    def mean_at(self, step: int) -> float:
+        """The mean depth at optimizer step `step`: 1 -> `mean` linearly over the curriculum, then `mean`."""
+        if step >= self.warmup_steps:
+            return float(self.mean)
+        return 1 + (self.mean - 1) * step / self.warmup_steps
 
     def __call__(self, step: int) -> int:
         """Depth for optimizer step `step`: `fixed`, or Huginn's log-normal Poisson (n = 1 + Poisson(exp(tau)),
         tau ~ N(log(mean - 1) - sigma^2 / 2, sigma), so E[n] = mean)."""
-        if self.distribution == "fixed" or self.mean == 1:
-            return self.mean
+        mean = self.mean_at(step)
+        if self.distribution == "fixed" or mean - 1 < 1e-6:
+            return max(1, round(mean))
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        mu = math.log(self.mean - 1) - self.sigma**2 / 2
+        mu = math.log(mean - 1) - self.sigma**2 / 2
         tau = torch.normal(mu, self.sigma, (1,), generator=generator).exp()
         depth = 1 + int(torch.poisson(tau, generator=generator).item())
         return min(depth, self.max_steps)

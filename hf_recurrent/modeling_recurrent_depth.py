@@ -9,11 +9,13 @@ This file is self-contained on purpose: `save_pretrained` copies it next to the 
 with `trust_remote_code=True` where this package is not installed.
 """
 
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
 from torch import nn
+from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
@@ -70,6 +72,18 @@ def _hash_to_unit(counter: torch.Tensor, seed: int) -> torch.Tensor:
     return (x.double() + 0.5) / (mask + 1)
 
 
+class ScaledEmbedding(nn.Embedding):
+    """Token embeddings multiplied by `config.embedding_scale` (1.0 leaves them as stored)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None, scale: float):
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embedded = super().forward(input_ids)
+        return embedded if self.scale == 1.0 else embedded * self.scale
+
+
 class RecurrentDepthAttention(nn.Module):
     """Llama attention (rotary, GQA) through transformers' attention dispatch.
 
@@ -91,6 +105,7 @@ class RecurrentDepthAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
+        self.o_proj.writes_residual = True  # scaled down by the unrolled depth under init_scheme="scaled"
 
     def forward(
         self,
@@ -142,6 +157,7 @@ class RecurrentDepthDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.self_attn = RecurrentDepthAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
+        self.mlp.down_proj.writes_residual = True
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.block_norm == "sandwich":
@@ -187,6 +203,23 @@ class RecurrentDepthPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_compile_fullgraph = False  # the depth loop and its cache slots change with `num_steps`
 
+    def _init_weights(self, module):
+        config = self.config
+        if config.init_scheme == "normal" or not isinstance(module, (nn.Linear, nn.Embedding)):
+            return super()._init_weights(module)
+        # "scaled": each layer's output has about the same RMS as its input at any width, and the projections
+        # that write into the residual stream shrink with the unrolled depth, so the stack starts near identity.
+        std = math.sqrt(2 / (5 * config.hidden_size))
+        if getattr(module, "writes_residual", False):
+            unrolled = config.n_prelude_layers + config.n_coda_layers + config.n_core_layers * config.mean_recurrence
+            std /= math.sqrt(2 * unrolled)
+        init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            if not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
+        elif getattr(module, "bias", None) is not None:
+            init.zeros_(module.bias)
+
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """Also loads weights saved from a `torch.compile`d model (keys prefixed `_orig_mod.`)."""
@@ -204,7 +237,8 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
     def __init__(self, config: RecurrentDepthConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size, self.padding_idx,
+                                            config.embedding_scale)
         # Layer indices run prelude, core, coda; cache slots are assigned by `_cache_slot`.
         num_prelude, num_core = config.n_prelude_layers, config.n_core_layers
         self.prelude = nn.ModuleList(RecurrentDepthDecoderLayer(config, i) for i in range(num_prelude))

@@ -5,6 +5,10 @@
 #   bash scripts/bench_gpu.sh distill [-- run_pretrain args]   recurrent-3.3b with and without an offline teacher cache
 #   bash scripts/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M)
 #   bash scripts/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
+#   bash scripts/bench_gpu.sh stability PRESET [find_lr args]   threshold test, then 300 steps at its rate with the
+#       defaults and with pre-norm blocks + the old init (STEPS, WARMUP: default 300, 100; LR=x skips the test)
+#   bash scripts/bench_gpu.sh init [init_grad_norm args]   first-step gradient norm of the full 3.3b and 7b presets
+#   bash scripts/bench_gpu.sh ablation [depth_ablation args]   recurrent-125m arms, held-out CE at n = 1 / 4 / 12
 #   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
 set -uo pipefail
@@ -72,6 +76,31 @@ case $STAGE in
     python3 -m scripts.evaluate --checkpoints $RECURRENT $BASELINE --labels recurrent baseline \
       --data_dir $DIR/data/heldout --depths 1 3 6 12 24 --cache_cost_depths 3 6 12 --output_dir "$OUT/compare/eval" \
       > "$OUT/evaluate.log" 2>&1; echo "evaluate exit code $?"; cat "$OUT"/compare/eval/*.md ;;
+  stability)
+    prepare_2048
+    preset=$1; shift
+    [ -n "${LR:-}" ] || python3 -m scripts.find_lr --preset $preset --data_dir $DATA --bf16 true --per_device_train_batch_size 1 \
+      --stability_guard false --output_dir outputs/find_lr_$preset "$@" 2>&1 | grep -E "lr_finder:|Chosen|rror"
+    [ -n "${LR:-}" ] || cp outputs/find_lr_$preset/lr_sweep.md outputs/find_lr_$preset/lr_sweep.png "$OUT/"
+    [ -n "${LR:-}" ] || LR=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['learning_rate'])" \
+      outputs/find_lr_$preset/lr_sweep.json) || exit 1
+    for arm in defaults old; do
+      overrides=(); [ $arm = old ] && overrides=(--config_overrides block_norm=pre,init_scheme=normal)
+      python3 -m scripts.bench_train --data_dir $DATA --presets $preset --cap_gib 24 --steps "${STEPS:-300}" \
+        --warmup 5 --spike_from "${WARMUP:-100}" --peak_flops 780e12 --output_dir outputs/stability_$arm --extra \
+        --learning_rate $LR --warmup_steps "${WARMUP:-100}" --lr_scheduler_type constant_with_warmup \
+        --max_eval_samples 16 "${overrides[@]}" 2>&1 | grep -E '^\{|rror'
+      cp outputs/stability_$arm/$preset/log_history.json "$OUT/log_history_${preset}_$arm.json"
+    done ;;
+  init)
+    python3 benchmarks/init_grad_norm.py --presets recurrent-3.3b recurrent-7b --seq_len 2048 "$@" 2>&1 | grep '^{' ;;
+  ablation)
+    prepare_1024
+    timeout "${SECONDS_LIMIT:-36000}" python3 benchmarks/depth_ablation.py --data_dir $DATA_1024 \
+      --output_dir outputs/depth_ablation "$@" 2>&1 | grep -E '^\{|^\||exited'
+    cp outputs/depth_ablation/ablation.* "$OUT/"
+    for log in outputs/depth_ablation/*/train.log; do echo "== $log"; grep -E "tokens_per_second|Error" $log | tail -2; done \
+      > "$OUT/ablation_train_tails.txt" ;;
   *)
-    echo "unknown stage $STAGE (train, distill, quality, compare)" >&2; exit 2 ;;
+    echo "unknown stage $STAGE (train, distill, quality, compare, init, ablation)" >&2; exit 2 ;;
 esac

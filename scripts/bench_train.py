@@ -52,9 +52,25 @@ def child(cap_gib: float, run_args: list[str], profile_path: str | None = None) 
     run_pretrain.main(run_args, callbacks=callbacks)
 
 
-def summarize(preset: str, out_dir: str, warmup: int) -> dict:
+def rise_over_running_min(losses: list[float], start: int, window: int = 1) -> float:
+    """Largest amount by which the loss (averaged over `window` steps) rises above its running minimum, counted
+    from step `start` on: a spike of the training curve in nats."""
+    smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+              for i in range(len(losses))]
+    lowest, rise = float("inf"), 0.0
+    for i, value in enumerate(smooth):
+        lowest = min(lowest, value)
+        if i >= start:
+            rise = max(rise, value - lowest)
+    return round(rise, 4)
+
+
+def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> dict:
     with open(os.path.join(out_dir, "log_history.json")) as f:
-        logs = [e for e in json.load(f) if "loss" in e and "tokens_per_second" in e]
+        history = json.load(f)
+    logs = [e for e in history if "loss" in e and "tokens_per_second" in e]
+    evals = [e["eval_loss"] for e in history if "eval_loss" in e]
+    losses = [e["loss"] for e in logs]
     steady = logs[warmup:] or logs
     row = {
         "preset": preset,
@@ -65,6 +81,11 @@ def summarize(preset: str, out_dir: str, warmup: int) -> dict:
         "peak_allocated_gib": max(e.get("peak_allocated_gib", 0) for e in logs),
         "loss_first": logs[0]["loss"],
         "loss_last": logs[-1]["loss"],
+        "eval_loss": evals[-1] if evals else None,
+        "grad_norm_first": logs[0].get("grad_norm"),
+        "grad_norm_max": max((e.get("grad_norm") or 0) for e in logs),
+        "loss_rise_over_min": rise_over_running_min(losses, spike_from),
+        "loss_rise_over_min_10": rise_over_running_min(losses, spike_from, window=10),
     }
     row.update({k: v for e in logs for k, v in e.items() if k.startswith("profile/")})
     return row
@@ -77,6 +98,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--cap_gib", type=float, default=24.0)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3, help="Logged steps left out of the medians.")
+    parser.add_argument("--spike_from", type=int, default=0,
+                        help="Count loss rises over the running minimum from this step on (after warm-up).")
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--peak_flops", type=float, default=None, help="For MFU (default: datasheet peak).")
     parser.add_argument("--output_dir", default=os.path.join("outputs", "bench_train"))
@@ -102,7 +125,7 @@ def main(argv=None) -> list[dict]:
         if result.returncode != 0:
             rows.append({"preset": preset, "error": f"exit code {result.returncode}"})
             continue
-        rows.append(summarize(preset, out_dir, args.warmup))
+        rows.append(summarize(preset, out_dir, args.warmup, args.spike_from))
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump(rows, f, indent=2)
