@@ -1,12 +1,16 @@
 """`RecurrentTrainer`: the HF Trainer with depth sampling, the low-memory optimizer in backward, the chunked
-loss (plain CE or distillation), and step profiling / throughput / MFU / memory logging."""
+loss (plain CE or distillation), a stability guard (skipped updates on loss spikes, a lower learning rate after a
+gradient-norm blow-up), and step profiling / throughput / MFU / memory logging."""
 
 import logging
+import math
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 from hf_recurrent import DepthSampler, flops_per_token
 from hf_recurrent.presets import is_recurrent
@@ -15,6 +19,7 @@ from .distill import DIVERGENCES, OnlineTeacher, TopKTeacher, chunked_lm_loss
 from .telemetry import PhaseProfiler, device_peak_flops, memory_stats
 from .distributed import check_optimizer_supports, saved_as_pretrained_class
 from .optim import check_gradient_accumulation, create_optimizer
+from .stability import StabilityGuard, UnstableTrainingError, check_settings, write_interventions
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +27,10 @@ OPTIMIZERS = ("low_memory", "hf")
 # Batch key of the targets aligned with positions (target t belongs to input t); HF's loss functions use the
 # same name for labels that are already shifted.
 TARGETS = "shift_labels"
+# The guard's running statistics live in the trainer state (trainer_state.json of each checkpoint) under this key,
+# so that a resumed run takes the decisions an uninterrupted one would have taken.
+STABILITY_STATE_KEY = "StabilityGuard"
+INTERVENTIONS_FILE = "stability_interventions.json"
 _CHECKPOINTING = (
     "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
     else "gradient_checkpointing"
@@ -65,6 +74,26 @@ class RecurrentTrainingArguments(TrainingArguments):
     distill_alpha: float = field(default=0.5, metadata={"help": "Weight of the distillation term."})
     distill_temperature: float = field(default=1.0, metadata={"help": "Distillation temperature T."})
     distill_divergence: str = field(default="forward_kl", metadata={"help": f"One of {list(DIVERGENCES)}."})
+    stability_guard: bool = field(
+        default=True, metadata={"help": "Skip the update of a loss spike, lower the learning rate for a while after "
+                                        "a gradient-norm blow-up, stop after many skips in a row."})
+    stability_warmup_steps: int = field(
+        default=20, metadata={"help": "Losses (and gradient norms) seen before the guard compares against them."})
+    stability_loss_spike: float = field(
+        default=1.0, metadata={"help": "A loss this many nats above its running mean skips the update."})
+    stability_loss_spike_sigmas: float = field(
+        default=4.0, metadata={"help": "... or this many running standard deviations of the loss, if more (0: the "
+                                       "fixed limit alone): small batches are noisy."})
+    stability_grad_norm_factor: float = field(
+        default=10.0, metadata={"help": "A gradient norm this many times its running typical value lowers the "
+                                        "learning rate (low_memory optimizer only: it reports the norm for free)."})
+    stability_lr_factor: float = field(
+        default=0.5, metadata={"help": "Learning-rate multiplier after a gradient-norm blow-up."})
+    stability_cooldown_steps: int = field(
+        default=100, metadata={"help": "Steps at the lowered learning rate; it then returns to the schedule "
+                                       "linearly over as many steps."})
+    stability_max_consecutive_skips: int = field(
+        default=20, metadata={"help": "Stop training after this many skipped steps in a row."})
     # Activation checkpointing on by default (transformers >= 5.24 renamed the flag; keep one, no warning).
     __annotations__[_CHECKPOINTING] = bool
     vars()[_CHECKPOINTING] = field(default=True, metadata={"help": "Recompute layer activations in backward."})
@@ -83,6 +112,7 @@ class RecurrentTrainingArguments(TrainingArguments):
         if self.distill_divergence not in DIVERGENCES:
             raise ValueError(
                 f"--distill_divergence={self.distill_divergence!r} is not allowed; choose one of {list(DIVERGENCES)}.")
+        check_settings(**self.stability_settings(), name_prefix="--stability_")
         if self.label_names is None:
             self.label_names = [TARGETS]
         if self.tf32 is None and torch.cuda.is_available():
@@ -96,6 +126,14 @@ class RecurrentTrainingArguments(TrainingArguments):
             # Gradients are freed as they are used: there is nothing left to clip; the optimizer clips per tensor.
             self.max_grad_norm = 0.0
         super().__post_init__()
+
+    def stability_settings(self) -> dict:
+        """Keyword arguments of `StabilityGuard` from the `stability_*` fields."""
+        return dict(warmup_steps=self.stability_warmup_steps, loss_spike=self.stability_loss_spike,
+                    loss_spike_sigmas=self.stability_loss_spike_sigmas,
+                    grad_norm_factor=self.stability_grad_norm_factor, lr_factor=self.stability_lr_factor,
+                    cooldown_steps=self.stability_cooldown_steps,
+                    max_consecutive_skips=self.stability_max_consecutive_skips)
 
 
 def compile_decoder_layers(model, mode: str = "default", backend: str = "inductor") -> int:
@@ -126,11 +164,39 @@ class _PhaseCallback(TrainerCallback):
         self.profiler.mark_step_end()
 
 
+class _StabilityCallback(TrainerCallback):
+    """The stability guard's points in the Trainer's loop that lie outside `compute_loss`."""
+
+    def __init__(self, trainer: "RecurrentTrainer"):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._start_stability_guard(state)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # Before the scheduler steps: it must never see (and build on) the guard's lowered rate.
+        self.trainer._restore_scheduled_lr()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save:
+            # The step's gradient norm is otherwise read at the next step, which a run resumed from this
+            # checkpoint would never see; waiting for it costs nothing next to writing a checkpoint.
+            self.trainer._observe_grad_norm()
+        state.stateful_callbacks[STABILITY_STATE_KEY] = self.trainer.stability.state_dict()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._write_interventions()
+
+
 class RecurrentTrainer(Trainer):
     """Trainer for recurrent-depth models (and their Transformer baselines, which simply have no depth).
 
     `teacher`: an optional frozen causal LM for online distillation. Batches carrying `teacher_topk_ids` and
     `teacher_topk_logprobs` (from an offline teacher cache) are distilled against those instead.
+
+    With `args.stability_guard` (on by default) a `StabilityGuard` watches the training loss and the optimizer's
+    gradient norm: its interventions are logged as warnings, counted in the logs (`stability/*`), kept in the
+    trainer state of each checkpoint and written to `output_dir/stability_interventions.json` at the end.
     """
 
     def __init__(self, *args, teacher=None, teacher_vocab_limit: int | None = None, **kwargs):
@@ -158,6 +224,11 @@ class RecurrentTrainer(Trainer):
         self._window = {"tokens": 0, "flops": 0.0, "ce": 0.0, "kd": 0.0, "depth": 0, "steps": 0}
         self._window_start = time.perf_counter()
         self._profile_logged = False
+        self.stability = None
+        if self.args.stability_guard:
+            self.stability = StabilityGuard(**self.args.stability_settings())
+            self.add_callback(_StabilityCallback(self))
+        self._reset_stability_bookkeeping()
 
     # -- optimizer
 
@@ -234,7 +305,10 @@ class RecurrentTrainer(Trainer):
             self._window["kd"] += out.kd.detach()
             self._window["depth"] += num_steps or 0
             self._window["steps"] += 1
-        return (out.loss, {"loss": out.loss}) if return_outputs else out.loss
+        loss = out.loss
+        if training and self.stability is not None:
+            loss = self._guarded_loss(model, loss)
+        return (loss, {"loss": out.loss}) if return_outputs else loss
 
     def _teacher_for(self, inputs):
         if "teacher_topk_ids" in inputs:
@@ -247,6 +321,132 @@ class RecurrentTrainer(Trainer):
             hidden = hidden.last_hidden_state.to(inputs["input_ids"].device)
         weight = self.teacher.get_output_embeddings().weight.to(hidden.device)
         return OnlineTeacher(hidden=hidden, lm_head_weight=weight, vocab_limit=self.teacher_vocab_limit)
+
+    # -- stability guard (trainer_ext/stability.py decides; this carries it out)
+
+    def _reset_stability_bookkeeping(self):
+        self._skipping_step = None  # step whose update is being skipped
+        self._grad_norm_step = None  # step whose gradient norm the guard has not seen yet
+        self._scheduled_lrs = None  # the scheduler's learning rates while the guard's multiplier is applied
+        self._loss_window = {"finite_sum": 0.0, "finite": 0, "nonfinite": 0}  # since the last logged loss
+
+    def _start_stability_guard(self, state):
+        """A fresh guard for each `train()`, or the checkpoint's when resuming."""
+        self.stability = StabilityGuard(**self.args.stability_settings())
+        saved = state.stateful_callbacks.get(STABILITY_STATE_KEY)
+        if saved is not None:
+            self.stability.load_state_dict(saved)
+        self._reset_stability_bookkeeping()
+
+    def _guarded_loss(self, model, loss):
+        """`loss`, or, when the guard skips this step, a stand-in with no graph to the parameters.
+
+        The decision has to come before backward: the in-backward optimizer updates each weight as its gradient
+        arrives. Backward of the stand-in reaches no parameter, so no weight and no optimizer state changes (a zero
+        gradient would not do: the second-moment and momentum decay would still run); the Trainer's
+        `optimizer.step()` then only does bookkeeping (in backward) or passes over parameters without a gradient
+        (stock optimizers), and the scheduler steps as usual, so the schedule stays a function of the step.
+        """
+        step = self.state.global_step + 1  # numbered as in the logs
+        if self._skipping_step == step:  # an earlier micro-batch of this step was already bad
+            return self._stand_in(loss)
+        value = self._loss_value(loss)
+        self._observe_grad_norm()  # the previous step's, complete by now: the read above has waited for more
+        intervention = self.stability.check_loss(step, value)
+        if math.isfinite(value):
+            self._loss_window["finite_sum"] += value
+            self._loss_window["finite"] += 1
+        else:
+            self._loss_window["nonfinite"] += 1
+        if intervention is None:
+            self._scale_lr(self.stability.lr_scale(step))
+            self._grad_norm_step = step
+            return loss
+        logger.warning("stability guard: %s", intervention.describe())
+        if self.stability.should_stop:
+            self._stop_unstable_training(intervention)
+        self._skipping_step = step
+        if self._grad_norm_step == step:
+            self._grad_norm_step = None
+        if self.args.gradient_accumulation_steps > 1:
+            model.zero_grad(set_to_none=True)  # the whole step is skipped, its earlier micro-batches too
+        return self._stand_in(loss)
+
+    def _stand_in(self, loss):
+        """The loss value for the Trainer's running sum, detached from the graph; backward of it is a no-op.
+
+        A non-finite loss is replaced by the running mean: the Trainer's sum would stay NaN for the rest of the run
+        (or, with its NaN filter, count the step as a 0.0 loss at the start of a logging window). `log` then
+        reports the window's finite losses, or NaN. `torch.where` keeps this free of a device sync.
+        """
+        finite = torch.where(torch.isfinite(loss), loss.detach(), self.stability.loss_mean or 0.0)
+        return finite.requires_grad_()
+
+    def _loss_value(self, loss) -> float:
+        """The loss on the host: the guard's one device sync per step (on several processes, their mean, so that
+        every process takes the same decision). The Trainer's NaN filter, on by default, already waits for each
+        step's loss, so in the default setting this adds no wait."""
+        if self.accelerator.num_processes > 1:
+            loss = self.accelerator.reduce(loss.detach(), reduction="mean")
+        return loss.detach().item()
+
+    def _observe_grad_norm(self):
+        """Give the guard the gradient norm of the last step that was not skipped, once that step has run.
+
+        LowMemoryAdafactor collects it on the device and hands it over a step late on GPU; read after this step's
+        loss, it is ready and the read does not wait. Stock optimizers report no norm (the Trainer computes one
+        only for clipping, inside its loop): there the guard acts on losses only.
+        """
+        step = self._grad_norm_step
+        if step is None or step > self.state.global_step:
+            return
+        self._grad_norm_step = None
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        if not hasattr(optimizer, "last_grad_norm"):
+            return
+        intervention = self.stability.check_grad_norm(step, optimizer.last_grad_norm)
+        if intervention is not None:
+            logger.warning("stability guard: %s", intervention.describe())
+
+    def _scale_lr(self, scale: float):
+        """Multiply the scheduled learning rates for this step's update; `_restore_scheduled_lr` undoes it."""
+        if scale == 1.0 and self._scheduled_lrs is None:
+            return
+        groups = self.optimizer.param_groups
+        if self._scheduled_lrs is None:
+            self._scheduled_lrs = [group["lr"] for group in groups]
+        for group, lr in zip(groups, self._scheduled_lrs, strict=True):
+            group["lr"] = lr * scale
+
+    def _restore_scheduled_lr(self):
+        # Put back the exact values: schedulers that build on the current rate stay on their schedule, and a
+        # checkpoint holds the schedule's rates, so a resumed run applies the guard's multiplier the same way.
+        if self._scheduled_lrs is None:
+            return
+        for group, lr in zip(self.optimizer.param_groups, self._scheduled_lrs, strict=True):
+            group["lr"] = lr
+        self._scheduled_lrs = None
+
+    def _write_interventions(self):
+        if self.args.should_save:
+            write_interventions(os.path.join(self.args.output_dir, INTERVENTIONS_FILE), self.stability)
+
+    def _stop_unstable_training(self, intervention):
+        self._write_interventions()
+        skips, step = self.stability.consecutive_skips, intervention.step
+        output_dir = self.args.output_dir
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        checkpoint = f"the last checkpoint ({last}) is intact" if last else "no checkpoint had been saved yet"
+        raise UnstableTrainingError(
+            f"Training stopped by the stability guard at step {step}: the last {skips} steps were all skipped "
+            f"(this one: {intervention.describe()}). No update was applied after step {step - skips}, so the "
+            f"weights and optimizer state are those of that step; {checkpoint}. The learning rate is most likely "
+            "too high for this model and batch: lower --learning_rate (2-4x is a usual first try; resuming a "
+            "checkpoint keeps its schedule, so start the schedule again) or run the learning-rate threshold test "
+            "to find the largest rate that stays stable. With a non-finite loss, check the training data at these "
+            f"steps as well. Interventions: {os.path.join(output_dir, INTERVENTIONS_FILE)}. Limits: "
+            "--stability_loss_spike, --stability_max_consecutive_skips (--stability_guard false turns it off)."
+        )
 
     # -- logging
 
@@ -272,4 +472,16 @@ class RecurrentTrainer(Trainer):
             if not self.profiler.active and not self._profile_logged and self.profiler.steps_seen:
                 logs.update(self.profiler.breakdown())
                 self._profile_logged = True
+        if "loss" in logs and self.stability is not None:
+            self._add_stability_logs(logs)
         super().log(logs, *args, **kwargs)
+
+    def _add_stability_logs(self, logs: dict):
+        window = self._loss_window
+        if window["nonfinite"]:
+            # The Trainer's figure holds stand-ins for the non-finite losses: report the finite ones, or NaN.
+            logs["loss"] = window["finite_sum"] / window["finite"] if window["finite"] else float("nan")
+        self._loss_window = dict.fromkeys(window, 0)
+        logs["stability/skipped_steps"] = self.stability.skipped_steps
+        logs["stability/interventions"] = len(self.stability.interventions)
+        logs["stability/lr_scale"] = self.stability.lr_scale(self.state.global_step)

@@ -1,0 +1,355 @@
+"""The stability guard: its decisions on synthetic streams, and RecurrentTrainer carrying them out on the debug
+preset (a loss spike or a gradient-norm blow-up injected at a chosen step through a hook on the base model)."""
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+from test_trainer import StopAt, losses, make_trainer
+from trainer_ext.stability import GRAD_NORM_BLOWUP, LOSS_SPIKE, StabilityGuard, UnstableTrainingError
+from trainer_ext.trainer import INTERVENTIONS_FILE, RecurrentTrainingArguments
+
+# ----------------------------------------------------------------------------- the guard on its own
+
+
+def warmed_up_guard(**settings) -> StabilityGuard:
+    guard = StabilityGuard(**{"warmup_steps": 3, **settings})
+    for step, (loss, norm) in enumerate([(5.0, 2.0), (5.1, 2.2), (4.9, 1.8)], start=1):
+        assert guard.check_loss(step, loss) is None
+        assert guard.check_grad_norm(step, norm) is None
+    return guard
+
+
+def test_running_means_are_bias_corrected_from_the_first_value():
+    guard = StabilityGuard()
+    guard.check_loss(1, 7.0)
+    guard.check_grad_norm(1, 3.0)
+    assert guard.loss_mean == pytest.approx(7.0) and guard.typical_grad_norm == pytest.approx(3.0)
+
+
+def test_a_loss_spike_is_acted_on_after_warm_up_only():
+    guard = StabilityGuard(warmup_steps=3, loss_spike=1.0)
+    assert guard.check_loss(1, 5.0) is None and guard.check_loss(2, 5.0) is None
+    assert guard.check_loss(3, 50.0) is None  # still warming up: a high early loss is no evidence yet
+    guard = warmed_up_guard(loss_spike=1.0, loss_spike_sigmas=0)  # the fixed limit alone
+    mean = guard.loss_mean
+    assert guard.check_loss(4, mean + 0.9) is None  # within the limit: trained on, enters the mean
+    mean = guard.loss_mean
+    spike = guard.check_loss(5, mean + 1.5)
+    assert spike.kind == LOSS_SPIKE and spike.step == 5 and spike.running == pytest.approx(mean)
+    assert spike.action == "update skipped" and "1.50 nats above" in spike.describe()
+    assert guard.loss_mean == mean  # a skipped loss never enters the mean
+    assert guard.skipped_steps == 1 and guard.interventions == [spike]
+
+
+def test_the_spike_limit_widens_with_the_loss_noise_of_small_batches():
+    noisy, fixed = StabilityGuard(warmup_steps=10), StabilityGuard(warmup_steps=10, loss_spike_sigmas=0)
+    for step in range(1, 41):  # a flat loss with +-0.6 nats of step-to-step noise, as at batch 1
+        for guard in (noisy, fixed):
+            assert guard.check_loss(step, 7.0 + (0.6 if step % 2 else -0.6)) is None
+    assert noisy.loss_limit == pytest.approx(4 * 0.6, rel=0.15)
+    assert noisy.check_loss(41, noisy.loss_mean + 1.5) is None  # ordinary noise here: trained on
+    spike = noisy.check_loss(42, noisy.loss_mean + 4.0)
+    assert spike.kind == LOSS_SPIKE and spike.limit == pytest.approx(noisy.loss_limit)
+    assert f"limit +{spike.limit:g} nats" in spike.describe()
+    assert fixed.loss_limit == 1.0 and fixed.check_loss(41, fixed.loss_mean + 1.5).kind == LOSS_SPIKE
+
+
+def test_a_non_finite_loss_is_skipped_at_any_time_and_reported_as_such():
+    guard = StabilityGuard(warmup_steps=20)
+    for step, loss in ((1, float("nan")), (2, float("inf"))):
+        skip = guard.check_loss(step, loss)
+        assert skip.kind == LOSS_SPIKE and (skip.value == loss or math.isnan(loss) and math.isnan(skip.value))
+        assert "not finite" in skip.describe()
+    assert guard.loss_mean is None and guard.skipped_steps == 2
+
+
+def test_consecutive_skipped_steps_stop_training_and_a_good_step_resets_the_count():
+    guard = warmed_up_guard(max_consecutive_skips=3)
+    nan = float("nan")
+    guard.check_loss(4, nan)
+    guard.check_loss(5, nan)
+    assert guard.check_loss(6, 5.0) is None  # a good step between
+    guard.check_loss(7, nan)
+    guard.check_loss(8, nan)
+    assert not guard.should_stop and guard.consecutive_skips == 2
+    # Gradient accumulation: several bad micro-batches of one step count as one skipped step.
+    guard.check_loss(9, nan)
+    guard.check_loss(9, nan)
+    assert guard.should_stop and guard.consecutive_skips == 3 and guard.skipped_steps == 5
+
+
+def test_a_healthy_micro_batch_does_not_hide_a_run_of_skipped_steps():
+    guard = warmed_up_guard(max_consecutive_skips=2)
+    guard.check_loss(4, 5.0)  # first micro-batch of step 4 is fine, the second is not
+    guard.check_loss(4, float("nan"))
+    guard.check_loss(5, 5.0)
+    guard.check_loss(5, float("nan"))
+    assert guard.should_stop
+
+
+def test_a_grad_norm_blowup_lowers_the_lr_for_the_cooldown_then_ramps_it_back():
+    guard = warmed_up_guard(grad_norm_factor=10.0, lr_factor=0.5, cooldown_steps=2)
+    typical = guard.typical_grad_norm
+    assert guard.check_grad_norm(4, 9 * typical) is None
+    blowup = guard.check_grad_norm(5, 1000 * typical)
+    assert blowup.kind == GRAD_NORM_BLOWUP and blowup.step == 5 and "x0.5" in blowup.action
+    assert "x its running typical value" in blowup.describe()
+    assert [guard.lr_scale(step) for step in range(4, 10)] == [1.0, 1.0, 0.5, 0.5, 0.75, 1.0]
+    assert guard.typical_grad_norm < 10 * typical  # entered clipped: one outlier barely moves it
+
+
+def test_a_blowup_during_the_cooldown_restarts_it_without_compounding():
+    guard = warmed_up_guard(lr_factor=0.5, cooldown_steps=3)
+    guard.check_grad_norm(4, 1e6)
+    assert guard.lr_scale(5) == guard.lr_scale(6) == 0.5
+    guard.check_grad_norm(6, float("inf"))  # not finite: a blow-up too
+    assert [guard.lr_scale(step) for step in range(7, 13)] == [0.5, 0.5, 0.5, pytest.approx(2 / 3),
+                                                                pytest.approx(5 / 6), 1.0]
+
+
+def test_a_lasting_change_of_grad_norm_level_is_followed():
+    guard = warmed_up_guard(grad_norm_factor=10.0)
+    blowups = [guard.check_grad_norm(step, 200.0) is not None for step in range(4, 60)]
+    assert blowups[0] and not any(blowups[-10:])  # the LR is not held down for ever
+
+
+def test_a_step_without_gradients_is_no_observation():
+    guard = warmed_up_guard()
+    count = guard.state_dict()["log_grad_norm_ema"][1]
+    assert guard.check_grad_norm(4, 0.0) is None and guard.state_dict()["log_grad_norm_ema"][1] == count
+
+
+def test_state_round_trips_through_json_and_decides_the_same():
+    guard = warmed_up_guard(cooldown_steps=2)
+    guard.check_loss(4, float("nan"))
+    guard.check_grad_norm(5, 1e6)
+    restored = StabilityGuard(warmup_steps=3, cooldown_steps=2)
+    restored.load_state_dict(json.loads(json.dumps(guard.state_dict())))
+    assert (restored.loss_mean, restored.typical_grad_norm, restored.skipped_steps, restored.consecutive_skips) == (
+        guard.loss_mean, guard.typical_grad_norm, guard.skipped_steps, guard.consecutive_skips)
+    for g in (guard, restored):
+        assert g.check_loss(6, g.loss_mean + 2).kind == LOSS_SPIKE
+    assert [restored.lr_scale(s) for s in range(5, 10)] == [guard.lr_scale(s) for s in range(5, 10)]
+    assert restored.interventions[1:] == guard.interventions[1:] and math.isnan(restored.interventions[0].value)
+
+
+@pytest.mark.parametrize("name, value, allowed", [
+    ("warmup_steps", 0, "integer >= 1"), ("loss_spike", 0.0, "> 0"), ("loss_spike", float("nan"), "> 0"),
+    ("loss_spike_sigmas", -1.0, ">= 0"), ("grad_norm_factor", 1.0, "> 1"), ("lr_factor", 1.0, "in \\(0, 1\\)"), ("cooldown_steps", 2.5, "integer"),
+    ("max_consecutive_skips", 0, "integer >= 1"),
+])
+def test_bad_settings_are_refused_by_name(tmp_path, name, value, allowed):
+    with pytest.raises(ValueError, match=f"^{name}=.*{allowed}"):
+        StabilityGuard(**{name: value})
+    with pytest.raises(ValueError, match=f"--stability_{name}=.*{allowed}"):
+        RecurrentTrainingArguments(output_dir=str(tmp_path), **{f"stability_{name}": value})
+
+
+# ----------------------------------------------------------------------------- in RecurrentTrainer
+
+
+def inject(trainer, faults: dict, micro_batch: int | None = None):
+    """Apply `faults[step](last_hidden_state)` in the training forward of those steps (1-based, as logged);
+    with `micro_batch`, only in that micro-batch (1-based) of the step."""
+    seen = {}
+
+    def hook(module, args, output):
+        if not module.training:
+            return None
+        step = trainer.state.global_step + 1
+        seen[step] = seen.get(step, 0) + 1
+        if step in faults and micro_batch in (None, seen[step]):
+            output.last_hidden_state = faults[step](output.last_hidden_state)
+        return output
+
+    trainer.model.model.register_forward_hook(hook)
+
+
+def amplify_gradient(hidden):
+    hidden.register_hook(lambda grad: grad * 1e4)  # same loss, a gradient norm thousands of times larger
+    return hidden
+
+
+SPIKE, NAN = (lambda hidden: hidden * 1000), (lambda hidden: hidden * float("nan"))
+
+
+class Snapshots(TrainerCallback):
+    """Weights and optimizer state after each step (0: before the first)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.at = {}
+
+    def take(self, step):
+        optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
+        params = list(self.trainer.model.parameters())
+        state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
+                 for i, p in enumerate(params) if p in optimizer.state}
+        self.at[step] = ({k: v.clone() for k, v in self.trainer.model.state_dict().items()}, state)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.take(0)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.take(state.global_step)
+
+    def same(self, a, b, what=(0, 1)) -> bool:
+        def equal(x, y):
+            if isinstance(x, dict):
+                return x.keys() == y.keys() and all(equal(x[k], y[k]) for k in x)
+            return torch.equal(x, y) if torch.is_tensor(x) else x == y
+
+        return all(equal(self.at[a][i], self.at[b][i]) for i in what)
+
+
+def logs_by_step(trainer):
+    return {entry["step"]: entry for entry in trainer.state.log_history if "loss" in entry}
+
+
+def test_loss_spike_and_nan_loss_skip_the_update_and_are_logged(tiny_data_dir, tmp_path, caplog):
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=6, save_strategy="no", stability_warmup_steps=2)
+    inject(trainer, {3: SPIKE, 5: NAN})
+    snapshots = Snapshots(trainer)
+    trainer.add_callback(snapshots)
+    with caplog.at_level(logging.WARNING, logger="trainer_ext.trainer"):
+        trainer.train()
+    for step in (3, 5):  # weights and optimizer state bit-identical across the skipped step
+        assert snapshots.same(step - 1, step)
+    for step in (1, 2, 4, 6):  # the other steps train, the one right after a skip included
+        assert not snapshots.same(step - 1, step, what=(0,)) and not snapshots.same(step - 1, step, what=(1,))
+    logs = logs_by_step(trainer)
+    assert logs[3]["loss"] > logs[2]["loss"] + 100  # the spike is logged as it was
+    assert math.isnan(logs[5]["loss"])  # a non-finite loss is logged as NaN, never as 0.0
+    assert all(math.isfinite(logs[step]["loss"]) for step in (1, 2, 4, 6))
+    assert [logs[step]["stability/skipped_steps"] for step in range(1, 7)] == [0, 0, 1, 1, 2, 2]
+    assert [(i.step, i.kind) for i in trainer.stability.interventions] == [(3, LOSS_SPIKE), (5, LOSS_SPIKE)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("step 3: loss" in m and "nats above its running mean" in m and "update skipped" in m
+               for m in warnings)
+    assert any("step 5: loss nan is not finite" in m for m in warnings)
+    written = json.loads((tmp_path / INTERVENTIONS_FILE).read_text())
+    assert written["skipped_steps"] == 2 and [i["step"] for i in written["interventions"]] == [3, 5]
+    assert math.isnan(written["interventions"][1]["value"])
+
+
+def test_skip_with_the_stock_optimizer_and_gradient_accumulation(tiny_data_dir, tmp_path):
+    # The spike is in the second micro-batch: what the first one accumulated must not be applied either.
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=4, save_strategy="no", optimizer="hf",
+                           optim="adamw_torch", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                           stability_warmup_steps=2)
+    inject(trainer, {3: SPIKE}, micro_batch=2)
+    snapshots = Snapshots(trainer)
+    trainer.add_callback(snapshots)
+    trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, torch.optim.AdamW)
+    assert snapshots.same(2, 3)  # AdamW's moments and step counts too
+    assert not snapshots.same(3, 4, what=(0,)) and not snapshots.same(3, 4, what=(1,))
+    assert [(i.step, i.kind) for i in trainer.stability.interventions] == [(3, LOSS_SPIKE)]
+    assert trainer.stability.skipped_steps == 1
+
+
+class RecordLrScale(TrainerCallback):
+    """The learning rate the update used (read after backward, where the in-backward update ran) over the
+    scheduler's rate for that step."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.scales = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        used = self.trainer.optimizer.param_groups[0]["lr"]
+        self.scales.append(used / self.trainer.lr_scheduler.get_last_lr()[0])
+
+
+def test_grad_norm_blowup_lowers_the_lr_then_restores_it(tiny_data_dir, tmp_path, caplog):
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=8, save_strategy="no", stability_warmup_steps=2,
+                           stability_cooldown_steps=2)
+    inject(trainer, {4: amplify_gradient})
+    recorder = RecordLrScale(trainer)
+    trainer.add_callback(recorder)
+    with caplog.at_level(logging.WARNING, logger="trainer_ext.trainer"):
+        trainer.train()
+    # Step 4's norm is read at step 5: 2 steps at half the rate, one step of the ramp, then the full rate.
+    assert recorder.scales == pytest.approx([1, 1, 1, 1, 0.5, 0.5, 0.75, 1])
+    logs = logs_by_step(trainer)
+    assert [logs[step]["stability/lr_scale"] for step in range(1, 9)] == pytest.approx(recorder.scales)
+    # The schedule itself is untouched: the logged rates are the scheduler's, and the groups end on them.
+    assert [logs[step]["learning_rate"] for step in range(1, 9)] == pytest.approx(
+        [3e-3 * (8 - step + 1) / 8 for step in range(1, 9)])
+    assert trainer.optimizer.param_groups[0]["lr"] == trainer.lr_scheduler.get_last_lr()[0]
+    [blowup] = trainer.stability.interventions
+    assert blowup.kind == GRAD_NORM_BLOWUP and blowup.step == 4 and blowup.value > 10 * blowup.running
+    assert logs[4]["grad_norm"] == pytest.approx(blowup.value)  # the norm the guard saw is the logged one
+    assert trainer.stability.skipped_steps == 0 and all(math.isfinite(logs[s]["loss"]) for s in logs)
+    assert any("step 4: gradient norm" in r.getMessage() and "learning rate x0.5" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_persistent_skips_stop_training_with_the_fix_and_keep_the_checkpoint(tiny_data_dir, tmp_path):
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=8, save_steps=2, stability_max_consecutive_skips=3)
+    inject(trainer, {step: NAN for step in range(3, 9)})
+    snapshots = Snapshots(trainer)
+    trainer.add_callback(snapshots)
+    with pytest.raises(UnstableTrainingError) as raised:
+        trainer.train()
+    message = str(raised.value)
+    assert "at step 5" in message and "last 3 steps were all skipped" in message and "not finite" in message
+    assert "--learning_rate" in message and "learning-rate threshold test" in message
+    assert str(tmp_path / "checkpoint-4") in message and "is intact" in message
+    assert max(snapshots.at) == 4 and snapshots.same(2, 4)  # nothing was applied after step 2
+    saved = load_file(tmp_path / "checkpoint-4" / "model.safetensors")
+    weights = snapshots.at[2][0]
+    assert saved.keys() == weights.keys() and all(torch.equal(saved[k], weights[k]) for k in saved)
+    assert all(torch.equal(p, weights[k]) for k, p in trainer.model.state_dict().items())
+    written = json.loads((tmp_path / INTERVENTIONS_FILE).read_text())
+    assert [i["step"] for i in written["interventions"]] == [3, 4, 5]
+
+
+def test_the_guard_leaves_a_healthy_run_unchanged(tiny_data_dir, tmp_path):
+    runs = {}
+    for name, settings in {"off": {"stability_guard": False}, "default": {},
+                           "acting_from_step_2": {"stability_warmup_steps": 1}}.items():
+        trainer = make_trainer(tiny_data_dir, tmp_path / name, max_steps=6, save_strategy="no", **settings)
+        trainer.train()
+        runs[name] = trainer
+    off = runs["off"]
+    assert off.stability is None and not (tmp_path / "off" / INTERVENTIONS_FILE).exists()
+    assert not any(key.startswith("stability/") for entry in off.state.log_history for key in entry)
+    weights = off.model.state_dict()
+    for name in ("default", "acting_from_step_2"):
+        trainer = runs[name]
+        assert losses(trainer) == losses(off)  # bit-identical, as with no guard (the code before it)
+        assert all(torch.equal(p, weights[k]) for k, p in trainer.model.state_dict().items())
+        assert trainer.stability.interventions == []
+        assert all(entry["stability/lr_scale"] == 1.0 and entry["stability/skipped_steps"] == 0
+                   for entry in trainer.state.log_history if "loss" in entry)
+        assert json.loads((tmp_path / name / INTERVENTIONS_FILE).read_text())["interventions"] == []
+
+
+def test_resume_restores_the_guard_and_reproduces_the_uninterrupted_run(tiny_data_dir, tmp_path):
+    def run(out, stop_at=None, resume=None):
+        trainer = make_trainer(tiny_data_dir, out, max_steps=8, save_steps=4, stability_warmup_steps=2,
+                               stability_cooldown_steps=2)
+        # A blow-up at the checkpoint's own step (its norm would otherwise be read only at step 5), then a spike
+        # that a guard started afresh at step 5 would still be warming up for.
+        inject(trainer, {4: amplify_gradient, 6: SPIKE})
+        if stop_at:
+            trainer.add_callback(StopAt(stop_at))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    run(tmp_path / "resumed", stop_at=4)
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "resumed" / "checkpoint-4"))
+    events = [(i.step, i.kind) for i in full.stability.interventions]
+    assert events == [(4, GRAD_NORM_BLOWUP), (6, LOSS_SPIKE)]
+    assert [(i.step, i.kind) for i in resumed.stability.interventions] == events
+    assert losses(full)[4:] == pytest.approx(losses(resumed)[-4:], rel=1e-6)
+    for key in ("stability/lr_scale", "stability/skipped_steps"):
+        assert [logs_by_step(full)[s][key] for s in range(5, 9)] == [logs_by_step(resumed)[s][key] for s in range(5, 9)]
