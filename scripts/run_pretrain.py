@@ -30,6 +30,7 @@ from trainer_ext.atomic import write_json
 from trainer_ext.data import ShardedTokenDataset, read_manifest, tokenizer_hash
 from trainer_ext.devices import resolve_dtype
 from trainer_ext.hub import HubPushCallback, ModelCardCallback, tokens_per_optimizer_step
+from trainer_ext.lr_finder import read_sweep_choice
 from trainer_ext.model_card import ModelCardInfo, write_model_card
 from trainer_ext.teacher_cache import TeacherCacheDataset, read_teacher_manifest
 from trainer_ext.teacher_model import load_frozen_teacher
@@ -72,6 +73,13 @@ class DataArguments:
     save_final: bool = field(default=True, metadata={"help": "Save the final model to <output_dir>/final."})
 
 
+@dataclass
+class ScheduleArguments:
+    learning_rate_from: str | None = field(
+        default=None, metadata={"help": "lr_sweep.json of hf-recurrent-find-lr (or its folder): take its learning_rate "
+                                        "unless --learning_rate is given."})
+
+
 # What a bare `hf-recurrent-pretrain` runs: the debug preset on the embedded corpus, a few minutes on a CPU.
 # Models of LARGE_MODEL_PARAMS or more get LARGE_MODEL_DEFAULTS instead of the schedule flags below, unless the
 # command line sets them: a 3e-3 learning rate with 30 warm-up steps diverges at the billion scale.
@@ -97,15 +105,35 @@ DEFAULT_ARGS = [
 
 
 def parse_args(argv=None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, RecurrentTrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, RecurrentTrainingArguments, ScheduleArguments))
     argv = sys.argv[1:] if argv is None else list(argv)
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        return parser.parse_yaml_file(argv[0]) if argv[0].endswith("ml") else parser.parse_json_file(argv[0])
-    # Defaults first, so anything on the command line wins (argparse keeps the last value).
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=DEFAULT_ARGS + argv)
-    training_args.explicit_flags = {arg.split("=")[0].lstrip("-").replace("-", "_") for arg in argv
-                                    if arg.startswith("--")}
+        parsed = parser.parse_yaml_file(argv[0]) if argv[0].endswith("ml") else parser.parse_json_file(argv[0])
+        model_args, data_args, training_args, schedule_args = parsed
+    else:
+        # Defaults first, so anything on the command line wins (argparse keeps the last value).
+        model_args, data_args, training_args, schedule_args = parser.parse_args_into_dataclasses(
+            args=DEFAULT_ARGS + argv)
+        training_args.explicit_flags = {arg.split("=")[0].lstrip("-").replace("-", "_") for arg in argv
+                                        if arg.startswith("--")}
+    apply_learning_rate_file(training_args, schedule_args.learning_rate_from)
     return model_args, data_args, training_args
+
+
+def apply_learning_rate_file(training_args, path: str | None) -> dict:
+    """learning_rate of a find_lr sweep, where the command line left it unset; returns what
+    was taken. What it sets counts as set by the user: the large-model defaults leave a measured rate alone."""
+    if not path:
+        return {}
+    choice = read_sweep_choice(path)
+    explicit = getattr(training_args, "explicit_flags", set())
+    taken = {key: value for key, value in choice.items() if key not in explicit}
+    for key, value in taken.items():
+        setattr(training_args, key, value)
+    training_args.explicit_flags = explicit | set(taken)
+    kept = sorted(choice.keys() - taken.keys())
+    logger.info("From %s: %s%s", path, taken, f"; kept from the command line: {kept}" if kept else "")
+    return taken
 
 
 def apply_large_model_defaults(training_args, num_params: int) -> dict:
