@@ -1,7 +1,8 @@
 """Configuration of the recurrent-depth causal LM.
 
 Shape: embedding -> prelude layers -> core block (``n_core_layers`` layers) applied ``num_steps`` times ->
-coda layers -> final norm -> LM head. ``num_steps`` is chosen at run time; ``mean_recurrence`` is its default.
+coda layers -> final norm -> LM head. ``num_steps`` is chosen at run time; the config's ``num_steps`` (when set) or
+else ``mean_recurrence`` is its default.
 """
 
 from huggingface_hub.dataclasses import strict
@@ -30,7 +31,12 @@ class RecurrentDepthConfig(PreTrainedConfig):
     r"""
     Args:
         n_prelude_layers / n_core_layers / n_coda_layers: layers before, inside and after the recurrent block.
-        mean_recurrence: depth used when `num_steps` is not given, and the centre of the training distribution.
+        mean_recurrence: the centre of the training depth distribution, and the depth a call without `num_steps` runs
+            unless the config's `num_steps` is set.
+        num_steps: the default depth at inference, without touching training: what `forward` and `generate` run when
+            the call passes no `num_steps` (None: `mean_recurrence`). `from_pretrained(path, num_steps=n)` sets it
+            (as lm-evaluation-harness's `model_args` do); `mean_recurrence=n` there would also move the training
+            distribution, the scaled init and the `backprop_depth <= mean_recurrence` bound.
         backprop_depth: during training only the last `backprop_depth` steps carry gradients (None: all).
         depth_distribution: `fixed` (always `mean_recurrence`) or `poisson_lognormal` (Huginn's sampler).
         depth_warmup_steps: a depth curriculum: the mean training depth grows linearly from 1 to `mean_recurrence`
@@ -54,6 +60,20 @@ class RecurrentDepthConfig(PreTrainedConfig):
 
     model_type = "recurrent_depth"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    # Tensor parallelism as Llama's plan, for the layers of all three sections (the small `adapter` is replicated).
+    base_model_tp_plan = {
+        f"{section}.*.{projection}": style
+        for section in ("prelude", "core", "coda")
+        for projection, style in (
+            ("self_attn.q_proj", "colwise"),
+            ("self_attn.k_proj", "colwise"),
+            ("self_attn.v_proj", "colwise"),
+            ("self_attn.o_proj", "rowwise"),
+            ("mlp.gate_proj", "colwise"),
+            ("mlp.up_proj", "colwise"),
+            ("mlp.down_proj", "rowwise"),
+        )
+    }
 
     vocab_size: int = 32000
     hidden_size: int = 1024
@@ -67,6 +87,7 @@ class RecurrentDepthConfig(PreTrainedConfig):
     n_coda_layers: int = 2
     num_hidden_layers: int | None = None
     mean_recurrence: int = 12
+    num_steps: int | None = None
     backprop_depth: int | None = None
     depth_distribution: str = "poisson_lognormal"
     depth_sigma: float = 0.5
@@ -106,6 +127,11 @@ class RecurrentDepthConfig(PreTrainedConfig):
         self.num_hidden_layers = self.n_prelude_layers + self.n_core_layers + self.n_coda_layers
         super().__post_init__(**kwargs)
 
+    @property
+    def default_num_steps(self) -> int:
+        """The depth a call that passes no `num_steps` runs."""
+        return self.mean_recurrence if self.num_steps is None else self.num_steps
+
     def _validate_recurrent_fields(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                      "n_core_layers", "mean_recurrence"):
@@ -124,6 +150,8 @@ class RecurrentDepthConfig(PreTrainedConfig):
                 f"RecurrentDepthConfig.num_key_value_heads={self.num_key_value_heads} must divide "
                 f"num_attention_heads={self.num_attention_heads}."
             )
+        if self.num_steps is not None:
+            _check_positive("num_steps", self.num_steps)
         if self.backprop_depth is not None:
             _check_positive("backprop_depth", self.backprop_depth)
             if self.backprop_depth > self.mean_recurrence:

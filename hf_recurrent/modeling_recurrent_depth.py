@@ -5,6 +5,10 @@
     s_i = norm(core(inject(s_{i-1}, e)))   for i = 1..n     # the core block is shared by all steps
     logits = lm_head(norm(coda(s_n)))
 
+The depth n of a call is, first match wins: the `num_steps` keyword of `forward` / `generate`; a `num_steps` on the
+generation config (`generate(generation_config=GenerationConfig(num_steps=n))`, or the checkpoint's
+generation_config.json); the config's `num_steps` (`from_pretrained(path, num_steps=n)`); `config.mean_recurrence`.
+
 This file is self-contained on purpose: `save_pretrained` copies it next to the weights, so a checkpoint loads
 with `trust_remote_code=True` where this package is not installed.
 """
@@ -17,11 +21,13 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationConfig, GenerationMixin
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils import can_return_tuple
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -88,7 +94,8 @@ class RecurrentDepthAttention(nn.Module):
     """Llama attention (rotary, GQA) through transformers' attention dispatch.
 
     `cache_slot` is the cache layer this call reads and writes; `read_only_cache` means: attend over what the
-    slot holds plus the current keys/values, without writing (earlier steps in `shared` cache mode).
+    slot holds plus the current keys/values, without writing (earlier steps in `shared` cache mode). When
+    `attentions` is a list, this call's attention weights (B, nh, T, T_past + T) are appended to it.
     """
 
     def __init__(self, config: RecurrentDepthConfig, layer_idx: int):
@@ -115,6 +122,7 @@ class RecurrentDepthAttention(nn.Module):
         cache: Cache | None = None,
         cache_slot: int | None = None,
         read_only_cache: bool = False,
+        attentions: list | None = None,
         **kwargs,
     ) -> torch.Tensor:
         input_shape = hidden_states.shape[:-1]
@@ -136,7 +144,7 @@ class RecurrentDepthAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        output, _ = attention_interface(
+        output, weights = attention_interface(
             self,
             query,
             key,
@@ -146,6 +154,8 @@ class RecurrentDepthAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
+        if attentions is not None:
+            attentions.append(weights)
         return self.o_proj(output.reshape(*input_shape, -1).contiguous())
 
 
@@ -234,6 +244,18 @@ class RecurrentDepthPreTrainedModel(PreTrainedModel):
 
 
 class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
+    """The recurrent-depth decoder without its LM head.
+
+    With P prelude, K core and C coda layers at depth n, the optional outputs are, in call order:
+
+    - `hidden_states` (`output_hidden_states=True`): 1 + P + n + C tensors (B, T, C): the embeddings (after
+      `embedding_scale`), the output of each prelude layer, the state after each core step (after `state_norm`: what
+      the next step and the coda read), the output of each coda layer. As in Llama the last entry is
+      `last_hidden_state`, i.e. after the final norm (the last coda layer's output normed; with C = 0, s_n normed).
+    - `attentions` (`output_attentions=True`, eager attention only): P + n * K tensors (B, nh, T, T_past + T), one
+      per layer call: each prelude layer, each core layer at step 1, ..., each core layer at step n, each coda layer.
+    """
+
     def __init__(self, config: RecurrentDepthConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -277,6 +299,7 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
             return self.adapter(torch.cat([state, embedded], dim=-1))
         return state + embedded
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -287,15 +310,18 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         use_cache: bool | None = None,
         num_steps: int | None = None,
         backprop_depth: int | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
         cache: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        """`num_steps`: depth n (default `config.mean_recurrence`). `backprop_depth` k: in training, only the last
-        k steps build a graph; the first n - k run under `no_grad` (default `config.backprop_depth`, None = all)."""
+        """`num_steps`: depth n (default `config.default_num_steps`). `backprop_depth` k: in training, only the last
+        k steps build a graph; the first n - k run under `no_grad` (default `config.backprop_depth`, None = all).
+        `return_dict=False` gives a tuple (None fields left out)."""
         config = self.config
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        num_steps = config.mean_recurrence if num_steps is None else int(num_steps)
+        num_steps = config.default_num_steps if num_steps is None else int(num_steps)
         if num_steps < 1:
             raise ValueError(f"num_steps={num_steps} must be >= 1.")
         backprop_depth = config.backprop_depth if backprop_depth is None else int(backprop_depth)
@@ -303,6 +329,14 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
             raise ValueError(f"backprop_depth={backprop_depth} must be >= 1 (or None for all steps).")
         # A sampled depth may be shorter than k: then every step carries gradients.
         no_grad_steps = 0 if backprop_depth is None else max(num_steps - backprop_depth, 0)
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        if output_attentions and config._attn_implementation != "eager":
+            raise ValueError(
+                f"output_attentions=True needs attention weights, which only eager attention computes (this model "
+                f"uses {config._attn_implementation!r}): load it with attn_implementation=\"eager\" or call "
+                f"model.set_attn_implementation(\"eager\")."
+            )
 
         cache = cache if cache is not None else past_key_values
         use_cache = config.use_cache if use_cache is None else use_cache
@@ -323,11 +357,21 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
 
         mask = create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        layer_kwargs = dict(attention_mask=mask, position_embeddings=position_embeddings, cache=cache, **kwargs)
+        # Layout of both in the class docstring; the attention layers append their weights to `attentions`.
+        hidden_states = [] if output_hidden_states else None
+        attentions = [] if output_attentions else None
+        layer_kwargs = dict(attention_mask=mask, position_embeddings=position_embeddings, cache=cache,
+                            attentions=attentions, **kwargs)
+
+        def record(hidden: torch.Tensor) -> None:
+            if hidden_states is not None:
+                hidden_states.append(hidden)
 
         hidden = inputs_embeds
+        record(hidden)
         for i, layer in enumerate(self.prelude):
             hidden = layer(hidden, cache_slot=self._cache_slot("prelude", i), **layer_kwargs)
+            record(hidden)
         embedded = self.prelude_norm(hidden)
 
         state = initial_state(config, position_ids.expand(hidden.shape[0], -1), embedded.dtype)
@@ -344,12 +388,21 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
                         **layer_kwargs,
                     )
                 state = self.state_norm(hidden)
+            record(state)
 
         hidden = state
         for i, layer in enumerate(self.coda):
             hidden = layer(hidden, cache_slot=self._cache_slot("coda", i), **layer_kwargs)
+            record(hidden)
         hidden = self.norm(hidden)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE_FIELD: cache})
+        if hidden_states is not None:
+            hidden_states[-1] = hidden  # as Llama: the last entry is after the final norm
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            attentions=tuple(attentions) if attentions is not None else None,
+            **{CACHE_FIELD: cache},
+        )
 
 
 def _positions_from_mask(attention_mask: torch.Tensor | None, inputs_embeds: torch.Tensor, past_seen: int):
@@ -361,12 +414,19 @@ def _positions_from_mask(attention_mask: torch.Tensor | None, inputs_embeds: tor
     return positions.clamp(min=0)[:, -seq:]
 
 
+def _unsupported_cache(what: str) -> ValueError:
+    return ValueError(
+        f"RecurrentDepth models need a DynamicCache, not {what}: the core block needs a cache slot per (step, core "
+        f"layer), added at run time for the depth of the call (kv_cache_mode=\"per_step\"), or reads slots without "
+        f"writing them (\"shared\"), which a fixed-size cache does not support. Leave cache_implementation unset (or "
+        f"\"dynamic\") and pass no cache or a DynamicCache."
+    )
+
+
 def _ensure_cache_slots(cache: Cache, num_slots: int) -> None:
     """`generate` builds one cache slot per unique layer; `per_step` mode needs one per (step, core layer)."""
-    if not hasattr(cache, "layers") or not isinstance(cache, DynamicCache):
-        raise ValueError(
-            f"RecurrentDepth models need a DynamicCache (got {type(cache).__name__}); leave cache_implementation unset."
-        )
+    if not isinstance(cache, DynamicCache):
+        raise _unsupported_cache(f"a {type(cache).__name__}")
     while len(cache.layers) < num_slots:
         cache.layers.append(DynamicLayer())
 
@@ -394,6 +454,23 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    def _prepare_generation_config(self, generation_config: GenerationConfig | None, **kwargs):
+        """Passes a `num_steps` set on the generation config to `forward`.
+
+        transformers keeps attributes it does not know on a `GenerationConfig` (one passed to `generate`, or the
+        model's, loaded from generation_config.json) but does not forward them to the model; once the config has
+        the attribute, it even absorbs a `num_steps` keyword to `generate`. Read back here, the keyword still wins over
+        a passed config, which wins over the checkpoint's.
+        """
+        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        if generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS:
+            raise _unsupported_cache(f"cache_implementation={generation_config.cache_implementation!r}")
+        num_steps = getattr(generation_config, "num_steps", None)
+        if num_steps is not None and model_kwargs.get("num_steps") is None:
+            model_kwargs["num_steps"] = num_steps
+        return generation_config, model_kwargs
+
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -406,9 +483,14 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         num_steps: int | None = None,
         backprop_depth: int | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
         cache: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """As `RecurrentDepthModel.forward` (outputs laid out as its docstring says), plus the LM head and, given
+        `labels`, the loss. `return_dict=False` gives a tuple: (loss, logits, cache, hidden_states, attentions), each
+        present only when computed."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -418,6 +500,9 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             num_steps=num_steps,
             backprop_depth=backprop_depth,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
             **kwargs,
         )
         hidden = outputs.last_hidden_state
@@ -426,7 +511,13 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)})
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
+        )
 
 
 __all__ = ["RecurrentDepthPreTrainedModel", "RecurrentDepthModel", "RecurrentDepthForCausalLM"]
