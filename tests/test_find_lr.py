@@ -88,11 +88,12 @@ def test_run_pretrain_takes_the_rate_from_the_sweep_unless_set_on_the_command_li
 
 
 @pytest.mark.parametrize("content, message", [
-    (None, "no such file"),
+    (None, "not found"),
     ("{not json", "not valid JSON"),
-    ('{"trials": []}', "no 'learning_rate' field"),
-    ('{"learning_rate": null, "warmup_steps": 10}', "smaller --learning_rates"),
-    ('{"learning_rate": -1}', "not a positive number"),
+    ('{"format_version": 1, "trials": []}', "missing fields \\['learning_rate'\\]"),
+    ('{"format_version": 2, "learning_rate": 0.001}', "format_version 2"),
+    ('{"format_version": 1, "learning_rate": null}', "smaller --learning_rates"),
+    ('{"format_version": 1, "learning_rate": -1}', "not a positive number"),
 ])
 def test_a_missing_or_malformed_sweep_file_is_named_with_the_fix(tmp_path, content, message):
     path = tmp_path / "lr_sweep.json"

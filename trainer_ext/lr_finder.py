@@ -34,6 +34,7 @@ import torch
 from transformers import PrinterCallback, ProgressCallback
 
 from .atomic import atomic_open, write_json, write_text
+from .data import load_manifest
 from .trainer import RecurrentTrainer
 
 logger = logging.getLogger(__name__)
@@ -478,17 +479,8 @@ def read_sweep_choice(path: str) -> dict:
     """
     if os.path.isdir(path):
         path = os.path.join(path, SWEEP_FILE)
-    rerun = f"run hf-recurrent-find-lr (it writes <output_dir>/{SWEEP_FILE}) and pass that file"
-    if not os.path.isfile(path):
-        raise ValueError(f"--learning_rate_from {path}: no such file; {rerun}.")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--learning_rate_from {path} is not valid JSON ({exc}); {rerun}.") from None
-    if not isinstance(data, dict) or "learning_rate" not in data:
-        raise ValueError(f"--learning_rate_from {path} has no 'learning_rate' field, so it is not a sweep result; "
-                         f"{rerun}.")
+    rerun = f"run hf-recurrent-find-lr (it writes <output_dir>/{SWEEP_FILE}) and pass that file to --learning_rate_from"
+    data = load_manifest(path, ("format_version", "learning_rate"), FORMAT_VERSION, not_found=f"{rerun}.", fix=rerun)
     rate = data["learning_rate"]
     if rate is None:
         raise ValueError(f"--learning_rate_from {path}: the sweep found no stable learning rate; rerun "
