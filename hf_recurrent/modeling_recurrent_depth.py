@@ -27,7 +27,6 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils import can_return_tuple
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -35,6 +34,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
+from transformers.utils import can_return_tuple
 
 try:
     from .configuration_recurrent_depth import RecurrentDepthConfig
@@ -335,7 +335,7 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
             raise ValueError(
                 f"output_attentions=True needs attention weights, which only eager attention computes (this model "
                 f"uses {config._attn_implementation!r}): load it with attn_implementation=\"eager\" or call "
-                f"model.set_attn_implementation(\"eager\")."
+                "model.set_attn_implementation(\"eager\")."
             )
 
         cache = cache if cache is not None else past_key_values
@@ -417,9 +417,9 @@ def _positions_from_mask(attention_mask: torch.Tensor | None, inputs_embeds: tor
 def _unsupported_cache(what: str) -> ValueError:
     return ValueError(
         f"RecurrentDepth models need a DynamicCache, not {what}: the core block needs a cache slot per (step, core "
-        f"layer), added at run time for the depth of the call (kv_cache_mode=\"per_step\"), or reads slots without "
-        f"writing them (\"shared\"), which a fixed-size cache does not support. Leave cache_implementation unset (or "
-        f"\"dynamic\") and pass no cache or a DynamicCache."
+        "layer), added at run time for the depth of the call (kv_cache_mode=\"per_step\"), or reads slots without "
+        "writing them (\"shared\"), which a fixed-size cache does not support. Leave cache_implementation unset (or "
+        "\"dynamic\") and pass no cache or a DynamicCache."
     )
 
 
@@ -469,6 +469,17 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
         if num_steps is not None and model_kwargs.get("num_steps") is None:
             model_kwargs["num_steps"] = num_steps
         return generation_config, model_kwargs
+
+    def save_pretrained(self, *args, **kwargs):
+        """Also keeps a `num_steps` set on `model.generation_config` across save and load.
+
+        The generation config a model builds for itself is marked `_from_model_config`, and transformers drops the
+        attributes it does not know when it loads a generation_config.json so marked; unmarked (as transformers'
+        Seq2SeqTrainer does once the config is edited), the file's `num_steps` is read back.
+        """
+        if getattr(self.generation_config, "num_steps", None) is not None:
+            self.generation_config._from_model_config = False
+        return super().save_pretrained(*args, **kwargs)
 
     @can_return_tuple
     def forward(

@@ -69,7 +69,7 @@ def evaluate_model(
     """Cross-entropy (nats/token), perplexity, top-1 / top-5 accuracy over `dataset`.
 
     `dataset` yields {"input_ids", "shift_labels"} (`ShardedTokenDataset`; targets aligned with positions,
-    -100 ignored). `num_steps` is the depth of a recurrent model (default: its `mean_recurrence`) and must be
+    -100 ignored). `num_steps` is the depth of a recurrent model (default: its `config.default_num_steps`) and must be
     None for other models. Logits are never built for a whole batch: the final hidden states go through the
     LM head `chunk_size` positions at a time, so a 64k vocabulary costs chunk_size x V floats, not B x T x V.
     `device`: where to run (the model is moved there); default: where the model is.
@@ -265,7 +265,7 @@ def cache_mode_cost(
             f"cache_mode_cost: {type(model).__name__} has no kv_cache_mode; it applies to recurrent-depth models.")
     _check_positive("max_samples", max_samples)
     _check_positive("batch_size", batch_size)
-    num_steps = model.config.mean_recurrence if num_steps is None else num_steps
+    num_steps = model.config.default_num_steps if num_steps is None else num_steps
     _check_positive("num_steps", num_steps)
     device = _place(model, device)
     samples = torch.utils.data.Subset(dataset, range(min(max_samples, len(dataset))))
@@ -349,7 +349,7 @@ def _place(model, device) -> torch.device:
 def _depth_kwargs(model, num_steps: int | None) -> dict:
     """`num_steps` for a recurrent model (its default depth when None); nothing for a fixed-depth model."""
     if is_recurrent(model.config):
-        num_steps = model.config.mean_recurrence if num_steps is None else num_steps
+        num_steps = model.config.default_num_steps if num_steps is None else num_steps
         _check_positive("num_steps", num_steps)
         return {"num_steps": num_steps}
     if num_steps is not None:

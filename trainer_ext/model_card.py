@@ -188,7 +188,7 @@ def _architecture_rows(config, counts: ParameterCounts, recurrent: bool) -> str:
             ("layers (prelude / core / coda)",
              f"{config.n_prelude_layers} / {config.n_core_layers} / {config.n_coda_layers}"),
             ("parameters per recurrent step", _count_with_scale(counts.per_step)),
-            ("default depth (`mean_recurrence`)", str(config.mean_recurrence)),
+            ("default depth (`num_steps`, else `mean_recurrence`)", str(config.default_num_steps)),
             ("input injection", f"`{config.injection}`"),
             ("block normalisation", f"`{config.block_norm}`"),
         ]
@@ -205,7 +205,7 @@ def _architecture_rows(config, counts: ParameterCounts, recurrent: bool) -> str:
 
 
 def _depths_to_show(config, info: ModelCardInfo) -> list[int]:
-    default = config.mean_recurrence
+    default = config.default_num_steps
     depths = {1, max(default // 2, 1), default, 2 * default}
     if isinstance(info.eval_results, Mapping):
         depths.update(d for d in info.eval_results if isinstance(d, int) and d > 0)
@@ -216,7 +216,7 @@ def _depth_rows(config, counts: ParameterCounts, info: ModelCardInfo, context: i
     rows = []
     for depth in _depths_to_show(config, info):
         gflops = flops_per_token(config, num_steps=depth, seq_len=context, training=False) / 1e9
-        marker = " (default)" if depth == config.mean_recurrence else ""
+        marker = " (default)" if depth == config.default_num_steps else ""
         rows.append(f"| {depth}{marker} | {format_count(counts.unrolled(depth))} | {gflops:.3g} |")
     return "\n".join(rows)
 
@@ -346,9 +346,9 @@ def render_model_card(model_or_config, info: ModelCardInfo | None = None) -> str
     if recurrent:
         context = min(2048, config.max_position_embeddings)
         values.update(
-            unrolled_params=format_count(counts.unrolled(config.mean_recurrence)),
-            default_depth=config.mean_recurrence,
-            deep_depth=2 * config.mean_recurrence,
+            unrolled_params=format_count(counts.unrolled(config.default_num_steps)),
+            default_depth=config.default_num_steps,
+            deep_depth=2 * config.default_num_steps,
             n_prelude=config.n_prelude_layers,
             n_core=config.n_core_layers,
             n_coda=config.n_coda_layers,
