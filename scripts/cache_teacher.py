@@ -5,10 +5,10 @@
     python -m scripts.cache_teacher --teacher_model_name_or_path my-recurrent-teacher --num_steps 16 \
         --data_dir outputs/data/ja --output_dir outputs/teacher_cache/ja --device cuda --batch_size 4
 
-The teacher is any causal LM that ``AutoModelForCausalLM`` loads (``trust_remote_code`` is on, so our
-recurrent-depth checkpoints work; ``--num_steps`` sets their depth). It must come with the data's
-tokenizer: a different tokenizer hash is refused before any work. Its head may be padded past the
-tokenizer size; only the first ``len(tokenizer)`` logits count.
+The teacher is any causal LM that ``AutoModelForCausalLM`` loads: our recurrent-depth checkpoints load as they
+are (``--num_steps`` sets their depth); a model whose code lives in its repository needs ``--trust_remote_code``.
+It must come with the data's tokenizer: a different tokenizer hash is refused before any work. Its head may be
+padded past the tokenizer size; only the first ``len(tokenizer)`` logits count.
 
 Per position it stores the top-k token ids and their temperature-1 log-probs, aligned 1:1 with the
 token shards (``train-00000.npy`` -> ``train-00000.topk_ids.npy`` + ``train-00000.topk_logprobs.npy``,
@@ -88,6 +88,9 @@ class CacheTeacherArguments:
         default="none", metadata={"help": "none, 8bit or 4bit (bitsandbytes, CUDA only): a 32B teacher in 4-bit "
                                           "takes about 18 GB."})
     overwrite: bool = field(default=False, metadata={"help": "Replace a cache built with other arguments."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run the Python code the teacher's repository ships (auto_map). Off by "
+                                         "default: a hub id's code runs on this machine."})
 
     def __post_init__(self):
         for name in ("topk", "batch_size", "position_chunk_size"):
@@ -109,7 +112,7 @@ def load_teacher_tokenizer_hash(args: CacheTeacherArguments) -> str:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.teacher_model_name_or_path, revision=args.revision,
-                                                  trust_remote_code=True)
+                                                  trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as err:
         raise ValueError(
             f"--teacher_model_name_or_path {args.teacher_model_name_or_path}: no tokenizer could be loaded ({err}). "
@@ -352,7 +355,7 @@ def cache_teacher(args: CacheTeacherArguments) -> dict:
         return manifest
 
     model = load_frozen_teacher(args.teacher_model_name_or_path, device, dtype, args.quantization, args.revision,
-                                option="--quantization")
+                                option="--quantization", trust_remote_code=args.trust_remote_code)
     # Informational (not compared on reruns): what was actually loaded.
     manifest["teacher_details"] = {
         "model_type": model.config.model_type,

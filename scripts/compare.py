@@ -83,6 +83,7 @@ from scripts.cache_teacher import CacheTeacherArguments, cache_teacher
 from scripts.evaluate import load_checkpoint, markdown_table, unrolled_layers
 from scripts.prepare_data import PrepareDataArguments, prepare
 from trainer_ext.atomic import write_text
+from trainer_ext.checkpoints import last_complete_checkpoint
 from trainer_ext.compare_state import CYCLE_STAGES, STATE_NAME, CompareState
 from trainer_ext.data import ShardedTokenDataset
 from trainer_ext.devices import resolve_device, resolve_dtype
@@ -116,6 +117,7 @@ CONTROLLED_TRAIN_ARGS = {
     "--preset": "--recurrent_preset / --baseline_preset",
     "--model_name_or_path": "nothing: each cycle continues from the previous cycle's final weights",
     "--resume_from_checkpoint": "nothing: an interrupted cycle resumes by itself",
+    "--overwrite_output_dir": "--overwrite (an interrupted cycle without a checkpoint restarts by itself)",
     "--config_overrides": "--recurrent_config_overrides / --baseline_config_overrides",
     "--save_final": "nothing: the next cycle starts from the final weights",
     "--teacher_cache_dir": "--teacher_cache_model (a cache built for each cycle's shards)",
@@ -598,10 +600,12 @@ class ComparisonRun:
                 argv += ["--config_overrides", overrides]
         else:
             argv += ["--model_name_or_path", previous_final]
-        checkpoint = _last_checkpoint(output_dir)
+        checkpoint = last_complete_checkpoint(output_dir)
         if checkpoint is not None:
             logger.info("Resuming the interrupted training of %s, cycle %d, from %s.", model, cycle, checkpoint)
             argv += ["--resume_from_checkpoint", checkpoint]
+        else:  # the cycle's folder is the pipeline's own: whatever an interrupted start left there, start afresh
+            argv += ["--overwrite_output_dir", "true"]
         return argv
 
     def cache_teacher(self, cycle: int) -> None:
@@ -788,16 +792,6 @@ def _option_value(argv: list[str], option: str) -> str | None:
         elif arg.startswith(option + "="):
             value = arg.split("=", 1)[1]
     return value
-
-
-def _last_checkpoint(output_dir: str) -> str | None:
-    """The newest complete Trainer checkpoint in `output_dir` (one with its trainer_state.json), if any."""
-    steps = []
-    for path in glob.glob(os.path.join(output_dir, "checkpoint-*")):
-        suffix = os.path.basename(path).rsplit("-", 1)[-1]
-        if suffix.isdigit() and os.path.isfile(os.path.join(path, "trainer_state.json")):
-            steps.append((int(suffix), path))
-    return max(steps)[1] if steps else None
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -82,9 +82,10 @@ def apply_small_model_sweep(sweep_args: SweepArguments, num_params: int, explici
 def meta_model(model_args: ModelArguments, tokenizer):
     """The trials' model on the meta device (no memory, no initialisation): its size and vocabulary."""
     if model_args.model_name_or_path:
-        config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
+        config = AutoConfig.from_pretrained(model_args.model_name_or_path,
+                                            trust_remote_code=model_args.trust_remote_code)
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=model_args.trust_remote_code)
     return run_pretrain.build_model(model_args, len(tokenizer), tokenizer, torch.device("meta"))
 
 
@@ -117,7 +118,8 @@ def main(argv=None) -> int:
     if model_args.teacher_model_name_or_path:  # loaded once, shared by every trial
         teacher_device = torch.device(model_args.teacher_device) if model_args.teacher_device else training_args.device
         trainer_kwargs["teacher"] = run_pretrain.load_teacher(
-            model_args.teacher_model_name_or_path, tokenizer, teacher_device, model_args.teacher_quantization)
+            model_args.teacher_model_name_or_path, tokenizer, teacher_device, model_args.teacher_quantization,
+            model_args.trust_remote_code)
         trainer_kwargs["teacher_vocab_limit"] = len(tokenizer)
 
     def make_model():

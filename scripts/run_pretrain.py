@@ -7,18 +7,27 @@
 
 Without --data_dir the embedded corpus is prepared first (scripts/prepare_data.py). The final checkpoint
 (safetensors, config with auto_map, modeling code, tokenizer) goes to `<output_dir>/final` and loads with
-`AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`.
+`AutoModelForCausalLM.from_pretrained(...)` where this package is installed (`import hf_recurrent`), or with
+`trust_remote_code=True` anywhere else.
+
+The output directory follows transformers' run_clm.py: a non-empty --output_dir resumes from its last complete
+checkpoint (incomplete ones, from a save interrupted by a kill, are passed over), one without a complete checkpoint
+is refused, and --overwrite_output_dir starts afresh there. A run already at --max_steps is not resumed (nothing
+would train): raise --max_steps to continue it. Every argument is checked before data preparation writes anything.
 """
 
+import dataclasses
+import difflib
 import json
 import logging
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PretrainedConfig, set_seed
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,6 +36,14 @@ import hf_recurrent  # noqa: F401  (registers the model with the Auto classes)
 from hf_recurrent import presets
 from scripts import prepare_data
 from trainer_ext.atomic import write_json
+from trainer_ext.checkpoints import (
+    check_checkpoint,
+    is_staging_dir,
+    last_complete_checkpoint,
+    list_checkpoints,
+    missing_files,
+    read_trainer_state,
+)
 from trainer_ext.data import ShardedTokenDataset, read_manifest, tokenizer_hash
 from trainer_ext.devices import resolve_dtype
 from trainer_ext.hub import HubPushCallback, ModelCardCallback, tokens_per_optimizer_step
@@ -56,6 +73,10 @@ class ModelArguments:
         default=None, metadata={"help": "Where the teacher runs, e.g. cuda:1 (default: the training device)."})
     teacher_quantization: str = field(
         default="none", metadata={"help": "none, 8bit or 4bit (bitsandbytes, CUDA only) to fit a larger teacher."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run the Python code a --model_name_or_path / --teacher_model_name_or_path "
+                                         "repository ships (auto_map). Off by default: a hub id's code runs on this "
+                                         "machine. Not needed for this package's recurrent-depth checkpoints."})
 
     def __post_init__(self):
         if self.dtype not in ("auto", "bfloat16", "float32"):
@@ -149,6 +170,102 @@ def apply_large_model_defaults(training_args, num_params: int) -> dict:
     return changed
 
 
+# -- the output directory: resume, refuse or start afresh (transformers' run_clm.py rule)
+
+FINAL_DIR = "final"
+
+
+def _incomplete_note(output_dir: str) -> str:
+    incomplete = [path for path in list_checkpoints(output_dir) if missing_files(path)]
+    if not incomplete:
+        return ""
+    names = ", ".join(f"{os.path.basename(path)} (missing {', '.join(missing_files(path))})" for path in incomplete)
+    return f"; incomplete, from a save interrupted by a kill: {names}"
+
+
+def resolve_checkpoint(training_args) -> str | None:
+    """The checkpoint to resume from, or None to start afresh; reads the output directory, writes nothing.
+
+    An explicit `--resume_from_checkpoint PATH` must be complete; `--resume_from_checkpoint true` takes the last
+    complete checkpoint in --output_dir. Without it, a non-empty --output_dir resumes from its last complete
+    checkpoint, and one without any is refused; `--overwrite_output_dir` starts afresh (see `clear_output_dir`).
+    """
+    output_dir = training_args.output_dir
+    resume = training_args.resume_from_checkpoint
+    overwrite = training_args.overwrite_output_dir
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"--output_dir {output_dir} is a file, not a folder; choose another --output_dir.")
+    if resume is not None and overwrite:
+        raise ValueError(f"--overwrite_output_dir starts afresh (deleting the checkpoints in {output_dir}) and "
+                         f"--resume_from_checkpoint {resume} continues a run; pass one of them.")
+    if resume is not None:
+        if resume.strip().lower() != "true":
+            return check_checkpoint(resume)
+        last = last_complete_checkpoint(output_dir)
+        if last is None:
+            raise ValueError(
+                f"--resume_from_checkpoint true: --output_dir {output_dir} holds no complete checkpoint to resume "
+                f"from{_incomplete_note(output_dir)}. Leave --resume_from_checkpoint out to start afresh (with "
+                "--overwrite_output_dir if the folder is not empty), or pass a checkpoint folder.")
+        logger.info("Resuming from %s, the last complete checkpoint in %s.", last, output_dir)
+        return last
+    entries = sorted(name for name in os.listdir(output_dir) if not is_staging_dir(name)) \
+        if os.path.isdir(output_dir) else []
+    if overwrite or not entries:
+        return None
+    last = last_complete_checkpoint(output_dir)
+    if last is None:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise ValueError(
+            f"--output_dir {output_dir} is not empty ({shown}) and holds no complete checkpoint to resume "
+            f"from{_incomplete_note(output_dir)}. Pass --overwrite_output_dir to train afresh there (its "
+            "checkpoints and final/ are deleted), or choose another --output_dir.")
+    logger.info("Resuming from %s, the last complete checkpoint in %s (--overwrite_output_dir starts afresh "
+                "instead).", last, output_dir)
+    return last
+
+
+def check_steps_left(checkpoint: str, training_args) -> None:
+    """Refuse to continue a run found in --output_dir that is already at or past --max_steps.
+
+    Resuming it would train nothing and rewrite final/ from its last checkpoint, under a command that meant to
+    train a new run; the user asked for something else and must say which."""
+    max_steps = training_args.max_steps
+    if max_steps is None or max_steps <= 0:  # an epoch budget: the Trainer decides from the data's length
+        return
+    step = read_trainer_state(checkpoint).get("global_step", 0)
+    if step < max_steps:
+        return
+    output_dir = training_args.output_dir
+    finished = os.path.isdir(os.path.join(output_dir, FINAL_DIR))
+    raise ValueError(
+        f"--output_dir {output_dir} holds a {'finished' if finished else 'previous'} run at step {step} "
+        f"({os.path.basename(checkpoint)}{', final/' if finished else ''}); with --max_steps {max_steps} there is "
+        "nothing left to train. Pass a larger --max_steps to continue that run, --overwrite_output_dir to train "
+        "afresh there (its checkpoints and final/ are deleted), or choose another --output_dir.")
+
+
+def clear_output_dir(output_dir: str) -> list[str]:
+    """Delete what a previous run left in `output_dir` that a new one must not mix with: its checkpoints (a later
+    automatic resume would pick the old run's highest step), saves under way and final/. Returns what went."""
+    if not os.path.isdir(output_dir):
+        return []
+    doomed = list_checkpoints(output_dir) + [os.path.join(output_dir, name) for name in os.listdir(output_dir)
+                                             if is_staging_dir(name)]
+    final_dir = os.path.join(output_dir, FINAL_DIR)
+    if os.path.isdir(final_dir):
+        doomed.append(final_dir)
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+# -- model configuration
+
+# Fields every config has (transformers_version, id2label, ...): accepted as overrides, left out of error messages.
+_BASE_CONFIG_FIELDS = {f.name for f in dataclasses.fields(PretrainedConfig)}
+
+
 def parse_overrides(text: str | None) -> dict:
     if not text:
         return {}
@@ -164,6 +281,55 @@ def parse_overrides(text: str | None) -> dict:
     return overrides
 
 
+def check_overrides(overrides: dict, preset: str, model_name_or_path: str | None = None) -> dict:
+    """`overrides` if every key is a field of the preset's config class, else ValueError suggesting the close match.
+
+    The config classes accept unknown keys and store them, so a typo (`injecton=add`) would train with the
+    default and write the typo into config.json."""
+    if not overrides:
+        return overrides
+    if model_name_or_path:
+        raise ValueError(f"--config_overrides applies to a fresh --preset; with --model_name_or_path "
+                         f"{model_name_or_path} the checkpoint's config.json is used as it is (edit a copy of it).")
+    config_class = type(presets.get(preset))
+    fields = [f.name for f in dataclasses.fields(config_class)]
+    # The base class's bookkeeping fields are accepted but not listed: the message names what shapes the model.
+    own = [name for name in fields if name not in _BASE_CONFIG_FIELDS]
+    for key in overrides:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"--config_overrides: {key!r} is not a field of {config_class.__name__} (preset "
+                             f"{preset!r}); {hint}Its fields: {', '.join(own)}.")
+    return overrides
+
+
+def resolve_vocab_size(overrides: dict, tokenizer_size: int) -> int:
+    """The vocabulary size the model gets: the data tokenizer's size, or `vocab_size` of --config_overrides if
+    that is at least as large (e.g. a teacher's padded vocabulary); both are padded to a multiple of 64.
+
+    A smaller one is refused: the data holds ids up to the tokenizer's size - 1."""
+    if "vocab_size" not in overrides:
+        return tokenizer_size
+    requested = overrides["vocab_size"]
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < tokenizer_size:
+        raise ValueError(f"--config_overrides vocab_size={requested!r}: the vocabulary comes from the data's "
+                         f"tokenizer ({tokenizer_size} tokens, padded to a multiple of 64); an override must be an "
+                         f"integer >= {tokenizer_size}, or leave it out.")
+    return requested
+
+
+def check_depth_arguments(training_args, config) -> None:
+    """Training depths against the model config, known only once the config is built; before any training."""
+    if not presets.is_recurrent(config):
+        return
+    depth = training_args.backprop_depth
+    if depth is not None and depth > config.mean_recurrence:
+        raise ValueError(f"--backprop_depth={depth} is larger than the model's mean_recurrence "
+                         f"({config.mean_recurrence}): it must be in [1, {config.mean_recurrence}] (gradients "
+                         "through the last k of the sampled steps), or unset for the config's default.")
+
+
 def ensure_data(data_dir: str | None) -> str:
     if data_dir is not None:
         read_manifest(data_dir)  # a clear error naming the file and the fix, before anything else loads
@@ -174,39 +340,64 @@ def ensure_data(data_dir: str | None) -> str:
     return DEFAULT_DATA_DIR
 
 
-def build_model(model_args: ModelArguments, vocab_size: int, tokenizer, device: torch.device):
+def build_config(model_args: ModelArguments, tokenizer, tokenizer_size: int | None = None):
+    """The config of a fresh --preset model (None with --model_name_or_path, whose checkpoint has one)."""
+    if model_args.model_name_or_path:
+        return None
+    overrides = check_overrides(parse_overrides(model_args.config_overrides), model_args.preset)
+    vocab_size = resolve_vocab_size(overrides, len(tokenizer) if tokenizer_size is None else tokenizer_size)
+    overrides = {key: value for key, value in overrides.items() if key != "vocab_size"}
+    config = presets.get(model_args.preset, vocab_size=vocab_size, **overrides)
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    return config
+
+
+def build_model(model_args: ModelArguments, vocab_size: int, tokenizer, device: torch.device, config=None):
+    """The model to train: --model_name_or_path loaded, or a fresh --preset model (`config`, else built here for a
+    tokenizer of `vocab_size` tokens)."""
     dtype = resolve_dtype(model_args.dtype, device)
     if model_args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path, dtype=dtype, attn_implementation=model_args.attn_implementation,
-            trust_remote_code=True)
-    config = presets.get(model_args.preset, vocab_size=vocab_size, **parse_overrides(model_args.config_overrides))
-    config.pad_token_id = tokenizer.pad_token_id
-    config.bos_token_id = tokenizer.bos_token_id
-    config.eos_token_id = tokenizer.eos_token_id
+            trust_remote_code=model_args.trust_remote_code)
+    if config is None:
+        config = build_config(model_args, tokenizer, vocab_size)
     with device:  # initialise where it trains: a 7B model's init on the CPU takes minutes
         return AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                 attn_implementation=model_args.attn_implementation)
 
 
-def load_teacher(name_or_path: str, student_tokenizer, device: torch.device, quantization: str = "none"):
+def load_teacher(name_or_path: str, student_tokenizer, device: torch.device, quantization: str = "none",
+                 trust_remote_code: bool = False):
     """A frozen teacher in eval mode (bf16 on CUDA), checked to share the student's tokenizer before loading."""
-    teacher_tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    teacher_tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer_hash(teacher_tokenizer) != tokenizer_hash(student_tokenizer):
         raise ValueError(
             f"Teacher {name_or_path!r} uses a different tokenizer (hash {tokenizer_hash(teacher_tokenizer)}) than the "
             f"student's data (hash {tokenizer_hash(student_tokenizer)}); distillation needs one shared vocabulary.")
-    return load_frozen_teacher(name_or_path, device, resolve_dtype("auto", device), quantization)
+    return load_frozen_teacher(name_or_path, device, resolve_dtype("auto", device), quantization,
+                               trust_remote_code=trust_remote_code)
 
 
 def main(argv=None, callbacks=None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     model_args, data_args, training_args = parse_args(argv)
+    # Everything that can be checked from the arguments alone, before data preparation writes anything.
+    check_overrides(parse_overrides(model_args.config_overrides), model_args.preset, model_args.model_name_or_path)
+    checkpoint = resolve_checkpoint(training_args)
+    found_in_output_dir = checkpoint is not None and training_args.resume_from_checkpoint is None
     set_seed(training_args.seed)
 
     data_dir = ensure_data(data_args.data_dir)
     tokenizer = AutoTokenizer.from_pretrained(data_dir)
-    model = build_model(model_args, len(tokenizer), tokenizer, training_args.device)
+    config = build_config(model_args, tokenizer)
+    if config is not None:  # before the model is initialised (minutes at 7B)
+        check_depth_arguments(training_args, config)
+    model = build_model(model_args, len(tokenizer), tokenizer, training_args.device, config=config)
+    if config is None:
+        check_depth_arguments(training_args, model.config)
     train_set = ShardedTokenDataset(data_dir, "train", expected_tokenizer_hash=tokenizer_hash(tokenizer),
                                     model_vocab_size=model.config.vocab_size)
     eval_set = ShardedTokenDataset(data_dir, "eval", expected_tokenizer_hash=tokenizer_hash(tokenizer),
@@ -223,6 +414,8 @@ def main(argv=None, callbacks=None) -> dict:
     changed = apply_large_model_defaults(training_args, params)
     if changed:
         logger.info("Defaults for a model of %.0fM parameters (set them to override): %s", params / 1e6, changed)
+    if found_in_output_dir:
+        check_steps_left(checkpoint, training_args)
     logger.info("Model %s: %.2fM unique parameters, %d train samples of %d tokens",
                 model_args.model_name_or_path or model_args.preset, params / 1e6, len(train_set), train_set.seq_len)
 
@@ -230,7 +423,7 @@ def main(argv=None, callbacks=None) -> dict:
     if model_args.teacher_model_name_or_path:
         teacher_device = torch.device(model_args.teacher_device) if model_args.teacher_device else training_args.device
         teacher = load_teacher(model_args.teacher_model_name_or_path, tokenizer, teacher_device,
-                               model_args.teacher_quantization)
+                               model_args.teacher_quantization, model_args.trust_remote_code)
     manifest = read_manifest(data_dir)
     card = ModelCardInfo(
         preset=None if model_args.model_name_or_path else model_args.preset,
@@ -246,14 +439,20 @@ def main(argv=None, callbacks=None) -> dict:
     trainer = RecurrentTrainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                                processing_class=tokenizer, teacher=teacher, teacher_vocab_limit=len(tokenizer),
                                callbacks=[card_callback, *(callbacks or [])])
-    resume = training_args.resume_from_checkpoint
-    train_result = trainer.train(resume_from_checkpoint=resume)
+    if training_args.overwrite_output_dir and trainer.args.should_save:
+        removed = clear_output_dir(training_args.output_dir)
+        if removed:
+            logger.warning("--overwrite_output_dir: deleted the previous run's %s",
+                           ", ".join(os.path.basename(path) + "/" for path in removed))
+    trainer.accelerator.wait_for_everyone()
+    training_args.resume_from_checkpoint = checkpoint
+    train_result = trainer.train(resume_from_checkpoint=checkpoint)
     metrics = dict(train_result.metrics)
     eval_metrics = trainer.evaluate()
     eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50))
     metrics.update(eval_metrics)
 
-    final_dir = os.path.join(training_args.output_dir, "final")
+    final_dir = os.path.join(training_args.output_dir, FINAL_DIR)
     if data_args.save_final:
         trainer.save_model(final_dir)  # every process: a collective under FSDP
     if not trainer.is_world_process_zero():

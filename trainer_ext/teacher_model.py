@@ -9,15 +9,21 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+import hf_recurrent  # noqa: F401  (registers our model type: recurrent-depth teachers need no remote code)
+
 QUANTIZATIONS = ("none", "8bit", "4bit")
 
 
 def load_frozen_teacher(name_or_path: str, device: torch.device, dtype: torch.dtype, quantization: str = "none",
-                        revision: str | None = None, option: str = "--teacher_quantization"):
-    """The teacher in eval mode without gradients, on `device`; `option` names the flag in error messages."""
+                        revision: str | None = None, option: str = "--teacher_quantization",
+                        trust_remote_code: bool = False):
+    """The teacher in eval mode without gradients, on `device`; `option` names the flag in error messages.
+
+    `trust_remote_code` runs the code a hub repository ships; off by default (transformers' convention). Our own
+    recurrent-depth checkpoints load without it: `import hf_recurrent` registers the model type."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"{option}={quantization!r} is not allowed; choose one of {list(QUANTIZATIONS)}.")
-    kwargs = {"dtype": dtype, "trust_remote_code": True, "revision": revision}
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, "revision": revision}
     if quantization == "none":
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs).to(device)
     else:

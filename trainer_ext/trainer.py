@@ -5,16 +5,18 @@ gradient-norm blow-up), and step profiling / throughput / MFU / memory logging."
 import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_recurrent import DepthSampler, flops_per_token
 from hf_recurrent.presets import is_recurrent
 
+from .checkpoints import TRAINER_STATE_NAME, last_complete_checkpoint, publish, staging_dir
 from .distill import DIVERGENCES, OnlineTeacher, TopKTeacher, chunked_lm_loss
 from .telemetry import PhaseProfiler, device_peak_flops, memory_stats
 from .distributed import check_optimizer_supports, saved_as_pretrained_class
@@ -97,6 +99,13 @@ class RecurrentTrainingArguments(TrainingArguments):
     # Activation checkpointing on by default (transformers >= 5.24 renamed the flag; keep one, no warning).
     __annotations__[_CHECKPOINTING] = bool
     vars()[_CHECKPOINTING] = field(default=True, metadata={"help": "Recompute layer activations in backward."})
+    # transformers 5 dropped `overwrite_output_dir` from TrainingArguments; scripts (run_pretrain) still follow
+    # run_clm.py's rule, so the flag lives here (the Trainer itself ignores it).
+    if "overwrite_output_dir" not in TrainingArguments.__dataclass_fields__:
+        overwrite_output_dir: bool = field(
+            default=False, metadata={"help": "Start afresh in a non-empty --output_dir: its checkpoints and final/ "
+                                             "are deleted before training (default: resume its last complete "
+                                             "checkpoint; refuse a folder without one)."})
     prediction_loss_only: bool = field(default=True, metadata={"help": "Evaluation computes the loss only."})
     # Batches carry keys the model's forward does not take (targets, teacher top-k): the loss reads them.
     remove_unused_columns: bool = field(default=False, metadata={"help": "Drop batch keys forward does not take."})
@@ -112,6 +121,7 @@ class RecurrentTrainingArguments(TrainingArguments):
         if self.distill_divergence not in DIVERGENCES:
             raise ValueError(
                 f"--distill_divergence={self.distill_divergence!r} is not allowed; choose one of {list(DIVERGENCES)}.")
+        self._check_ranges()
         check_settings(**self.stability_settings(), name_prefix="--stability_")
         if self.label_names is None:
             self.label_names = [TARGETS]
@@ -126,6 +136,40 @@ class RecurrentTrainingArguments(TrainingArguments):
             # Gradients are freed as they are used: there is nothing left to clip; the optimizer clips per tensor.
             self.max_grad_norm = 0.0
         super().__post_init__()
+
+    def _check_ranges(self):
+        """Our fields' ranges, checked here because otherwise they fail late: at the first step (a depth of 0, a
+        distillation weight of 5) or only at the first evaluation, after that many steps of training are lost."""
+        def check(name: str, ok: bool, allowed: str):
+            if not ok:
+                raise ValueError(f"--{name}={getattr(self, name)!r} is not allowed; it must be {allowed}.")
+
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        for name in ("backprop_depth", "eval_num_steps"):
+            value = getattr(self, name)
+            check(name, value is None or (is_int(value) and value >= 1),
+                  "an integer >= 1 (recurrent steps), or unset for the model config's default")
+        check("profile_steps", is_int(self.profile_steps) and self.profile_steps >= 0,
+              "an integer >= 0 (0 turns step profiling off)")
+        check("loss_chunk_size", is_int(self.loss_chunk_size) and self.loss_chunk_size >= 1,
+              "an integer >= 1 (positions per chunk of the loss)")
+        check("optimizer_momentum",
+              self.optimizer_momentum is None or (is_number(self.optimizer_momentum)
+                                                  and 0 <= self.optimizer_momentum < 1),
+              "in [0, 1) (0 turns momentum off), or unset for the size-based default")
+        check("optimizer_clip_threshold",
+              is_number(self.optimizer_clip_threshold) and self.optimizer_clip_threshold > 0, "a number > 0")
+        check("peak_flops", self.peak_flops is None or (is_number(self.peak_flops) and self.peak_flops > 0),
+              "a number > 0 (FLOP/s), or unset for the device's datasheet peak")
+        check("distill_alpha", is_number(self.distill_alpha) and 0 <= self.distill_alpha <= 1,
+              "in [0, 1] (the weight of the distillation term; 1 - alpha weighs the plain cross-entropy)")
+        check("distill_temperature", is_number(self.distill_temperature) and self.distill_temperature > 0,
+              "a number > 0")
 
     def stability_settings(self) -> dict:
         """Keyword arguments of `StabilityGuard` from the `stability_*` fields."""
@@ -256,6 +300,55 @@ class RecurrentTrainer(Trainer):
         # FSDP2 swaps the model's class for a wrapper; saved code and auto_map must name the real class.
         with saved_as_pretrained_class(self.model):
             super()._save(output_dir, state_dict)
+
+    # -- checkpoints: written under a staging folder, renamed into place when complete
+
+    def _save_checkpoint(self, model, trial):
+        """The Trainer's save, made atomic: a kill at any point leaves `checkpoint-N` complete or absent.
+
+        The Trainer writes `<run_dir>/checkpoint-N` file by file (weights, optimizer, RNG, `trainer_state.json` last,
+        ~70 ms on the debug model, seconds at 3B). Here `_get_output_dir` points it at `<run_dir>/tmp-checkpoint-N`
+        for the duration, so it writes `tmp-checkpoint-N/checkpoint-N` (its own rotation there finds nothing to
+        delete), and the finished folder is then renamed to `<run_dir>/checkpoint-N`. Rotation runs after the
+        rename, so older checkpoints are deleted only once the new one is visible.
+        """
+        run_dir = self._get_output_dir(trial=trial)
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        staging_root = staging_dir(checkpoint)
+        staged = os.path.join(staging_root, os.path.basename(checkpoint))
+        if self.args.should_save:
+            shutil.rmtree(staging_root, ignore_errors=True)  # left by a save that was killed
+        self.accelerator.wait_for_everyone()
+        self._staging_root, self._deferred_push = staging_root, False
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_root = None
+        if self.state.best_model_checkpoint == staged:  # the Trainer recorded the staging path: name the final one
+            self.state.best_model_checkpoint = checkpoint
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        self.accelerator.wait_for_everyone()  # every process has written its part (RNG state, sharded weights)
+        if self.args.should_save:
+            publish(staged, checkpoint)
+            os.rmdir(staging_root)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
+        if self._deferred_push:
+            super()._push_from_checkpoint(checkpoint)
+
+    def _get_output_dir(self, trial):
+        staging_root = getattr(self, "_staging_root", None)
+        return staging_root if staging_root is not None else super()._get_output_dir(trial)
+
+    def _push_from_checkpoint(self, checkpoint_folder):
+        # The Trainer's own push (with push_to_hub) uploads from the checkpoint folder in the background: upload the
+        # published folder, not the staging one that is about to be renamed.
+        if getattr(self, "_staging_root", None) is not None:
+            self._deferred_push = True
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
 
     # -- depth
 
@@ -435,7 +528,7 @@ class RecurrentTrainer(Trainer):
         self._write_interventions()
         skips, step = self.stability.consecutive_skips, intervention.step
         output_dir = self.args.output_dir
-        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        last = last_complete_checkpoint(output_dir)
         checkpoint = f"the last checkpoint ({last}) is intact" if last else "no checkpoint had been saved yet"
         raise UnstableTrainingError(
             f"Training stopped by the stability guard at step {step}: the last {skips} steps were all skipped "

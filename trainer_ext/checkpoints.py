@@ -1,0 +1,129 @@
+"""Trainer checkpoints on disk: which ones are complete, the last complete one, and publishing a new one atomically.
+
+A `checkpoint-N` folder counts as complete when it holds a readable `trainer_state.json` and the model weights. The
+Trainer writes `trainer_state.json` last, so a save killed before the end leaves a folder without it; transformers'
+`get_last_checkpoint` would still pick that folder, and resuming from it fails with a raw `FileNotFoundError`.
+`RecurrentTrainer` writes each checkpoint under a staging folder (`tmp-checkpoint-N`, see `staging_dir`) and
+renames it into place when every file is written, so a `checkpoint-N` folder is either complete or absent; the
+completeness check still guards checkpoints written by other code or older versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import (
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
+
+TRAINER_STATE_NAME = "trainer_state.json"
+# What the Trainer's own loader accepts as model weights (`Trainer._load_from_checkpoint`): one of these files, or
+# an FSDP state dict (a `pytorch_model_fsdp*` file or folder).
+WEIGHT_NAMES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME,
+                ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
+FSDP_WEIGHTS_PREFIX = "pytorch_model_fsdp"
+# Folders of saves under way (or killed): never picked for resuming, removed when the same save runs again.
+STAGING_PREFIX = "tmp-"
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def missing_files(checkpoint: str) -> list[str]:
+    """What `checkpoint` lacks to be resumed from (empty when complete)."""
+    if not os.path.isdir(checkpoint):
+        return ["the folder itself"]
+    missing = []
+    state_file = os.path.join(checkpoint, TRAINER_STATE_NAME)
+    try:
+        with open(state_file, encoding="utf-8") as f:
+            json.load(f)
+    except FileNotFoundError:
+        missing.append(TRAINER_STATE_NAME)
+    except (OSError, ValueError):  # cut short by a kill while the Trainer wrote it
+        missing.append(f"{TRAINER_STATE_NAME} (unreadable)")
+    names = os.listdir(checkpoint)
+    if not any(name in WEIGHT_NAMES or name.startswith(FSDP_WEIGHTS_PREFIX) for name in names):
+        missing.append(f"model weights ({SAFE_WEIGHTS_NAME} or another weights file)")
+    return missing
+
+
+def is_complete(checkpoint: str) -> bool:
+    return not missing_files(checkpoint)
+
+
+def checkpoint_step(path: str) -> int | None:
+    """N of a `checkpoint-N` folder name, else None."""
+    match = _CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """Every `checkpoint-N` folder in `output_dir`, complete or not, by step."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(checkpoint_step(name), os.path.join(output_dir, name)) for name in os.listdir(output_dir)]
+    return [path for step, path in sorted(item for item in found if item[0] is not None) if os.path.isdir(path)]
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The complete checkpoint of the highest step in `output_dir`, if any (incomplete ones are passed over)."""
+    for path in reversed(list_checkpoints(output_dir)):
+        if is_complete(path):
+            return path
+    return None
+
+
+def read_trainer_state(checkpoint: str) -> dict:
+    with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def check_checkpoint(checkpoint: str, option: str = "--resume_from_checkpoint") -> str:
+    """`checkpoint` if it can be resumed from, else ValueError naming it, what it lacks and what to pass instead."""
+    missing = missing_files(checkpoint)
+    if not missing:
+        return checkpoint
+    parent = os.path.dirname(os.path.normpath(checkpoint))
+    last = last_complete_checkpoint(parent) if parent else None
+    instead = (f"the last complete checkpoint there is {last}" if last
+               else "there is no complete checkpoint beside it")
+    what = ("does not exist" if missing == ["the folder itself"]
+            else f"is not a complete checkpoint (missing {', '.join(missing)}; a save interrupted by a kill leaves "
+                 "such a folder)")
+    raise ValueError(f"{option} {checkpoint} {what}: {instead}. Pass a complete checkpoint, `{option} true` for "
+                     "the last complete one in --output_dir, or leave it out to start afresh.")
+
+
+def staging_dir(checkpoint: str) -> str:
+    """Where the save of `checkpoint` (…/checkpoint-N) is written before it is renamed into place."""
+    parent, name = os.path.split(os.path.normpath(checkpoint))
+    return os.path.join(parent, STAGING_PREFIX + name)
+
+
+def is_staging_dir(name: str) -> bool:
+    return name.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR + "-")
+
+
+def publish(staged: str, checkpoint: str) -> None:
+    """Rename the finished save `staged` to `checkpoint`, replacing an older folder of that name.
+
+    A rename within one folder is atomic: readers see the old folder or the complete new one. A folder cannot be
+    renamed over a non-empty one, so an existing `checkpoint` is first moved aside (for that instant the folder
+    is absent, never half-written) and deleted afterwards.
+    """
+    replaced = None
+    if os.path.exists(checkpoint):
+        replaced = staging_dir(checkpoint) + ".replaced"
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(checkpoint, replaced)
+    os.replace(staged, checkpoint)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
