@@ -800,5 +800,11 @@ def main(argv: list[str] | None = None) -> dict:
     return ComparisonRun(args, data_args, passthrough).run()
 
 
+def cli(argv=None) -> int:
+    """Console entry point: exit code 0 after a successful run (a failure raises, which exits non-zero)."""
+    main(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

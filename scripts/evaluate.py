@@ -281,5 +281,11 @@ def main(argv=None) -> dict:
     return report
 
 
+def cli(argv=None) -> int:
+    """Console entry point: exit code 0 after a successful run (a failure raises, which exits non-zero)."""
+    main(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -237,3 +237,20 @@ def test_remote_code_is_off_by_default_and_our_checkpoints_load_without_it(tiny_
     run(tiny_data_dir, tmp_path / "third", "--max_steps", "1", "--model_name_or_path", final, "--trust_remote_code",
         "true")
     assert calls == [(final, True)]
+
+
+def test_console_entry_points_exit_zero_after_a_successful_run(tiny_data_dir, tmp_path):
+    from importlib.metadata import entry_points
+
+    scripts = {ep.name: ep for ep in entry_points(group="console_scripts") if ep.name.startswith("hf-recurrent-")}
+    assert {"hf-recurrent-pretrain", "hf-recurrent-evaluate", "hf-recurrent-compare",
+            "hf-recurrent-cache-teacher", "hf-recurrent-find-lr", "hf-recurrent-prepare-data"} <= set(scripts)
+    pretrain = scripts["hf-recurrent-pretrain"].load()  # what the installed command calls, as sys.exit(pretrain())
+    code = pretrain(["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "2",
+                     "--per_device_train_batch_size", "4", "--eval_strategy", "no", "--save_strategy", "no",
+                     "--max_eval_samples", "8", "--disable_tqdm", "true", "--use_cpu", "true"])
+    assert code == 0 and os.path.isfile(tmp_path / "run" / "final" / "model.safetensors")
+    evaluate = scripts["hf-recurrent-evaluate"].load()
+    assert evaluate(["--checkpoints", str(tmp_path / "run" / "final"), "--data_dir", tiny_data_dir, "--depths", "1",
+                     "--max_samples", "4", "--new_tokens", "2", "--prompt_len", "4", "--cache_cost_samples", "0",
+                     "--no_plots", "--output_dir", str(tmp_path / "eval")]) == 0
