@@ -8,7 +8,9 @@ Pure Python over floats, with no torch or Trainer in it, so that every decision 
   its running mean, once `warmup_steps` losses were seen, or it is not finite (at any time). The step's update is
   skipped: weights and optimizer state untouched. The deviation term keeps small batches from being skipped for
   ordinary noise: at batch 1 x 2048 the loss of recurrent-3.3b varies by 0.6 nats from step to step, and a fixed
-  1-nat limit skipped 8% of a healthy run's steps, mostly those that drew a large depth.
+  1-nat limit skipped 8% of a 300-step run's steps, mostly those that drew a large depth. Replayed on that run's
+  logged losses, 2.5 deviations skip 6 (2%), among them the four warm-up losses above ln(vocabulary size); 4 skip
+  none of them.
 * gradient-norm blow-up: the norm is more than `grad_norm_factor` times its running typical value, once
   `warmup_steps` norms were seen, or it is not finite. The learning rate is multiplied by `lr_factor` for the
   next `cooldown_steps` steps and then brought back to the full rate linearly over as many steps: a sudden
@@ -127,7 +129,7 @@ class StabilityGuard:
     gradient norm; read `lr_scale(step)` for the multiplier of the scheduled learning rate at `step`.
     """
 
-    def __init__(self, warmup_steps: int = 20, loss_spike: float = 1.0, loss_spike_sigmas: float = 4.0,
+    def __init__(self, warmup_steps: int = 20, loss_spike: float = 1.0, loss_spike_sigmas: float = 2.5,
                  grad_norm_factor: float = 10.0, lr_factor: float = 0.5, cooldown_steps: int = 100,
                  max_consecutive_skips: int = 20, ema_decay: float = EMA_DECAY):
         check_settings(warmup_steps=warmup_steps, loss_spike=loss_spike, loss_spike_sigmas=loss_spike_sigmas,

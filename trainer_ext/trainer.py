@@ -84,7 +84,7 @@ class RecurrentTrainingArguments(TrainingArguments):
     stability_loss_spike: float = field(
         default=1.0, metadata={"help": "A loss this many nats above its running mean skips the update."})
     stability_loss_spike_sigmas: float = field(
-        default=4.0, metadata={"help": "... or this many running standard deviations of the loss, if more (0: the "
+        default=2.5, metadata={"help": "... or this many running standard deviations of the loss, if more (0: the "
                                        "fixed limit alone): small batches are noisy."})
     stability_grad_norm_factor: float = field(
         default=10.0, metadata={"help": "A gradient norm this many times its running typical value lowers the "
