@@ -32,6 +32,7 @@ import inspect
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +43,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hf_recurrent  # noqa: F401  (registers the recurrent model with the Auto classes)
+from trainer_ext.checkpoints import load_tokenizer
 from trainer_ext.data import SPLITS, file_sha256, tokenizer_hash, validate_data_dir
 from trainer_ext.devices import resolve_device, resolve_dtype
 from trainer_ext.distill import teacher_topk
@@ -56,7 +58,7 @@ from trainer_ext.teacher_cache import (
     read_teacher_manifest,
     write_teacher_manifest,
 )
-from trainer_ext.teacher_model import QUANTIZATIONS, load_frozen_teacher
+from trainer_ext.teacher_model import QUANTIZATIONS, TEACHER_TOKENIZER_FIX, load_frozen_teacher
 
 logger = logging.getLogger("cache_teacher")
 
@@ -108,17 +110,9 @@ class CacheTeacherArguments:
 
 
 def load_teacher_tokenizer_hash(args: CacheTeacherArguments) -> str:
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.teacher_model_name_or_path, revision=args.revision,
-                                                  trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise ValueError(
-            f"--teacher_model_name_or_path {args.teacher_model_name_or_path}: no tokenizer could be loaded ({err}). "
-            "Save the tokenizer the teacher was trained with next to it (tokenizer.save_pretrained(teacher_dir)); "
-            "it must be the data's tokenizer."
-        ) from err
+    tokenizer = load_tokenizer(
+        args.teacher_model_name_or_path, "--teacher_model_name_or_path", TEACHER_TOKENIZER_FIX,
+        revision=args.revision, trust_remote_code=args.trust_remote_code)
     return tokenizer_hash(tokenizer)
 
 
@@ -373,12 +367,18 @@ def cache_teacher(args: CacheTeacherArguments) -> dict:
     total = sum(entry["num_samples"] for _, entry in todo)
     logger.info("Caching top-%d of %s over %d shards (%d samples of %d tokens) into %s", args.topk,
                 args.teacher_model_name_or_path, len(todo), total, seq_len, args.output_dir)
-    with tqdm(total=total, desc="Teacher top-k", unit="sample") as progress:
-        for split, token_entry in todo:
+    # disable=None: a bar on a terminal only; a log file (a GPU job's) gets the per-shard lines below instead of
+    # one carriage-return line per refresh.
+    start, done = time.perf_counter(), 0
+    with tqdm(total=total, desc="Teacher top-k", unit="sample", disable=None) as progress:
+        for index, (split, token_entry) in enumerate(todo, 1):
             entry = cache_shard(args, teacher, token_entry, seq_len, id_dtype, device, progress)
             token_order = [e["file"] for e in token_manifest["splits"][split]["shards"]]
             record_shard(manifest, split, entry, token_order)
             write_teacher_manifest(args.output_dir, manifest)
+            done += entry["num_samples"]
+            logger.info("Cached %s: shard %d/%d, %d/%d samples, %.0fs so far", token_entry["file"], index,
+                        len(todo), done, total, time.perf_counter() - start)
     return manifest
 
 

@@ -83,7 +83,7 @@ from scripts.cache_teacher import CacheTeacherArguments, cache_teacher
 from scripts.evaluate import load_checkpoint, markdown_table, unrolled_layers
 from scripts.prepare_data import PrepareDataArguments, prepare
 from trainer_ext.atomic import write_text
-from trainer_ext.checkpoints import last_complete_checkpoint
+from trainer_ext.checkpoints import checkpoint_step, last_complete_checkpoint
 from trainer_ext.compare_state import CYCLE_STAGES, STATE_NAME, CompareState
 from trainer_ext.data import ShardedTokenDataset
 from trainer_ext.devices import resolve_device, resolve_dtype
@@ -624,11 +624,16 @@ class ComparisonRun:
                              "cannot continue from it; restore it, or start again with --overwrite.")
         tokens_before = (cycle - 1) * self.tokens_per_cycle
         callback = _StepProgress(self.progress, cycle, model, tokens_before, self.tokens_per_step)
+        resumed = last_complete_checkpoint(self.train_dir(model, cycle))  # the one train_argv resumes from
         metrics = run_pretrain.main(self.train_argv(model, cycle, previous), callbacks=[callback])
         final_dir = os.path.join(self.train_dir(model, cycle), "final")
+        with open(os.path.join(self.train_dir(model, cycle), "log_history.json"), encoding="utf-8") as f:
+            log_history = json.load(f)
+        train_loss = whole_run_train_loss(log_history, checkpoint_step(resumed) if resumed else None,
+                                          metrics.get("train_loss"))
         self.state.mark_done(cycle, f"train_{model}", final_dir=final_dir, base=previous,
                              tokens_seen=cycle * self.tokens_per_cycle, steps=self.steps_per_cycle,
-                             train_loss=metrics.get("train_loss"))
+                             train_loss=train_loss)
 
     def evaluate(self, cycle: int) -> None:
         device = resolve_device(self.args.device)
@@ -781,6 +786,27 @@ class ComparisonRun:
                 self.submit_pushes(cycle)  # uploads while the next cycle trains
         if not state.is_done(cycle, "cleanup"):
             self._stage(cycle, "-", "cleanup", self.cleanup, cycle)
+
+
+def whole_run_train_loss(log_history: list[dict], resumed_step: int | None, trainer_loss: float | None):
+    """The mean training loss of a whole cycle, also when it was resumed after a kill.
+
+    The Trainer's `train_loss` averages only the steps run by the last `train()` call, i.e. after the resume. The
+    steps before it are in the resumed checkpoint's log_history as `loss` entries, each the mean since the previous
+    one: weighted by the steps they cover, they join the Trainer's figure for the steps after the resume. Steps
+    between the last log and the checkpoint were never logged and cannot count."""
+    if not resumed_step or trainer_loss is None:
+        return trainer_loss
+    logged = sorted((entry["step"], entry["loss"]) for entry in log_history
+                    if "loss" in entry and entry.get("step", 0) <= resumed_step)
+    if not logged:
+        return trainer_loss
+    weighted, previous = 0.0, 0
+    for step, loss in logged:
+        weighted += loss * (step - previous)
+        previous = step
+    after = max(entry.get("step", 0) for entry in log_history) - resumed_step
+    return (weighted + trainer_loss * after) / (previous + after)
 
 
 def _option_value(argv: list[str], option: str) -> str | None:

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 
 if __package__ in (None, ""):  # run as a file: this file's folder would shadow the `evaluate` package
@@ -29,6 +30,7 @@ from transformers import AutoModelForCausalLM, HfArgumentParser
 import hf_recurrent  # noqa: F401  (registers the model with the Auto classes)
 from hf_recurrent.presets import is_recurrent
 from trainer_ext.atomic import write_text
+from trainer_ext.checkpoints import check_model_dir
 from trainer_ext.data import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.devices import resolve_device, resolve_dtype
 from trainer_ext.evaluation import (
@@ -104,6 +106,7 @@ def default_label(checkpoint: str) -> str:
 
 
 def load_checkpoint(path: str, dtype: torch.dtype, device: torch.device):
+    check_model_dir(path, "--checkpoints")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path}: no config.json; pass a directory written by save_pretrained (e.g. <run>/final).")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -153,9 +156,17 @@ def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, de
     for depth in depths:
         logger.info("%s: evaluating %s", label, f"at depth {depth}" if recurrent else "(fixed depth)")
         quality = evaluate_model(model, dataset, num_steps=depth, batch_size=args.batch_size)
+        # Minutes per model and depth on a large model, with no bar of its own: say what runs and what it took.
+        where = f"at depth {depth}" if recurrent else "(fixed depth)"
+        logger.info("%s: generation speed %s: %d new tokens after a %d-token prompt, batch sizes %s, %d timed "
+                    "calls each (plus one warm-up)", label, where, args.new_tokens, args.prompt_len, batch_sizes,
+                    args.speed_repeats)
+        start = time.perf_counter()
         speed = generation_speed(model, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                  batch_sizes=batch_sizes, num_steps=depth, prompt_ids=prompt,
                                  repeats=args.speed_repeats)
+        logger.info("%s: generation speed %s took %.1fs: %s", label, where, time.perf_counter() - start,
+                    ", ".join(f"{s:.1f} tokens/s at batch {b}" for b, s in speed.items()))
         records.append({
             "model": label,
             "checkpoint": checkpoint,
@@ -171,6 +182,8 @@ def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, de
         seq_len = dataset[0]["input_ids"].shape[0]
         prefix_len = max(seq_len - args.cache_cost_tokens, 0)
         for depth in args.cache_cost_depths or [model.config.mean_recurrence]:
+            logger.info("%s: KV cache modes at depth %d: %d samples, %d tokens decoded one at a time per mode",
+                        label, depth, min(args.cache_cost_samples, len(dataset)), seq_len - prefix_len)
             cost = cache_mode_cost(model, dataset, num_steps=depth, max_samples=args.cache_cost_samples,
                                    prefix_len=prefix_len, batch_size=args.batch_size)
             costs.append({"model": label, "checkpoint": checkpoint, **cost})
@@ -274,10 +287,11 @@ def main(argv=None) -> dict:
         from scripts.plots import plot_depth_curves
 
         report["plots"] = plot_depth_curves(results, args.output_dir)
-    write_text(os.path.join(args.output_dir, "results.json"), json.dumps(report, indent=2) + "\n")
-    write_text(os.path.join(args.output_dir, "results.md"), render_report(report))
+    written = [os.path.join(args.output_dir, "results.json"), os.path.join(args.output_dir, "results.md")]
+    write_text(written[0], json.dumps(report, indent=2) + "\n")
+    write_text(written[1], render_report(report))
     print(render_report(report))
-    logger.info("Results in %s", args.output_dir)
+    logger.info("Results written to %s", ", ".join(written + list(report["plots"])))
     return report
 
 

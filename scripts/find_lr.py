@@ -18,7 +18,7 @@ import os
 import sys
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
+from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, set_seed
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,6 +56,7 @@ def parse_args(argv=None):
         explicit = {arg.split("=")[0].lstrip("-").replace("-", "_") for arg in argv if arg.startswith("--")}
     model_args, data_args, training_args, sweep_args = parsed
     training_args.explicit_flags = explicit
+    run_pretrain.apply_progress_default(training_args, explicit)
     return model_args, data_args, training_args, sweep_args
 
 
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
         logger.info("Replaced by each trial's schedule (see --sweep_steps, --learning_rates): %s", replaced)
 
     data_dir = run_pretrain.ensure_data(data_args.data_dir)
-    tokenizer = AutoTokenizer.from_pretrained(data_dir)
+    tokenizer = run_pretrain.load_data_tokenizer(data_dir)
     shape = meta_model(model_args, tokenizer)
     num_params = sum(p.numel() for p in shape.parameters())
     vocab_size = shape.config.vocab_size

@@ -37,9 +37,9 @@ import copy
 import dataclasses
 import datetime
 import glob
-import itertools
 import logging
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -68,6 +68,14 @@ SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "
 _BYTE_ALPHABET_SIZE = 256
 _TOKEN_FILE = ".tokens.bin.tmp"  # the packed stream before shuffling; removed at the end
 _FIRST_BATCH_SIZE = 16  # documents tokenized first when --max_tokens may be reached within the first batch
+# Characters handed to the tokenizer in one call. A fast tokenizer holds offsets and per-token structures for all
+# of its input at once: one 12 MB line (a web dump without newlines) peaked at 2.7 GB, about 225x its size. The
+# peak grows with the call: on a 12 MB line (debug BPE, 0.5 tokens per character) 2.0 GB in one call, 440 MB in
+# calls of 1M characters, 130 MB in calls of 256K; encoding the embedded corpus in 256K calls is as fast as in
+# batches of 1000 documents. Longer documents are split at whitespace into pieces of at most this size
+# (split_long_text).
+MAX_ENCODE_CHARS = 1 << 18
+_WHITESPACE_BEFORE_WORD = re.compile(r"\s(?=\S)")
 
 # Arguments that change where work happens or how fast, not what is written; a rerun that
 # differs only in these is still "the same data".
@@ -237,13 +245,14 @@ def load_documents(args: PrepareDataArguments, files: list[str] | None):
 
 
 def _text_batches(documents, batch_size: int, limit: int):
-    """Lists of texts from the first ``limit`` documents (for tokenizer training)."""
+    """Lists of texts from the first ``limit`` documents (for tokenizer training; long ones in pieces, as they are
+    encoded)."""
     seen = 0
     for batch in documents.iter(batch_size=batch_size):
         texts = [t for t in batch["text"] if t]
         texts = texts[: limit - seen]
         seen += len(texts)
-        yield texts
+        yield [piece for text in texts for piece in split_long_text(text, MAX_ENCODE_CHARS)]
         if seen >= limit:
             return
 
@@ -289,18 +298,69 @@ def load_tokenizer(name_or_path: str):
 # ----------------------------------------------------------------------------- tokenize + pack
 
 
-def encode_documents(tokenizer, texts: list, eos_token_id: int) -> list[list[int]]:
-    """Each document's ids followed by EOS; an empty document gives no ids (not even EOS).
+def split_long_text(text: str, max_chars: int = MAX_ENCODE_CHARS) -> list[str]:
+    """`text` in consecutive pieces of at most `max_chars` characters, each cut just before a whitespace character
+    that is followed by a non-whitespace one (the last such point in the piece's window).
+
+    There a byte-level BPE's pre-tokenizer (GPT-2's pattern: a word takes one leading space, a whitespace run
+    before a word ends one character early) splits the text anyway, so its tokens are exactly those of the whole
+    text; for other tokenizers (SentencePiece-style) they can differ at the cut points only. A window without
+    such a point (e.g. Japanese text without spaces) is cut at `max_chars`.
+    """
+    if len(text) <= max_chars:
+        return [text]
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        end = start + max_chars
+        cut = end  # no whitespace boundary in the window
+        # The window's last boundary, looked for near its end first (a scan of the whole window only without one).
+        for lower in (max(start + 1, end - 4096), start + 1):
+            boundaries = list(_WHITESPACE_BEFORE_WORD.finditer(text, lower, end + 1))
+            if boundaries:
+                cut = boundaries[-1].start()  # the piece ends before the whitespace character, the next starts with it
+                break
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def encode_documents(tokenizer, texts: list, eos_token_id: int) -> list[np.ndarray]:
+    """Each document's ids (int64) followed by EOS; an empty document gives no ids (not even EOS).
 
     No special tokens from the tokenizer (e.g. a Llama BOS): the stream format is "doc EOS doc EOS ...",
-    identical whatever tokenizer is used. A fast tokenizer encodes the batch in parallel Rust threads.
+    identical whatever tokenizer is used. A fast tokenizer encodes each call's texts in parallel Rust threads;
+    a call gets at most MAX_ENCODE_CHARS characters (long documents in pieces, split_long_text), which bounds
+    the tokenizer's memory whatever the documents' lengths. Ids become arrays as each call returns: as Python
+    lists of ints they took 36 bytes per token.
     """
-    encoded = tokenizer([t or "" for t in texts], add_special_tokens=False, return_attention_mask=False,
-                        verbose=False)["input_ids"]
-    for ids in encoded:
-        if ids:
-            ids.append(eos_token_id)
-    return encoded
+    encoded: list[list[np.ndarray]] = [[] for _ in texts]
+    call: list[str] = []
+    owners: list[int] = []  # the document of each text in `call`
+    call_chars = 0
+
+    def flush():
+        ids = tokenizer(call, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+        for owner, piece_ids in zip(owners, ids, strict=True):
+            encoded[owner].append(np.asarray(piece_ids, dtype=np.int64))
+        call.clear()
+        owners.clear()
+
+    for index, text in enumerate(texts):
+        if not text:
+            continue
+        for piece in split_long_text(text, MAX_ENCODE_CHARS):
+            if call and call_chars + len(piece) > MAX_ENCODE_CHARS:
+                flush()
+                call_chars = 0
+            call.append(piece)
+            owners.append(index)
+            call_chars += len(piece)
+    if call:
+        flush()
+    eos = np.array([eos_token_id], dtype=np.int64)
+    return [np.concatenate([*parts, eos]) if sum(map(len, parts)) else np.zeros(0, dtype=np.int64)
+            for parts in encoded]
 
 
 def _growing_batches(documents, batch_size: int, small_first: bool):
@@ -317,7 +377,7 @@ def _growing_batches(documents, batch_size: int, small_first: bool):
 
 def pack_token_stream(documents, tokenizer, path: str, dtype: np.dtype, max_tokens: int | None, batch_size: int,
                       skip_documents: int = 0, skip_tokens: int = 0,
-                      show_progress: bool = True) -> tuple[int, int, dict]:
+                      show_progress: bool = True, counts: dict | None = None) -> tuple[int, int, dict]:
     """Tokenize ``documents`` batch by batch into one flat binary file; return (num_tokens, num_documents, end).
 
     ``documents`` starts after the ``skip_documents`` documents already skipped (never tokenized). The first
@@ -327,8 +387,12 @@ def pack_token_stream(documents, tokenizer, path: str, dtype: np.dtype, max_toke
     ends, as a position that can be skipped without tokenizing: ``documents`` whole documents from the very
     start of the source (the skipped ones included), then ``tokens`` tokens of the next document. Since every
     document is tokenized on its own, skipping to that position gives exactly the tokens that follow.
+
+    ``counts``, if given, receives ``replacement_characters``: the U+FFFD in the tokenized documents (bytes that
+    were not UTF-8, replaced when a text file was read, or replacements made before the text reached us).
     """
     eos = tokenizer.eos_token_id
+    replacements = 0
     to_skip = skip_tokens
     num_tokens = 0
     num_documents = 0
@@ -337,8 +401,10 @@ def pack_token_stream(documents, tokenizer, path: str, dtype: np.dtype, max_toke
     with open(path, "wb") as f:
         for texts in _growing_batches(documents, batch_size, small_first=max_tokens is not None):
             encoded = encode_documents(tokenizer, texts, eos)
+            replacements += sum(text.count(corpus.REPLACEMENT_CHARACTER) for text in texts if text)
             lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
-            flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=int(lengths.sum()))
+            flat = np.concatenate([np.asarray(ids, dtype=dtype) for ids in encoded]) if encoded else \
+                np.zeros(0, dtype=dtype)
             start = min(to_skip, len(flat))
             to_skip -= start
             stop = len(flat) if max_tokens is None else min(len(flat), start + max_tokens - num_tokens)
@@ -355,7 +421,27 @@ def pack_token_stream(documents, tokenizer, path: str, dtype: np.dtype, max_toke
             if max_tokens is not None and num_tokens >= max_tokens:
                 break
     progress.close()
+    if counts is not None:
+        counts["replacement_characters"] = replacements
     return num_tokens, num_documents, end
+
+
+def warn_about_replacements(count: int, files: list[str] | None) -> None:
+    """Say how much of the text was not valid UTF-8 (it trains as U+FFFD, silently, otherwise), and in which of the
+    local text files; a file in another encoding (Shift_JIS, cp1252) shows up here."""
+    if not count:
+        return
+    per_file = []
+    for path in files or []:
+        if corpus.file_format(path) == "text":
+            replaced = corpus.count_decoding_replacements(path)
+            if replaced:
+                per_file.append(f"{path}: {replaced:,}")
+    where = ("; decoding replacements per file: " + ", ".join(per_file) + ". Convert those files to UTF-8 "
+             "(e.g. iconv -f SHIFT_JIS -t UTF-8) and prepare again" if per_file
+             else "; they come from the source itself (no local text file had invalid UTF-8)")
+    logger.warning("%s U+FFFD replacement characters in the tokenized text (bytes that were not valid UTF-8)%s.",
+                   f"{count:,}", where)
 
 
 def split_indices(num_samples: int, args: PrepareDataArguments) -> dict[str, np.ndarray]:
@@ -518,9 +604,11 @@ def prepare(args: PrepareDataArguments) -> dict:
     if args.skip_documents:
         documents = documents.skip(args.skip_documents)
     token_path = os.path.join(output_dir, _TOKEN_FILE)
+    counts: dict = {}
     num_tokens, num_documents, stream_end = pack_token_stream(
         documents, tokenizer, token_path, dtype, args.max_tokens, args.map_batch_size, args.skip_documents,
-        args.skip_tokens, show_progress=not args.disable_tqdm)
+        args.skip_tokens, show_progress=not args.disable_tqdm, counts=counts)
+    warn_about_replacements(counts["replacement_characters"], files)
 
     sample_len = args.seq_len + 1
     num_samples = num_tokens // sample_len

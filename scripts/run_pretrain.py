@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PretrainedConfig, set_seed
+from transformers import AutoModelForCausalLM, HfArgumentParser, PretrainedConfig, set_seed
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,10 +37,13 @@ from hf_recurrent import presets
 from scripts import prepare_data
 from trainer_ext.atomic import write_json
 from trainer_ext.checkpoints import (
+    FINAL_DIR,
     check_checkpoint,
+    check_model_dir,
     is_staging_dir,
     last_complete_checkpoint,
     list_checkpoints,
+    load_tokenizer,
     missing_files,
     read_trainer_state,
 )
@@ -50,7 +53,7 @@ from trainer_ext.hub import HubPushCallback, ModelCardCallback, tokens_per_optim
 from trainer_ext.lr_finder import read_sweep_choice
 from trainer_ext.model_card import ModelCardInfo, write_model_card
 from trainer_ext.teacher_cache import TeacherCacheDataset, read_teacher_manifest
-from trainer_ext.teacher_model import load_frozen_teacher
+from trainer_ext.teacher_model import TEACHER_TOKENIZER_FIX, load_frozen_teacher
 from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments
 
 logger = logging.getLogger("run_pretrain")
@@ -131,14 +134,36 @@ def parse_args(argv=None):
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         parsed = parser.parse_yaml_file(argv[0]) if argv[0].endswith("ml") else parser.parse_json_file(argv[0])
         model_args, data_args, training_args, schedule_args = parsed
+        apply_progress_default(training_args, _config_file_keys(argv[0]))
     else:
         # Defaults first, so anything on the command line wins (argparse keeps the last value).
         model_args, data_args, training_args, schedule_args = parser.parse_args_into_dataclasses(
             args=DEFAULT_ARGS + argv)
         training_args.explicit_flags = {arg.split("=")[0].lstrip("-").replace("-", "_") for arg in argv
                                         if arg.startswith("--")}
+        apply_progress_default(training_args, training_args.explicit_flags)
     apply_learning_rate_file(training_args, schedule_args.learning_rate_from)
     return model_args, data_args, training_args
+
+
+def apply_progress_default(training_args, explicit) -> bool:
+    """Turn the Trainer's progress bar off when stderr is not a terminal, unless --disable_tqdm was given.
+
+    In a log file every bar refresh is one more carriage-return line (thousands per run); the Trainer's log lines
+    (loss, learning rate every --logging_steps) still say how far it got. Returns whether it changed."""
+    if "disable_tqdm" in explicit or training_args.disable_tqdm or sys.stderr.isatty():
+        return False
+    training_args.disable_tqdm = True
+    return True
+
+
+def _config_file_keys(path: str) -> set:
+    with open(path, encoding="utf-8") as f:
+        if path.endswith("ml"):
+            import yaml
+
+            return set(yaml.safe_load(f) or {})
+        return set(json.load(f))
 
 
 def apply_learning_rate_file(training_args, path: str | None) -> dict:
@@ -171,8 +196,6 @@ def apply_large_model_defaults(training_args, num_params: int) -> dict:
 
 
 # -- the output directory: resume, refuse or start afresh (transformers' run_clm.py rule)
-
-FINAL_DIR = "final"
 
 
 def _incomplete_note(output_dir: str) -> str:
@@ -359,6 +382,7 @@ def build_model(model_args: ModelArguments, vocab_size: int, tokenizer, device: 
     tokenizer of `vocab_size` tokens)."""
     dtype = resolve_dtype(model_args.dtype, device)
     if model_args.model_name_or_path:
+        check_model_dir(model_args.model_name_or_path, "--model_name_or_path")
         return AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path, dtype=dtype, attn_implementation=model_args.attn_implementation,
             trust_remote_code=model_args.trust_remote_code)
@@ -369,10 +393,18 @@ def build_model(model_args: ModelArguments, vocab_size: int, tokenizer, device: 
                                                 attn_implementation=model_args.attn_implementation)
 
 
+def load_data_tokenizer(data_dir: str):
+    """The tokenizer prepare_data saved with the shards; an error naming --data_dir when its files are missing."""
+    return load_tokenizer(
+        data_dir, "--data_dir", "prepare_data saves the tokenizer beside the shards: copy the files of the tokenizer "
+        "the data was prepared with into it (tokenizer.save_pretrained(data_dir)), or prepare the data again.")
+
+
 def load_teacher(name_or_path: str, student_tokenizer, device: torch.device, quantization: str = "none",
                  trust_remote_code: bool = False):
     """A frozen teacher in eval mode (bf16 on CUDA), checked to share the student's tokenizer before loading."""
-    teacher_tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    teacher_tokenizer = load_tokenizer(
+        name_or_path, "--teacher_model_name_or_path", TEACHER_TOKENIZER_FIX, trust_remote_code=trust_remote_code)
     if tokenizer_hash(teacher_tokenizer) != tokenizer_hash(student_tokenizer):
         raise ValueError(
             f"Teacher {name_or_path!r} uses a different tokenizer (hash {tokenizer_hash(teacher_tokenizer)}) than the "
@@ -386,12 +418,16 @@ def main(argv=None, callbacks=None) -> dict:
     model_args, data_args, training_args = parse_args(argv)
     # Everything that can be checked from the arguments alone, before data preparation writes anything.
     check_overrides(parse_overrides(model_args.config_overrides), model_args.preset, model_args.model_name_or_path)
+    for option, path in (("--model_name_or_path", model_args.model_name_or_path),
+                         ("--teacher_model_name_or_path", model_args.teacher_model_name_or_path)):
+        if path:  # a run folder or truncated weights, found now rather than after the student is built
+            check_model_dir(path, option)
     checkpoint = resolve_checkpoint(training_args)
     found_in_output_dir = checkpoint is not None and training_args.resume_from_checkpoint is None
     set_seed(training_args.seed)
 
     data_dir = ensure_data(data_args.data_dir)
-    tokenizer = AutoTokenizer.from_pretrained(data_dir)
+    tokenizer = load_data_tokenizer(data_dir)
     config = build_config(model_args, tokenizer)
     if config is not None:  # before the model is initialised (minutes at 7B)
         check_depth_arguments(training_args, config)

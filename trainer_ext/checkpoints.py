@@ -6,6 +6,10 @@ Trainer writes `trainer_state.json` last, so a save killed before the end leaves
 `RecurrentTrainer` writes each checkpoint under a staging folder (`tmp-checkpoint-N`, see `staging_dir`) and
 renames it into place when every file is written, so a `checkpoint-N` folder is either complete or absent; the
 completeness check still guards checkpoints written by other code or older versions.
+
+The same knowledge checks a folder before it is opened as a model or tokenizer (`check_model_dir`,
+`load_tokenizer`): a run folder given instead of its `final/`, a truncated weights file and missing tokenizer
+files otherwise surface as library errors that name neither the file nor the fix.
 """
 
 from __future__ import annotations
@@ -127,3 +131,75 @@ def publish(staged: str, checkpoint: str) -> None:
     os.replace(staged, checkpoint)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
+
+
+# -- opening a model or tokenizer folder: library errors turned into ones that name the file and the fix
+
+FINAL_DIR = "final"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def check_not_run_dir(path: str, option: str) -> None:
+    """Refuse a run_pretrain output folder given where a model is expected.
+
+    Such a folder holds `checkpoint-N/` and `final/` but no config.json of its own; transformers then fails with
+    a message about sentencepiece / tiktoken (the tokenizer) or a missing `model_type`, neither naming the cause."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return
+    final_dir = os.path.join(path, FINAL_DIR)
+    if os.path.isfile(os.path.join(final_dir, "config.json")):
+        raise ValueError(f"{option} {path} is a training run's folder, not a model checkpoint (no config.json): "
+                         f"pass {final_dir}, the run's final checkpoint.")
+    if list_checkpoints(path):
+        last = last_complete_checkpoint(path)
+        instead = f"pass {last}, its last complete checkpoint" if last else "it holds no complete checkpoint yet"
+        raise ValueError(f"{option} {path} is a training run's folder without {FINAL_DIR}/ (the run has not "
+                         f"finished) and no config.json of its own: {instead}, or {os.path.join(path, FINAL_DIR)} "
+                         "once the run ends.")
+
+
+def check_weight_files(path: str, option: str) -> None:
+    """Open the header of every safetensors file in the folder `path`, so a truncated or corrupt one is named.
+
+    Reading the headers maps the files without loading tensors (milliseconds); safetensors' own error on a cut-short
+    download or an interrupted save ("incomplete metadata", "header too small") names no file."""
+    if not os.path.isdir(path):
+        return  # a hub id: transformers downloads and checks it
+    from safetensors import SafetensorError, safe_open
+
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        file = os.path.join(path, name)
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except SafetensorError as err:
+            raise ValueError(f"{option} {path}: {file} is truncated or corrupt ({err}). Download it again, or save "
+                             "the checkpoint again (save_pretrained); an interrupted copy or save leaves such a "
+                             "file.") from err
+
+
+def check_model_dir(path: str, option: str) -> None:
+    """Before `from_pretrained(path)`: refuse a run folder (pass its final/) and truncated weight files."""
+    check_not_run_dir(path, option)
+    check_weight_files(path, option)
+
+
+def load_tokenizer(path: str, option: str, fix: str, **kwargs):
+    """`AutoTokenizer.from_pretrained(path, **kwargs)` whose failure names the folder, what it lacks and `fix`.
+
+    Without tokenizer files transformers tries to convert a slow tokenizer and asks for sentencepiece or tiktoken,
+    which is not the problem."""
+    from transformers import AutoTokenizer
+
+    check_not_run_dir(path, option)
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as err:
+        if not os.path.isdir(path):
+            raise ValueError(f"{option} {path}: no tokenizer could be loaded ({err}). {fix}") from err
+        present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))]
+        what = (f"has no tokenizer files ({' / '.join(TOKENIZER_FILES)} missing)" if not present
+                else f"holds {', '.join(present)} but no tokenizer could be loaded from it ({err})")
+        raise ValueError(f"{option} {path} {what}. {fix}") from err

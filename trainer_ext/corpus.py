@@ -141,6 +141,33 @@ def file_format(path: str) -> str:
     )
 
 
+REPLACEMENT_CHARACTER = "\ufffd"  # what decoding with errors="replace" puts in place of bytes that are not UTF-8
+
+
+def count_decoding_replacements(path: str, chunk_bytes: int = 1 << 22) -> int:
+    """How many U+FFFD reading the text file `path` as UTF-8 with errors="replace" (as `load_local_files` does)
+    introduces: those from decoding errors, not any the file already holds as text.
+
+    Streams the file (compressed ones too, as `datasets` opens them) through two incremental decoders, one that
+    replaces bad bytes and one that drops them; the difference of their U+FFFD counts is the replacements.
+    """
+    import codecs
+
+    import fsspec
+
+    replacing = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    dropping = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+    count = 0
+    with fsspec.open(path, "rb", compression="infer") as f:
+        while True:
+            chunk = f.read(chunk_bytes)
+            final = not chunk
+            count += (replacing.decode(chunk, final=final).count(REPLACEMENT_CHARACTER)
+                      - dropping.decode(chunk, final=final).count(REPLACEMENT_CHARACTER))
+            if final:
+                return count
+
+
 def load_default_corpus(max_documents: int | None = None):
     """The embedded corpus as a streamed ``datasets.IterableDataset`` with a ``text`` column."""
     import datasets

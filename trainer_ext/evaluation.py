@@ -89,7 +89,8 @@ def evaluate_model(
         raise ValueError("evaluate_model: the dataset is empty; check the eval split of --data_dir.")
     desc = "eval" if not forward_kwargs else f"eval n={forward_kwargs['num_steps']}"
     with _eval_mode(model), torch.inference_mode():
-        for index, batch in enumerate(tqdm(loader, total=total, desc=desc, disable=not progress, leave=False)):
+        for index, batch in enumerate(tqdm(loader, total=total, desc=desc, disable=_bar_disabled(progress),
+                                           leave=False)):
             if index == total:
                 break
             input_ids, targets = _unpack(batch, device)
@@ -280,7 +281,7 @@ def cache_mode_cost(
     original_mode = model.config.kv_cache_mode
     loader = DataLoader(samples, batch_size=batch_size, shuffle=False)
     steps = len(loader) * len(CACHE_MODES) * (seq_len - prefix_len)
-    bar = tqdm(total=steps, desc=f"cache modes n={num_steps}", disable=not progress, leave=False)
+    bar = tqdm(total=steps, desc=f"cache modes n={num_steps}", disable=_bar_disabled(progress), leave=False)
     try:
         with _eval_mode(model), torch.inference_mode():
             for batch in loader:
@@ -380,6 +381,12 @@ def _eval_mode(model):
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _bar_disabled(progress: bool) -> bool | None:
+    """tqdm's `disable`: None shows the bar only when stderr is a terminal. In a log file or a pipe each refresh
+    would be one more carriage-return line, thousands per run."""
+    return None if progress else True
 
 
 def _check_positive(name: str, value) -> None:

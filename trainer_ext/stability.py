@@ -44,7 +44,8 @@ LOSS_SPIKE, GRAD_NORM_BLOWUP = "loss_spike", "grad_norm_blowup"
 
 
 class UnstableTrainingError(RuntimeError):
-    """Training was stopped because the guard skipped too many steps in a row."""
+    """Training was stopped: the guard skipped too many steps in a row, or the model collapsed to uniform
+    predictions (RecurrentTrainer's collapse check)."""
 
 
 def _is_int(value) -> bool:

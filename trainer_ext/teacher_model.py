@@ -10,19 +10,25 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_recurrent  # noqa: F401  (registers our model type: recurrent-depth teachers need no remote code)
+from trainer_ext.checkpoints import check_model_dir
 
 QUANTIZATIONS = ("none", "8bit", "4bit")
+# The fix named when a teacher folder has no loadable tokenizer (run_pretrain's online teacher, cache_teacher).
+TEACHER_TOKENIZER_FIX = ("Save the tokenizer the teacher was trained with next to it "
+                         "(tokenizer.save_pretrained(teacher_dir)); it must be the data's tokenizer.")
 
 
 def load_frozen_teacher(name_or_path: str, device: torch.device, dtype: torch.dtype, quantization: str = "none",
                         revision: str | None = None, option: str = "--teacher_quantization",
-                        trust_remote_code: bool = False):
-    """The teacher in eval mode without gradients, on `device`; `option` names the flag in error messages.
+                        trust_remote_code: bool = False, path_option: str = "--teacher_model_name_or_path"):
+    """The teacher in eval mode without gradients, on `device`; `option` and `path_option` name the quantization
+    and path flags in error messages.
 
     `trust_remote_code` runs the code a hub repository ships; off by default (transformers' convention). Our own
     recurrent-depth checkpoints load without it: `import hf_recurrent` registers the model type."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"{option}={quantization!r} is not allowed; choose one of {list(QUANTIZATIONS)}.")
+    check_model_dir(name_or_path, path_option)
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, "revision": revision}
     if quantization == "none":
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs).to(device)

@@ -96,6 +96,13 @@ class RecurrentTrainingArguments(TrainingArguments):
                                        "linearly over as many steps."})
     stability_max_consecutive_skips: int = field(
         default=20, metadata={"help": "Stop training after this many skipped steps in a row."})
+    collapse_check_steps: int = field(
+        default=10, metadata={"help": "Stop training (an error) once the training cross-entropy has stayed within "
+                                      "--collapse_margin nats of ln(vocab_size), the loss of uniform predictions, "
+                                      "for this many steps in a row: the model has collapsed, usually from too high "
+                                      "a learning rate. 0 turns the check off."})
+    collapse_margin: float = field(
+        default=0.05, metadata={"help": "Nats around ln(vocab_size) that count as uniform predictions."})
     # Activation checkpointing on by default (transformers >= 5.24 renamed the flag; keep one, no warning).
     __annotations__[_CHECKPOINTING] = bool
     vars()[_CHECKPOINTING] = field(default=True, metadata={"help": "Recompute layer activations in backward."})
@@ -170,6 +177,9 @@ class RecurrentTrainingArguments(TrainingArguments):
               "in [0, 1] (the weight of the distillation term; 1 - alpha weighs the plain cross-entropy)")
         check("distill_temperature", is_number(self.distill_temperature) and self.distill_temperature > 0,
               "a number > 0")
+        check("collapse_check_steps", is_int(self.collapse_check_steps) and self.collapse_check_steps >= 0,
+              "an integer >= 0 (0 turns the collapse check off)")
+        check("collapse_margin", is_number(self.collapse_margin) and self.collapse_margin > 0, "a number > 0 (nats)")
 
     def stability_settings(self) -> dict:
         """Keyword arguments of `StabilityGuard` from the `stability_*` fields."""
@@ -232,6 +242,16 @@ class _StabilityCallback(TrainerCallback):
         self.trainer._write_interventions()
 
 
+class _HealthCallback(TrainerCallback):
+    """Starts the collapse and skipped-update bookkeeping of each `train()` once a resumed optimizer is loaded."""
+
+    def __init__(self, trainer: "RecurrentTrainer"):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._reset_health_bookkeeping()
+
+
 class RecurrentTrainer(Trainer):
     """Trainer for recurrent-depth models (and their Transformer baselines, which simply have no depth).
 
@@ -265,7 +285,7 @@ class RecurrentTrainer(Trainer):
         self.profiler = PhaseProfiler(self.args.profile_steps)
         self.add_callback(_PhaseCallback(self.profiler))
         self.peak_flops = self.args.peak_flops or device_peak_flops()
-        self._window = {"tokens": 0, "flops": 0.0, "ce": 0.0, "kd": 0.0, "depth": 0, "steps": 0}
+        self._window = {"tokens": 0, "flops": 0.0, "ce": 0.0, "kd": 0.0, "depth": 0, "steps": 0, "nonfinite": 0}
         self._window_start = time.perf_counter()
         self._profile_logged = False
         self.stability = None
@@ -273,6 +293,8 @@ class RecurrentTrainer(Trainer):
             self.stability = StabilityGuard(**self.args.stability_settings())
             self.add_callback(_StabilityCallback(self))
         self._reset_stability_bookkeeping()
+        self._reset_health_bookkeeping()
+        self.add_callback(_HealthCallback(self))
 
     # -- optimizer
 
@@ -397,6 +419,7 @@ class RecurrentTrainer(Trainer):
             self._window["ce"] += out.ce.detach()
             self._window["kd"] += out.kd.detach()
             self._window["depth"] += num_steps or 0
+            self._window["nonfinite"] += (~torch.isfinite(out.loss.detach())).sum()
             self._window["steps"] += 1
         loss = out.loss
         if training and self.stability is not None:
@@ -544,12 +567,14 @@ class RecurrentTrainer(Trainer):
     # -- logging
 
     def log(self, logs: dict, *args, **kwargs):
+        collapsed = False
         if "loss" in logs and self._window["steps"]:
             window, elapsed = self._window, max(time.perf_counter() - self._window_start, 1e-9)
             logs["tokens_per_second"] = round(window["tokens"] / elapsed, 1)
             if self.peak_flops:
                 logs["mfu"] = round(window["flops"] / elapsed / self.peak_flops, 4)
-            logs["ce"] = round(float(window["ce"]) / window["steps"], 4)
+            ce = float(window["ce"]) / window["steps"]
+            logs["ce"] = round(ce, 4)
             kd = float(window["kd"]) / window["steps"]
             if self.teacher is not None or kd:
                 logs["kd"] = round(kd, 4)
@@ -559,6 +584,16 @@ class RecurrentTrainer(Trainer):
             if hasattr(optimizer, "last_grad_norm"):
                 logs["grad_norm"] = optimizer.last_grad_norm
                 logs["skipped_updates"] = optimizer.skipped_updates
+                self._report_skipped_updates(optimizer.skipped_updates)
+            nonfinite = int(window["nonfinite"])
+            if nonfinite:
+                logs["nonfinite_losses"] = nonfinite
+                if self.stability is None:
+                    # The Trainer's NaN filter counts a non-finite loss as 0.0 at the start of a logging window
+                    # (or as the window's mean so far): a healthy-looking number for a broken step.
+                    logs["loss"] = float("nan")
+            collapsed = self._track_collapse(ce)
+            self._logged_step = self.state.global_step
             logs.update(memory_stats())
             self._window = dict.fromkeys(window, 0)
             self._window_start = time.perf_counter()
@@ -568,6 +603,67 @@ class RecurrentTrainer(Trainer):
         if "loss" in logs and self.stability is not None:
             self._add_stability_logs(logs)
         super().log(logs, *args, **kwargs)
+        if collapsed:  # after the log line, so that the losses that led here are on record
+            self._stop_collapsed_training()
+
+    # -- collapse and skipped updates: failures the loss alone does not make loud
+
+    def _reset_health_bookkeeping(self):
+        self._logged_step = self.state.global_step  # last step whose loss was logged
+        self._uniform_since = None  # first step of the current run of near-uniform logged losses
+        self._last_ce = None
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        # A resumed optimizer carries the skips of the run before: report only the new ones.
+        self._reported_skips = optimizer.skipped_updates if hasattr(optimizer, "skipped_updates") else 0
+
+    def _report_skipped_updates(self, skipped_updates: int):
+        """Warn when the low-memory optimizer skipped tensors (non-finite gradients) since the last log: the step's
+        loss looks normal, yet part of the model (or all of it) was not updated."""
+        new = skipped_updates - self._reported_skips
+        self._reported_skips = skipped_updates
+        if new > 0:
+            logger.warning("steps %d-%d: the optimizer skipped %d tensor update(s) for non-finite gradients (%d in "
+                           "this run): those steps updated the model only in part, or not at all",
+                           self._logged_step + 1, self.state.global_step, new, skipped_updates)
+
+    def _track_collapse(self, ce: float) -> bool:
+        """True once the training CE of every logged window over the last `collapse_check_steps` steps was within
+        `collapse_margin` of ln(vocab_size): the loss of uniform predictions, whatever the data. A model at
+        initialization usually sits above it (its logits are not all equal) and a learning one falls below it within
+        a few steps; a run that stays there ignores its input, and the loss alone looks merely "high"."""
+        if not self.args.collapse_check_steps:
+            return False
+        self._last_ce = ce
+        if self.state.global_step <= self.args.get_warmup_steps(self.state.max_steps):
+            # A large model near uniform at init under a long, slow warm-up passes ln(V) slowly: not a collapse.
+            self._uniform_since = None
+            return False
+        uniform = math.log(self.model.config.vocab_size)
+        if not (math.isfinite(ce) and abs(ce - uniform) <= self.args.collapse_margin):
+            self._uniform_since = None
+            return False
+        if self._uniform_since is None:
+            self._uniform_since = self._logged_step + 1
+        return self.state.global_step - self._uniform_since + 1 >= self.args.collapse_check_steps
+
+    def _stop_collapsed_training(self):
+        vocab_size, step, since = self.model.config.vocab_size, self.state.global_step, self._uniform_since
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        skipped = getattr(optimizer, "skipped_updates", 0)
+        skips = (f" The optimizer also skipped {skipped} tensor update(s) for non-finite gradients." if skipped
+                 else "")
+        message = (
+            f"Training stopped at step {step}: the model has collapsed to uniform predictions. Its training "
+            f"cross-entropy has stayed within {self.args.collapse_margin:g} nats of ln(vocab_size) = "
+            f"{math.log(vocab_size):.4f} (vocab_size {vocab_size}), the loss of giving every token the same "
+            f"probability, for steps {since}-{step} (last: {self._last_ce:.4f}).{skips} The learning rate is most "
+            f"likely far too high: --learning_rate is {self.args.learning_rate:g}. Lower it, or run the "
+            "learning-rate threshold test `hf-recurrent-find-lr` to find the largest rate that stays stable. "
+            f"Checkpoints saved from step {since} on hold the collapsed weights; no final model was saved. "
+            "(--collapse_check_steps 0 turns this check off; --collapse_margin sets the band.)"
+        )
+        logger.error(message)
+        raise UnstableTrainingError(message)
 
     def _add_stability_logs(self, logs: dict):
         window = self._loss_window
