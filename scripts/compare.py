@@ -791,22 +791,21 @@ class ComparisonRun:
 def whole_run_train_loss(log_history: list[dict], resumed_step: int | None, trainer_loss: float | None):
     """The mean training loss of a whole cycle, also when it was resumed after a kill.
 
-    The Trainer's `train_loss` averages only the steps run by the last `train()` call, i.e. after the resume. The
-    steps before it are in the resumed checkpoint's log_history as `loss` entries, each the mean since the previous
-    one: weighted by the steps they cover, they join the Trainer's figure for the steps after the resume. Steps
-    between the last log and the checkpoint were never logged and cannot count."""
+    After a resume the Trainer's `train_loss` does not cover the cycle: transformers 5.24 averages the steps run
+    after the resume, 5.17 divides their sum by all steps. The log history (carried over by the resume) holds `loss`
+    entries, each the mean since the previous one: weighted by the steps they cover, they give the whole cycle's
+    mean. Steps after the last log entry were never logged and cannot count. Without a resume the Trainer's
+    figure is right and is kept."""
     if not resumed_step or trainer_loss is None:
         return trainer_loss
-    logged = sorted((entry["step"], entry["loss"]) for entry in log_history
-                    if "loss" in entry and entry.get("step", 0) <= resumed_step)
+    logged = sorted((entry["step"], entry["loss"]) for entry in log_history if "loss" in entry and "step" in entry)
     if not logged:
         return trainer_loss
     weighted, previous = 0.0, 0
     for step, loss in logged:
         weighted += loss * (step - previous)
         previous = step
-    after = max(entry.get("step", 0) for entry in log_history) - resumed_step
-    return (weighted + trainer_loss * after) / (previous + after)
+    return weighted / previous
 
 
 def _option_value(argv: list[str], option: str) -> str | None:
