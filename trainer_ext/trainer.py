@@ -323,6 +323,11 @@ class RecurrentTrainer(Trainer):
         with saved_as_pretrained_class(self.model):
             super()._save(output_dir, state_dict)
 
+    @property
+    def unwrapped_optimizer(self):
+        """The optimizer itself (LowMemoryAdafactor, ...), not Accelerate's wrapper around it."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
     # -- checkpoints: written under a staging folder, renamed into place when complete
 
     def _save_checkpoint(self, model, trial):
@@ -517,7 +522,7 @@ class RecurrentTrainer(Trainer):
         if step is None or step > self.state.global_step:
             return
         self._grad_norm_step = None
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        optimizer = self.unwrapped_optimizer
         if not hasattr(optimizer, "last_grad_norm"):
             return
         intervention = self.stability.check_grad_norm(step, optimizer.last_grad_norm)
@@ -580,7 +585,7 @@ class RecurrentTrainer(Trainer):
                 logs["kd"] = round(kd, 4)
             if self.recurrent:
                 logs["depth"] = round(window["depth"] / window["steps"], 2)
-            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+            optimizer = self.unwrapped_optimizer
             if hasattr(optimizer, "last_grad_norm"):
                 logs["grad_norm"] = optimizer.last_grad_norm
                 logs["skipped_updates"] = optimizer.skipped_updates
@@ -612,7 +617,7 @@ class RecurrentTrainer(Trainer):
         self._logged_step = self.state.global_step  # last step whose loss was logged
         self._uniform_since = None  # first step of the current run of near-uniform logged losses
         self._last_ce = None
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        optimizer = self.unwrapped_optimizer
         # A resumed optimizer carries the skips of the run before: report only the new ones.
         self._reported_skips = optimizer.skipped_updates if hasattr(optimizer, "skipped_updates") else 0
 
@@ -648,7 +653,7 @@ class RecurrentTrainer(Trainer):
 
     def _stop_collapsed_training(self):
         vocab_size, step, since = self.model.config.vocab_size, self.state.global_step, self._uniform_since
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        optimizer = self.unwrapped_optimizer
         skipped = getattr(optimizer, "skipped_updates", 0)
         skips = (f" The optimizer also skipped {skipped} tensor update(s) for non-finite gradients." if skipped
                  else "")
