@@ -21,8 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_recurrent  # noqa: F401
-from trainer_ext.data import ShardedTokenDataset
-from trainer_ext.evaluation import evaluate_model
+from trainer_ext.data.shards import ShardedTokenDataset
+from trainer_ext.evaluation.metrics import evaluate_model
 
 # arm -> (config overrides, more run_pretrain arguments); "scaled_init" is the presets' current default.
 ARMS = {

@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from . import presets
 from .configuration_recurrent_depth import RecurrentDepthConfig
 from .depth import DepthSampler
-from .flops import flops_per_token
+from .cost import flops_per_token
 from .modeling_recurrent_depth import (
     RecurrentDepthForCausalLM,
     RecurrentDepthModel,

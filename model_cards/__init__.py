@@ -1,6 +1,6 @@
 """Model card templates (Markdown with `string.Template` placeholders), shipped as package data.
 
-`template_text(name)` reads one; `trainer_ext.model_card` fills it in.
+`template_text(name)` reads one; `trainer_ext.hub.model_card` fills it in.
 """
 
 from importlib import resources

@@ -43,11 +43,11 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hf_recurrent  # noqa: F401  (registers the recurrent model with the Auto classes)
-from trainer_ext.checkpoints import load_tokenizer
-from trainer_ext.data import SPLITS, file_sha256, tokenizer_hash, validate_data_dir
+from trainer_ext.training.checkpoints import load_tokenizer
+from trainer_ext.data.shards import SPLITS, file_sha256, tokenizer_hash, validate_data_dir
 from trainer_ext.devices import resolve_device, resolve_dtype
-from trainer_ext.distill import teacher_topk
-from trainer_ext.teacher_cache import (
+from trainer_ext.distill.losses import teacher_topk
+from trainer_ext.distill.cache import (
     CACHE_FORMAT_VERSION,
     LOGPROBS_DTYPE,
     TEACHER_MANIFEST_NAME,
@@ -58,7 +58,7 @@ from trainer_ext.teacher_cache import (
     read_teacher_manifest,
     write_teacher_manifest,
 )
-from trainer_ext.teacher_model import QUANTIZATIONS, TEACHER_TOKENIZER_FIX, load_frozen_teacher
+from trainer_ext.distill.teacher import QUANTIZATIONS, TEACHER_TOKENIZER_FIX, load_frozen_teacher
 
 logger = logging.getLogger("cache_teacher")
 

@@ -67,7 +67,7 @@ import sys
 from dataclasses import dataclass, field
 
 if __package__ in (None, ""):  # run as a file: make the repository importable, without this folder shadowing
-    _HERE = os.path.dirname(os.path.abspath(__file__))  # the `evaluate` package (scripts/evaluate.py)
+    _HERE = os.path.dirname(os.path.abspath(__file__))  # the `evaluate` package (scripts/evaluate_checkpoints.py)
     sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
     sys.path.insert(0, os.path.dirname(_HERE))
 
@@ -80,17 +80,17 @@ import hf_recurrent  # noqa: F401  (registers the model with the Auto classes)
 from hf_recurrent import presets
 from scripts import run_pretrain
 from scripts.cache_teacher import CacheTeacherArguments, cache_teacher
-from scripts.evaluate import load_checkpoint, markdown_table, unrolled_layers
+from scripts.evaluate_checkpoints import load_checkpoint, markdown_table, unrolled_layers
 from scripts.prepare_data import PrepareDataArguments, prepare
-from trainer_ext.atomic import write_text
-from trainer_ext.checkpoints import checkpoint_step, last_complete_checkpoint
-from trainer_ext.compare_state import CYCLE_STAGES, STATE_NAME, CompareState
-from trainer_ext.data import ShardedTokenDataset
+from trainer_ext.files import write_text
+from trainer_ext.training.checkpoints import checkpoint_step, last_complete_checkpoint
+from trainer_ext.comparison.state import CYCLE_STAGES, STATE_NAME, CompareState
+from trainer_ext.data.shards import ShardedTokenDataset
 from trainer_ext.devices import resolve_device, resolve_dtype
-from trainer_ext.evaluation import evaluate_model, learning_warnings, unigram_cross_entropy
-from trainer_ext.hub import BackgroundPusher, cycle_commit_message
-from trainer_ext.model_card import ModelCardInfo, format_count, write_model_card
-from trainer_ext.teacher_model import QUANTIZATIONS
+from trainer_ext.evaluation.metrics import evaluate_model, learning_warnings, unigram_cross_entropy
+from trainer_ext.hub.push import BackgroundPusher, cycle_commit_message
+from trainer_ext.hub.model_card import ModelCardInfo, format_count, write_model_card
+from trainer_ext.distill.teacher import QUANTIZATIONS
 
 logger = logging.getLogger("compare")
 
@@ -382,7 +382,7 @@ def write_results(output_dir: str, records: list[dict]) -> list[str]:
     if importlib.util.find_spec("matplotlib") is None:
         logger.warning("matplotlib is not installed: no learning-curve plot (pip install matplotlib).")
     else:
-        from scripts.plots import plot_learning_curves
+        from trainer_ext.evaluation.plots import plot_learning_curves
 
         paths.append(plot_learning_curves(records, os.path.join(output_dir, "learning_curves.png")))
     return paths

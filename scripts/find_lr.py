@@ -25,12 +25,12 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 from scripts import run_pretrain
 from scripts.run_pretrain import DataArguments, ModelArguments
-from trainer_ext.data import ShardedTokenDataset, tokenizer_hash
+from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.devices import resolve_dtype
-from trainer_ext.hub import tokens_per_optimizer_step
-from trainer_ext.lr_finder import SweepArguments, find_learning_rate
-from trainer_ext.teacher_cache import TeacherCacheDataset
-from trainer_ext.trainer import RecurrentTrainingArguments
+from trainer_ext.hub.push import tokens_per_optimizer_step
+from trainer_ext.training.lr_finder import SweepArguments, find_learning_rate
+from trainer_ext.distill.cache import TeacherCacheDataset
+from trainer_ext.training.trainer import RecurrentTrainingArguments
 
 logger = logging.getLogger("find_lr")
 
@@ -38,7 +38,7 @@ DEFAULT_ARGS = run_pretrain.DEFAULT_ARGS + ["--output_dir", os.path.join("output
 # Models under run_pretrain's large-model size train at its 3e-3 default: their grid brackets that rate instead,
 # and a shorter trial keeps the bare command (debug preset on a CPU) at about a minute.
 SMALL_MODEL_SWEEP = {"learning_rates": [3e-3, 1e-2, 3e-2, 1e-1], "sweep_steps": 24, "sweep_warmup_steps": 6}
-# A training run's arguments that every trial replaces with its own (trainer_ext.lr_finder.trial_arguments).
+# A training run's arguments that every trial replaces with its own (trainer_ext.training.lr_finder.trial_arguments).
 REPLACED = ("learning_rate", "max_steps", "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs",
             "warmup_steps", "logging_steps", "eval_strategy", "eval_steps", "save_strategy", "save_steps",
             "push_to_hub", "resume_from_checkpoint", "stability_guard")

@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm.auto import tqdm
 
-from trainer_ext import corpus
-from trainer_ext.data import (
+from trainer_ext.data import corpus
+from trainer_ext.data.shards import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     SPLITS,

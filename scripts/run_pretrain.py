@@ -35,8 +35,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 import hf_recurrent  # noqa: F401  (registers the model with the Auto classes)
 from hf_recurrent import presets
 from scripts import prepare_data
-from trainer_ext.atomic import write_json
-from trainer_ext.checkpoints import (
+from trainer_ext.files import write_json
+from trainer_ext.training.checkpoints import (
     FINAL_DIR,
     check_checkpoint,
     check_model_dir,
@@ -47,14 +47,14 @@ from trainer_ext.checkpoints import (
     missing_files,
     read_trainer_state,
 )
-from trainer_ext.data import ShardedTokenDataset, read_manifest, tokenizer_hash
+from trainer_ext.data.shards import ShardedTokenDataset, read_manifest, tokenizer_hash
 from trainer_ext.devices import resolve_dtype
-from trainer_ext.hub import HubPushCallback, ModelCardCallback, tokens_per_optimizer_step
-from trainer_ext.lr_finder import read_sweep_choice
-from trainer_ext.model_card import ModelCardInfo, write_model_card
-from trainer_ext.teacher_cache import TeacherCacheDataset, read_teacher_manifest
-from trainer_ext.teacher_model import TEACHER_TOKENIZER_FIX, load_frozen_teacher
-from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments
+from trainer_ext.hub.push import HubPushCallback, ModelCardCallback, tokens_per_optimizer_step
+from trainer_ext.training.lr_finder import read_sweep_choice
+from trainer_ext.hub.model_card import ModelCardInfo, write_model_card
+from trainer_ext.distill.cache import TeacherCacheDataset, read_teacher_manifest
+from trainer_ext.distill.teacher import TEACHER_TOKENIZER_FIX, load_frozen_teacher
+from trainer_ext.training.trainer import RecurrentTrainer, RecurrentTrainingArguments
 
 logger = logging.getLogger("run_pretrain")
 

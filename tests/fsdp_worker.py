@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import hf_recurrent  # noqa: E402,F401  (registers the model with the Auto classes)
 from hf_recurrent import presets  # noqa: E402
-from trainer_ext.distributed import check_optimizer_supports, saved_as_pretrained_class, sharding_backend  # noqa: E402
+from trainer_ext.training.distributed import check_optimizer_supports, saved_as_pretrained_class, sharding_backend  # noqa: E402
 
 SEED = 0
 DEPTH = 3  # fixed recurrence, so every rank and the reference run the same graph

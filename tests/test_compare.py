@@ -17,9 +17,9 @@ from hf_recurrent import presets
 from scripts import compare, run_pretrain
 from scripts.prepare_data import PrepareDataArguments, prepare
 from hub_server import HubTestServer
-from trainer_ext.compare_state import CYCLE_STAGES, STATE_NAME, CompareState
-from trainer_ext.data import ShardedTokenDataset, file_sha256, read_manifest
-from trainer_ext.evaluation import unigram_cross_entropy
+from trainer_ext.comparison.state import CYCLE_STAGES, STATE_NAME, CompareState
+from trainer_ext.data.shards import ShardedTokenDataset, file_sha256, read_manifest
+from trainer_ext.evaluation.metrics import unigram_cross_entropy
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two cycles of 4 steps x 4 samples x 32 tokens on the debug presets, a 300-token BPE on 40 KJV chapters.

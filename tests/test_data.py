@@ -17,8 +17,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast, default_data_co
 
 from scripts import prepare_data
 from scripts.prepare_data import PrepareDataArguments, main, prepare
-from trainer_ext import corpus
-from trainer_ext.data import MANIFEST_NAME, ShardedTokenDataset, read_manifest, token_dtype, tokenizer_hash
+from trainer_ext.data import corpus
+from trainer_ext.data.shards import MANIFEST_NAME, ShardedTokenDataset, read_manifest, token_dtype, tokenizer_hash
 
 SEQ_LEN = 32
 VOCAB = 300

@@ -1,4 +1,4 @@
-"""trainer_ext.distill: the chunked loss against naive full-logit references (CPU, fast)."""
+"""trainer_ext.distill.losses: the chunked loss against naive full-logit references (CPU, fast)."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer_ext.distill import (
+from trainer_ext.distill.losses import (
     DIVERGENCES,
     LossOutput,
     OnlineTeacher,

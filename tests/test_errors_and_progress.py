@@ -11,9 +11,9 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_recurrent import RecurrentDepthForCausalLM, presets
-from scripts import cache_teacher, compare, evaluate as evaluate_script, run_pretrain
-from trainer_ext.data import ShardedTokenDataset
-from trainer_ext.evaluation import cache_mode_cost, evaluate_model
+from scripts import cache_teacher, compare, evaluate_checkpoints as evaluate_script, run_pretrain
+from trainer_ext.data.shards import ShardedTokenDataset
+from trainer_ext.evaluation.metrics import cache_mode_cost, evaluate_model
 
 QUICK = ["--max_steps", "2", "--save_steps", "2", "--eval_steps", "2", "--logging_steps", "1",
          "--max_eval_samples", "8", "--per_device_train_batch_size", "2"]

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from hf_recurrent import RecurrentDepthForCausalLM, presets
-from scripts import evaluate as evaluate_script
-from trainer_ext.data import ShardedTokenDataset
-from trainer_ext.evaluation import (
+from scripts import evaluate_checkpoints as evaluate_script
+from trainer_ext.data.shards import ShardedTokenDataset
+from trainer_ext.evaluation.metrics import (
     cache_mode_cost,
     context_free_warning,
     depth_collapse_warning,
@@ -282,7 +282,7 @@ def test_evaluate_script_rejects_bad_arguments(tiny_data_dir, checkpoints, tmp_p
 
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
-    from scripts.plots import plot_depth_curves, plot_learning_curves
+    from trainer_ext.evaluation.plots import plot_depth_curves, plot_learning_curves
 
     results = [
         {"model": "ours", "kind": "recurrent", "num_steps": n, "layers": 2 + 2 * n, "ce": 4 - 0.1 * n,

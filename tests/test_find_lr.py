@@ -9,10 +9,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from hf_recurrent import presets
 from scripts import find_lr, run_pretrain
-from trainer_ext import lr_finder
-from trainer_ext.data import ShardedTokenDataset
-from trainer_ext.lr_finder import SweepArguments, pick_learning_rate, summarize_trial
-from trainer_ext.trainer import RecurrentTrainingArguments
+from trainer_ext.training import lr_finder
+from trainer_ext.data.shards import ShardedTokenDataset
+from trainer_ext.training.lr_finder import SweepArguments, pick_learning_rate, summarize_trial
+from trainer_ext.training.trainer import RecurrentTrainingArguments
 
 SWEEP = ["--sweep_steps", "16", "--sweep_warmup_steps", "4", "--per_device_train_batch_size", "8",
          "--use_cpu", "true"]

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import fsdp_worker
-from trainer_ext.distributed import (
+from trainer_ext.training.distributed import (
     check_optimizer_supports,
     check_processes_coordinated,
     pretrained_class,

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_recurrent import presets
 from hub_server import HubTestServer
-from trainer_ext.data import ShardedTokenDataset
-from trainer_ext.hub import (
+from trainer_ext.data.shards import ShardedTokenDataset
+from trainer_ext.hub.push import (
     BackgroundPusher,
     HubPushCallback,
     HubPushError,
@@ -28,8 +28,8 @@ from trainer_ext.hub import (
     push_checkpoint,
     tokens_per_optimizer_step,
 )
-from trainer_ext.model_card import ModelCardInfo, parameter_counts, render_model_card, write_model_card
-from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments
+from trainer_ext.hub.model_card import ModelCardInfo, parameter_counts, render_model_card, write_model_card
+from trainer_ext.training.trainer import RecurrentTrainer, RecurrentTrainingArguments
 
 TOKEN = "hf_" + hashlib.sha256(os.urandom(16)).hexdigest()[:34]  # a fresh secret per run, to grep for
 REPO = "test-org/tiny-recurrent"
@@ -184,7 +184,7 @@ def test_transient_failures_are_retried_and_local_files_untouched(hub, checkpoin
     path, _ = checkpoint
     before = tree_state(path)
     hub.fail_next("POST", r"^/api/repos/create$", times=2, status=500)
-    with caplog.at_level(logging.WARNING, logger="trainer_ext.hub"):
+    with caplog.at_level(logging.WARNING, logger="trainer_ext.hub.push"):
         push_checkpoint(path, REPO, "cycle 1", token=TOKEN, endpoint=hub.endpoint, backoff_seconds=0.01)
     creates = [s for m, p, s in hub.requests if p == "/api/repos/create"]
     assert creates == [500, 500, 200]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer_ext.optim import (
+from trainer_ext.training.optimizer import (
     LowMemoryAdafactor,
     check_gradient_accumulation,
     create_optimizer,

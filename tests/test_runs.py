@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from scripts import run_pretrain
-from trainer_ext.checkpoints import last_complete_checkpoint
-from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments
+from trainer_ext.training.checkpoints import last_complete_checkpoint
+from trainer_ext.training.trainer import RecurrentTrainer, RecurrentTrainingArguments
 
 
 def run(data_dir, out, *extra):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from trainer_ext.stability import UnstableTrainingError
+from trainer_ext.training.stability import UnstableTrainingError
 
 from test_stability import NAN, inject
 from test_trainer import make_trainer
@@ -20,7 +20,7 @@ def test_a_collapsed_model_stops_training_with_the_fix(tiny_data_dir, tmp_path, 
     # At this rate the first update sends the model to uniform predictions (loss ln V) while the optimizer skips
     # tensors with non-finite gradients every step: before, a 12-step run exited normally.
     trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=12, learning_rate=1e6, save_strategy="no")
-    with caplog.at_level(logging.WARNING, logger="trainer_ext.trainer"):
+    with caplog.at_level(logging.WARNING, logger="trainer_ext.training.trainer"):
         with pytest.raises(UnstableTrainingError, match="collapsed to uniform predictions") as raised:
             trainer.train()
     message = str(raised.value)
@@ -72,7 +72,7 @@ def corrupt_copy(data_dir, tmp_path, change):
 
     import numpy as np
 
-    from trainer_ext.data import _read_npy_header
+    from trainer_ext.data.shards import _read_npy_header
 
     copy = tmp_path / "data"
     shutil.copytree(data_dir, copy)
@@ -87,7 +87,7 @@ def corrupt_copy(data_dir, tmp_path, change):
 
 
 def test_a_flipped_byte_with_ids_in_range_is_caught_by_the_checksum(tiny_data_dir, tmp_path, caplog):
-    from trainer_ext.data import ShardedTokenDataset, read_manifest
+    from trainer_ext.data.shards import ShardedTokenDataset, read_manifest
 
     vocab_size = read_manifest(tiny_data_dir)["vocab_size"]
     copy, shard = corrupt_copy(tiny_data_dir, tmp_path, lambda token: token ^ 1)
@@ -100,11 +100,11 @@ def test_a_flipped_byte_with_ids_in_range_is_caught_by_the_checksum(tiny_data_di
 def test_the_checksum_check_says_that_it_ran_and_runs_once_per_file(tiny_data_dir, tmp_path, caplog):
     import shutil
 
-    from trainer_ext.data import ShardedTokenDataset
+    from trainer_ext.data.shards import ShardedTokenDataset
 
     copy = tmp_path / "data"
     shutil.copytree(tiny_data_dir, copy)
-    with caplog.at_level(logging.INFO, logger="trainer_ext.data"):
+    with caplog.at_level(logging.INFO, logger="trainer_ext.data.shards"):
         ShardedTokenDataset(str(copy), "train")
         ShardedTokenDataset(str(copy), "train")
     lines = [r.getMessage() for r in caplog.records if "sha256" in r.getMessage()]
@@ -112,7 +112,7 @@ def test_the_checksum_check_says_that_it_ran_and_runs_once_per_file(tiny_data_di
 
 
 def test_an_id_past_the_vocabulary_is_reported_as_corruption_naming_the_file(tiny_data_dir, tmp_path):
-    from trainer_ext.data import ShardedTokenDataset, read_manifest
+    from trainer_ext.data.shards import ShardedTokenDataset, read_manifest
 
     vocab_size = read_manifest(tiny_data_dir)["vocab_size"]
     copy, shard = corrupt_copy(tiny_data_dir, tmp_path, lambda token: token | 0xFF00)
@@ -127,7 +127,7 @@ def test_an_id_past_the_vocabulary_is_reported_as_corruption_naming_the_file(tin
 
 def test_decoding_replacements_are_counted_and_the_file_is_named(tmp_path, caplog):
     from scripts import prepare_data
-    from trainer_ext import corpus
+    from trainer_ext.data import corpus
 
     chapters = list(itertools.islice(corpus.iter_default_documents(), 20))
     good, bad = tmp_path / "good.txt", tmp_path / "latin1.txt"
@@ -145,7 +145,7 @@ def test_decoding_replacements_are_counted_and_the_file_is_named(tmp_path, caplo
 
 
 def long_document(repeats: int = 1):
-    from trainer_ext import corpus
+    from trainer_ext.data import corpus
 
     chapters = list(itertools.islice(corpus.iter_default_documents(), 40))
     separators = ["\n\n", "  ", "\t", " \n ", "   "]  # whitespace runs of all kinds at the cut points

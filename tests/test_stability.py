@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from test_trainer import StopAt, losses, make_trainer
-from trainer_ext.stability import GRAD_NORM_BLOWUP, LOSS_SPIKE, StabilityGuard, UnstableTrainingError
-from trainer_ext.trainer import INTERVENTIONS_FILE, RecurrentTrainingArguments
+from trainer_ext.training.stability import GRAD_NORM_BLOWUP, LOSS_SPIKE, StabilityGuard, UnstableTrainingError
+from trainer_ext.training.trainer import INTERVENTIONS_FILE, RecurrentTrainingArguments
 
 # ----------------------------------------------------------------------------- the guard on its own
 
@@ -217,7 +217,7 @@ def test_loss_spike_and_nan_loss_skip_the_update_and_are_logged(tiny_data_dir, t
     inject(trainer, {3: SPIKE, 5: NAN})
     snapshots = Snapshots(trainer)
     trainer.add_callback(snapshots)
-    with caplog.at_level(logging.WARNING, logger="trainer_ext.trainer"):
+    with caplog.at_level(logging.WARNING, logger="trainer_ext.training.trainer"):
         trainer.train()
     for step in (3, 5):  # weights and optimizer state bit-identical across the skipped step
         assert snapshots.same(step - 1, step)
@@ -273,7 +273,7 @@ def test_grad_norm_blowup_lowers_the_lr_then_restores_it(tiny_data_dir, tmp_path
     inject(trainer, {4: amplify_gradient})
     recorder = RecordLrScale(trainer)
     trainer.add_callback(recorder)
-    with caplog.at_level(logging.WARNING, logger="trainer_ext.trainer"):
+    with caplog.at_level(logging.WARNING, logger="trainer_ext.training.trainer"):
         trainer.train()
     # Step 4's norm is read at step 5: 2 steps at half the rate, one step of the ramp, then the full rate.
     assert recorder.scales == pytest.approx([1, 1, 1, 1, 0.5, 0.5, 0.75, 1])

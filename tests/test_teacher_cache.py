@@ -1,4 +1,4 @@
-"""Offline distillation: scripts/cache_teacher.py and trainer_ext.teacher_cache (CPU, tiny models)."""
+"""Offline distillation: scripts/cache_teacher.py and trainer_ext.distill.cache (CPU, tiny models)."""
 
 import json
 import math
@@ -14,16 +14,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_colla
 import hf_recurrent  # noqa: F401
 from hf_recurrent import presets
 from scripts import cache_teacher
-from trainer_ext.data import ShardedTokenDataset, read_manifest, write_manifest, write_shard
-from trainer_ext.distill import TopKTeacher, chunked_lm_loss
-from trainer_ext.teacher_cache import (
+from trainer_ext.data.shards import ShardedTokenDataset, read_manifest, write_manifest, write_shard
+from trainer_ext.distill.losses import TopKTeacher, chunked_lm_loss
+from trainer_ext.distill.cache import (
     TEACHER_MANIFEST_NAME,
     TeacherCacheDataset,
     read_teacher_manifest,
     validate_teacher_cache,
     write_teacher_manifest,
 )
-from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments
+from trainer_ext.training.trainer import RecurrentTrainer, RecurrentTrainingArguments
 
 TOPK = 16
 TRAIN_SHARDS = [f"train-{i:05d}.npy" for i in range(4)]
@@ -194,7 +194,7 @@ def test_teacher_with_another_tokenizer_is_refused_before_any_work(data_dir, tea
     data_hash = read_manifest(data_dir)["tokenizer_hash"]
     tokenizer.add_tokens(["<extra>"])
     tokenizer.save_pretrained(other)
-    from trainer_ext.data import tokenizer_hash
+    from trainer_ext.data.shards import tokenizer_hash
     other_hash = tokenizer_hash(AutoTokenizer.from_pretrained(other))
     assert other_hash != data_hash
     out = tmp_path / "cache"

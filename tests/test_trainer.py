@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 import hf_recurrent
 from hf_recurrent import presets
 from scripts import run_pretrain
-from trainer_ext.data import ShardedTokenDataset
-from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments, resolve_momentum
+from trainer_ext.data.shards import ShardedTokenDataset
+from trainer_ext.training.trainer import RecurrentTrainer, RecurrentTrainingArguments, resolve_momentum
 
 
 def make_trainer(data_dir, out_dir, **overrides):

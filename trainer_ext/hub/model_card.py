@@ -17,7 +17,6 @@ import re
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +27,8 @@ import hf_recurrent  # noqa: F401  (registers the recurrent model with the Auto 
 from hf_recurrent import flops_per_token
 from hf_recurrent.presets import is_recurrent
 
-from .atomic import write_text
+from trainer_ext.files import write_text
+from trainer_ext.hub import model_cards
 
 CARD_NAME = "README.md"
 BASE_TAGS = ("hf-recurrent",)
@@ -307,19 +307,7 @@ _KV_NOTES = {
 
 
 def _template(name: str) -> string.Template:
-    try:
-        import model_cards
-
-        text = model_cards.template_text(name)
-    except (ImportError, FileNotFoundError):
-        # A source checkout run from elsewhere, or an install that predates the templates package.
-        path = Path(__file__).resolve().parent.parent / "model_cards" / f"{name}.md"
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"Model card template {name}.md not found (looked for the `model_cards` package and {path}); "
-                "reinstall the project (pip install -e .) so the templates are installed.") from None
-        text = path.read_text(encoding="utf-8")
-    return string.Template(text)
+    return string.Template(model_cards.template_text(name))
 
 
 def render_model_card(model_or_config, info: ModelCardInfo | None = None) -> str:

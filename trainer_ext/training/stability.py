@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .atomic import write_json
+from trainer_ext.files import write_json
 
 __all__ = ["EMA_DECAY", "Intervention", "StabilityGuard", "UnstableTrainingError", "check_settings",
            "write_interventions"]

@@ -4,7 +4,7 @@ Measures, after warm-up: time of one forward+backward+update step and of the upd
 synchronised around each phase), peak reserved memory, optimizer state size, and how many graphs
 torch.compile built (all shapes should share a few). Example:
 
-    python scripts/bench_optimizer.py --hidden 4096 --intermediate 11008 --layers 4 --vocab 32000
+    python benchmarks/bench_optimizer.py --hidden 4096 --intermediate 11008 --layers 4 --vocab 32000
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from trainer_ext.optim import DEFAULT_MAX_CHUNK_NUMEL, LowMemoryAdafactor, create_optimizer
+from trainer_ext.training.optimizer import DEFAULT_MAX_CHUNK_NUMEL, LowMemoryAdafactor, create_optimizer
 
 
 class _Block(nn.Module):

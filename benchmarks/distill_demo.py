@@ -1,7 +1,7 @@
 """Offline distillation end to end on the embedded corpus, on a CPU: does a cached teacher help the student?
 
-    python -m scripts.distill_demo --torch_threads 1    # about 6 minutes on 2 (busy) CPU cores
-    python -m scripts.distill_demo --teacher_steps 60 --student_steps 60 --train_samples 480   # a quick look
+    python -m benchmarks.distill_demo --torch_threads 1    # about 6 minutes on 2 (busy) CPU cores
+    python -m benchmarks.distill_demo --teacher_steps 60 --student_steps 60 --train_samples 480   # a quick look
 
 1. Data: the embedded corpus prepared with default arguments (``outputs/data/kjv``, reused if present).
 2. Teacher: a Transformer several times the student's width, trained with ``run_pretrain`` on the full
@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 import hf_recurrent  # noqa: F401
 from hf_recurrent import presets
 from scripts import cache_teacher, prepare_data, run_pretrain
-from trainer_ext.data import (
+from trainer_ext.data.shards import (
     MANIFEST_NAME,
     ShardedTokenDataset,
     read_manifest,
@@ -48,8 +48,8 @@ from trainer_ext.data import (
     write_manifest,
     write_shard,
 )
-from trainer_ext.teacher_cache import TEACHER_MANIFEST_NAME, TeacherCacheDataset
-from trainer_ext.trainer import RecurrentTrainer, RecurrentTrainingArguments
+from trainer_ext.distill.cache import TEACHER_MANIFEST_NAME, TeacherCacheDataset
+from trainer_ext.training.trainer import RecurrentTrainer, RecurrentTrainingArguments
 
 logger = logging.getLogger("distill_demo")
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PrinterCallback, ProgressCallback
 
-from .atomic import atomic_open, write_json, write_text
-from .data import load_manifest
-from .trainer import RecurrentTrainer
+from trainer_ext.files import atomic_open, write_json, write_text
+from trainer_ext.data.shards import load_manifest
+from trainer_ext.training.trainer import RecurrentTrainer
 
 logger = logging.getLogger(__name__)
 

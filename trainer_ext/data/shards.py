@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .atomic import atomic_open, write_json
+from trainer_ext.files import atomic_open, write_json
 
 logger = logging.getLogger(__name__)
 

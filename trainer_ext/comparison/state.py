@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .atomic import write_json
+from trainer_ext.files import write_json
 
 FORMAT_VERSION = 1
 STATE_NAME = "compare_state.json"

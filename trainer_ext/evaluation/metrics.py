@@ -7,7 +7,7 @@ comparison pipeline and the benchmarks share.
 
 Works for recurrent-depth models (`num_steps` picks the depth) and for plain causal LMs such as
 `LlamaForCausalLM` (no `num_steps`) whose head is a linear layer. Quality figures come from the
-`next_token` metric shipped in `trainer_ext/metrics/` and loaded with `evaluate.load` from its directory,
+`next_token` metric shipped in `trainer_ext/evaluation/` and loaded with `evaluate.load` from its directory,
 so nothing is fetched from a hub.
 """
 
@@ -27,13 +27,13 @@ from transformers import DynamicCache
 
 from hf_recurrent.presets import is_recurrent
 
-METRICS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics")
+METRICS_DIR = os.path.dirname(os.path.abspath(__file__))  # next_token/next_token.py beside this file
 IGNORE_INDEX = -100
 CACHE_MODES = ("per_step", "shared")
 
 
 def load_metric(name: str = "next_token") -> evaluate.EvaluationModule:
-    """One of the metric modules in `trainer_ext/metrics/`, loaded offline and kept in memory."""
+    """One of the metric modules in `trainer_ext/evaluation/`, loaded offline and kept in memory."""
     path = os.path.join(METRICS_DIR, name)
     if not os.path.isfile(os.path.join(path, f"{name}.py")):
         available = sorted(os.listdir(METRICS_DIR)) if os.path.isdir(METRICS_DIR) else []

@@ -25,7 +25,7 @@ from huggingface_hub import CommitInfo, HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 from transformers import TrainerCallback
 
-from .model_card import REPO_ID, ModelCardInfo, format_count, write_model_card
+from trainer_ext.hub.model_card import REPO_ID, ModelCardInfo, format_count, write_model_card
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Evaluate checkpoints on held-out shards: CE, perplexity, top-1/top-5 and generation speed per depth.
 
-    python -m scripts.evaluate --checkpoints outputs/r3b/final outputs/t3b/final --labels ours baseline \
+    python -m scripts.evaluate_checkpoints --checkpoints outputs/r3b/final outputs/t3b/final --labels ours baseline \
         --data_dir outputs/data/ja --max_samples 256 --output_dir outputs/eval
 
 A recurrent-depth checkpoint is evaluated at every `--depths` value, a fixed-depth baseline (e.g.
@@ -29,11 +29,11 @@ from transformers import AutoModelForCausalLM, HfArgumentParser
 
 import hf_recurrent  # noqa: F401  (registers the model with the Auto classes)
 from hf_recurrent.presets import is_recurrent
-from trainer_ext.atomic import write_text
-from trainer_ext.checkpoints import check_model_dir
-from trainer_ext.data import ShardedTokenDataset, tokenizer_hash
+from trainer_ext.files import write_text
+from trainer_ext.training.checkpoints import check_model_dir
+from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.devices import resolve_device, resolve_dtype
-from trainer_ext.evaluation import (
+from trainer_ext.evaluation.metrics import (
     cache_mode_cost,
     evaluate_model,
     generation_speed,
@@ -284,7 +284,7 @@ def main(argv=None) -> dict:
     if args.plots and importlib.util.find_spec("matplotlib") is None:
         logger.warning("matplotlib is not installed: no plots (pip install 'hf-recurrent[plots]').")
     elif args.plots:
-        from scripts.plots import plot_depth_curves
+        from trainer_ext.evaluation.plots import plot_depth_curves
 
         report["plots"] = plot_depth_curves(results, args.output_dir)
     written = [os.path.join(args.output_dir, "results.json"), os.path.join(args.output_dir, "results.md")]

@@ -1,6 +1,6 @@
 """Training throughput and peak memory under an emulated memory cap (e.g. a 24 GiB card on a larger GPU).
 
-    python -m scripts.bench_train --data_dir DIR --presets recurrent-3.3b recurrent-7b --cap_gib 24 --steps 8
+    python -m benchmarks.bench_train --data_dir DIR --presets recurrent-3.3b recurrent-7b --cap_gib 24 --steps 8
 
 Each preset runs in its own process (clean peak-memory counters) through the same path as a real run:
 scripts/run_pretrain.py with RecurrentTrainer, the low-memory optimizer in backward and checkpointing.
@@ -120,7 +120,7 @@ def main(argv=None) -> list[dict]:
             *(["--peak_flops", str(args.peak_flops)] if args.peak_flops else []), *args.extra,
         ]
         profile_path = os.path.join(args.output_dir, f"profile_{preset}.txt") if args.profile else None
-        code = f"from scripts.bench_train import child; child({args.cap_gib!r}, {run_args!r}, {profile_path!r})"
+        code = f"from benchmarks.bench_train import child; child({args.cap_gib!r}, {run_args!r}, {profile_path!r})"
         result = subprocess.run([sys.executable, "-c", code])
         if result.returncode != 0:
             rows.append({"preset": preset, "error": f"exit code {result.returncode}"})

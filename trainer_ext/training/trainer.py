@@ -16,12 +16,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from hf_recurrent import DepthSampler, flops_per_token
 from hf_recurrent.presets import is_recurrent
 
-from .checkpoints import TRAINER_STATE_NAME, last_complete_checkpoint, publish, staging_dir
-from .distill import DIVERGENCES, OnlineTeacher, TopKTeacher, chunked_lm_loss
-from .telemetry import PhaseProfiler, device_peak_flops, memory_stats
-from .distributed import check_optimizer_supports, saved_as_pretrained_class
-from .optim import check_gradient_accumulation, create_optimizer
-from .stability import StabilityGuard, UnstableTrainingError, check_settings, write_interventions
+from trainer_ext.training.checkpoints import TRAINER_STATE_NAME, last_complete_checkpoint, publish, staging_dir
+from trainer_ext.distill.losses import DIVERGENCES, OnlineTeacher, TopKTeacher, chunked_lm_loss
+from trainer_ext.training.telemetry import PhaseProfiler, device_peak_flops, memory_stats
+from trainer_ext.training.distributed import check_optimizer_supports, saved_as_pretrained_class
+from trainer_ext.training.optimizer import check_gradient_accumulation, create_optimizer
+from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError, check_settings, write_interventions
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Optimizer quality at equal token budget: the low-memory optimizer (bf16 weights, in backward) against
 torch AdamW with fp32 master weights and HF Adafactor (fp32 weights), through the same run_pretrain path.
 
-    python -m scripts.bench_optimizer_quality --data_dir DIR --preset transformer-125m --steps 300 \
+    python -m benchmarks.bench_optimizer_quality --data_dir DIR --preset transformer-125m --steps 300 \
         --runs adamw hf_adafactor low_memory low_memory_momentum --learning_rates 1e-3 2e-3
 
 Each run is one optimizer at one learning rate (cosine schedule, 10% warm-up). Prints each run's held-out

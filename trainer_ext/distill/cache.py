@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .atomic import write_json
-from .data import MANIFEST_NAME, ShardedTokenDataset, _read_npy_header, file_sha256, load_manifest, read_manifest
+from trainer_ext.files import write_json
+from trainer_ext.data.shards import MANIFEST_NAME, ShardedTokenDataset, _read_npy_header, file_sha256, load_manifest, read_manifest
 
 CACHE_FORMAT_VERSION = 1
 TEACHER_MANIFEST_NAME = "teacher_manifest.json"
