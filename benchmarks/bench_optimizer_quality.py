@@ -59,7 +59,8 @@ def main(argv=None) -> dict:
         ]
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "train.log"), "w") as log:
-            code = f"from scripts import run_pretrain; run_pretrain.main({command!r})"
+            code = ("from trainer_ext.training.pretrain import parse_pretrain_args, pretrain; "
+                    f"pretrain(*parse_pretrain_args({command!r}))")
             subprocess.run([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
         print(json.dumps({"optimizer": name, "learning_rate": lr, "eval_loss": eval_loss(out_dir)}), flush=True)
 

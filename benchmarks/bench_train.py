@@ -46,10 +46,10 @@ def child(cap_gib: float, run_args: list[str], profile_path: str | None = None) 
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(cap_gib * 2**30 / total, 1.0))
-    from scripts import run_pretrain
+    from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
 
     callbacks = [TorchProfileCallback(start=6, count=2, path=profile_path)] if profile_path else None
-    run_pretrain.main(run_args, callbacks=callbacks)
+    pretrain(*parse_pretrain_args(run_args), callbacks=callbacks)
 
 
 def rise_over_running_min(losses: list[float], start: int, window: int = 1) -> float:

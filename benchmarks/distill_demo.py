@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import hf_recurrent  # noqa: F401
 from hf_recurrent import presets
-from scripts import cache_teacher, prepare_data, run_pretrain
+from trainer_ext.data.prepare import PrepareDataArguments, prepare
 from trainer_ext.data.shards import (
     MANIFEST_NAME,
     ShardedTokenDataset,
@@ -49,7 +49,10 @@ from trainer_ext.data.shards import (
     write_shard,
 )
 from trainer_ext.distill.cache import TEACHER_MANIFEST_NAME, TeacherCacheDataset
-from trainer_ext.training.trainer import RecurrentTrainer, RecurrentTrainingArguments
+from trainer_ext.distill.caching import CacheTeacherArguments, cache_teacher
+from trainer_ext.training.arguments import RecurrentTrainingArguments
+from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.training.trainer import RecurrentTrainer
 
 logger = logging.getLogger("distill_demo")
 
@@ -94,14 +97,14 @@ class DistillDemoArguments:
 
 def ensure_data(data_dir: str) -> None:
     if not os.path.exists(os.path.join(data_dir, MANIFEST_NAME)):
-        prepare_data.main(["--output_dir", data_dir])
+        prepare(PrepareDataArguments(output_dir=data_dir))
 
 
 def train_teacher(args: DistillDemoArguments) -> str:
     out = os.path.join(args.output_dir, "teacher")
     final = os.path.join(out, "final")
     if not os.path.exists(os.path.join(final, "train_metrics.json")):
-        run_pretrain.main([
+        pretrain(*parse_pretrain_args([
             "--preset", args.teacher_preset, "--config_overrides", args.teacher_overrides,
             "--data_dir", args.data_dir, "--output_dir", out, "--max_steps", str(args.teacher_steps),
             "--per_device_train_batch_size", str(args.batch_size), "--learning_rate", str(args.teacher_learning_rate),
@@ -110,7 +113,7 @@ def train_teacher(args: DistillDemoArguments) -> str:
             "--seed", str(args.seed), "--disable_tqdm", "true",
             "--use_cpu", str(not torch.cuda.is_available()).lower(),
             "--optimizer_momentum", str(args.optimizer_momentum),
-        ])
+        ]))
     return final
 
 
@@ -151,8 +154,8 @@ def make_train_subset(args: DistillDemoArguments) -> str:
 
 def build_cache(args: DistillDemoArguments, teacher_dir: str, data_dir: str) -> str:
     out = os.path.join(args.output_dir, "teacher_cache")
-    cache_teacher.main(["--teacher_model_name_or_path", teacher_dir, "--data_dir", data_dir, "--output_dir", out,
-                        "--topk", str(args.topk), "--batch_size", "16"])
+    cache_teacher(CacheTeacherArguments(teacher_model_name_or_path=teacher_dir, data_dir=data_dir, output_dir=out,
+                                        topk=args.topk, batch_size=16))
     return out
 
 

@@ -1,6 +1,7 @@
 """Recurrent-depth causal language models for Hugging Face transformers.
 
-Importing this package registers the model with the Auto classes.
+Importing this package registers the model with the Auto classes. Beside the model: `presets` (named shapes),
+`depth` (the training depth sampler) and `cost` (FLOPs per token, parameter counts, unrolled layers).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM

@@ -1,9 +1,30 @@
-"""The one FLOP counter, shared by the trainer's MFU, the benchmarks and the comparison pipeline.
+"""What a model costs: FLOPs per token, parameter counts, unrolled layers, tokens per optimizer step.
 
-Conventions: a multiply-add is 2 FLOPs; backward costs twice the forward; causal attention over a sequence
+The one cost accountant, shared by the trainer's MFU, the model card, the evaluation reports, the benchmarks and
+the comparison pipeline. Every function takes a `RecurrentDepthConfig` or a plain Transformer config (or a model,
+for the parameter counts).
+
+FLOP conventions: a multiply-add is 2 FLOPs; backward costs twice the forward; causal attention over a sequence
 of length T attends to (T + 1) / 2 keys per query on average; recomputation from gradient checkpointing is
 not counted (MFU counts useful work). Steps run under `no_grad` (truncated backprop) count forward only.
 """
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from .presets import is_recurrent
+
+
+def unrolled_layers(config, num_steps: int | None = None) -> int:
+    """Layers a forward pass runs: prelude + num_steps x core + coda (default depth: the config's), or a
+    Transformer's `num_hidden_layers`."""
+    if not is_recurrent(config):
+        return config.num_hidden_layers
+    num_steps = config.default_num_steps if num_steps is None else num_steps
+    return config.n_prelude_layers + num_steps * config.n_core_layers + config.n_coda_layers
 
 
 def _layer_forward_flops(config, seq_len: int) -> float:
@@ -21,21 +42,58 @@ def flops_per_token(config, num_steps: int | None = None, backprop_depth: int | 
                     seq_len: int = 2048, training: bool = True) -> float:
     """FLOPs per token of one training step (forward + backward), or of inference if `training` is False.
 
-    Works for a `RecurrentDepthConfig` (depth `num_steps`, default `mean_recurrence`; gradients through the last
-    `backprop_depth` steps, default the config's, None = all) and for a plain Transformer config.
+    For a recurrent config: depth `num_steps` (default `mean_recurrence`), gradients through the last
+    `backprop_depth` steps (default the config's; None = all). A plain Transformer config has neither.
     """
     layer = _layer_forward_flops(config, seq_len)
     head = 2 * config.hidden_size * config.vocab_size
     grad_factor = 3 if training else 1
-    if getattr(config, "model_type", None) != "recurrent_depth":
+    if not is_recurrent(config):
         return grad_factor * (config.num_hidden_layers * layer + head)
 
-    n = config.mean_recurrence if num_steps is None else num_steps
-    k = config.backprop_depth if backprop_depth is None else backprop_depth
-    k = n if k is None else min(k, n)
+    num_steps = config.mean_recurrence if num_steps is None else num_steps
+    backprop_depth = config.backprop_depth if backprop_depth is None else backprop_depth
+    backprop_depth = num_steps if backprop_depth is None else min(backprop_depth, num_steps)
     adapter = 2 * 2 * config.hidden_size * config.hidden_size if config.injection == "concat" else 0
     step = config.n_core_layers * layer + adapter
     unique = (config.n_prelude_layers + config.n_coda_layers) * layer + head
     if not training:
-        return unique + n * step
-    return 3 * (unique + k * step) + (n - k) * step
+        return unique + num_steps * step
+    return 3 * (unique + backprop_depth * step) + (num_steps - backprop_depth) * step
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    unique: int  # every stored parameter once
+    per_step: int  # parameters applied once per recurrent step (core block and input adapter); 0 for a Transformer
+
+    def unrolled(self, num_steps: int) -> int:
+        """Parameters a plain Transformer would need to run the same layers `num_steps` times."""
+        return self.unique + max(num_steps - 1, 0) * self.per_step
+
+
+_COUNTS: dict[str, ParameterCounts] = {}  # by config JSON: a callback renders a model card at every save
+
+
+def parameter_counts(model_or_config) -> ParameterCounts:
+    """Counts from the config's architecture (a model's config is used, so sharded or offloaded models count
+    right too). The model is built on the meta device: exact for any size, in a fraction of a second."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if not isinstance(config, PretrainedConfig):
+        raise ValueError(f"Expected a model or a transformers config, got {type(model_or_config).__name__}.")
+    key = config.to_json_string(use_diff=False)
+    if key not in _COUNTS:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        unique, per_step = 0, 0
+        for name, parameter in model.named_parameters():  # shared (tied) tensors are listed once
+            unique += parameter.numel()
+            if ".core." in f".{name}" or ".adapter." in f".{name}":
+                per_step += parameter.numel()
+        _COUNTS[key] = ParameterCounts(unique, per_step)
+    return _COUNTS[key]
+
+
+def tokens_per_optimizer_step(args, seq_len: int) -> int:
+    """Training tokens consumed by one optimizer step of a Trainer with these `TrainingArguments`."""
+    return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * seq_len

@@ -1,4 +1,4 @@
-"""Training-time depth sampling.
+"""Training-time depth sampling: the `num_steps` of each optimizer step.
 
 A draw is a pure function of (seed, step): resuming at step s reproduces the depths of an uninterrupted run
 without saving any sampler state.
@@ -17,7 +17,7 @@ class DepthSampler:
         self.distribution = config.depth_distribution
         self.sigma = config.depth_sigma
         self.warmup_steps = config.depth_warmup_steps
-        self.max_steps = config.max_recurrence or 4 * config.mean_recurrence
+        self.max_num_steps = config.max_recurrence or 4 * config.mean_recurrence
         self.seed = seed
 
     def mean_at(self, step: int) -> float:
@@ -27,7 +27,7 @@ class DepthSampler:
         return 1 + (self.mean - 1) * step / self.warmup_steps
 
     def __call__(self, step: int) -> int:
-        """Depth for optimizer step `step`: `fixed`, or Huginn's log-normal Poisson (n = 1 + Poisson(exp(tau)),
+        """`num_steps` for optimizer step `step`: `fixed`, or Huginn's log-normal Poisson (n = 1 + Poisson(exp(tau)),
         tau ~ N(log(mean - 1) - sigma^2 / 2, sigma), so E[n] = mean)."""
         mean = self.mean_at(step)
         if self.distribution == "fixed" or mean - 1 < 1e-6:
@@ -35,5 +35,5 @@ class DepthSampler:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         mu = math.log(mean - 1) - self.sigma**2 / 2
         tau = torch.normal(mu, self.sigma, (1,), generator=generator).exp()
-        depth = 1 + int(torch.poisson(tau, generator=generator).item())
-        return min(depth, self.max_steps)
+        num_steps = 1 + int(torch.poisson(tau, generator=generator).item())
+        return min(num_steps, self.max_num_steps)

@@ -145,14 +145,8 @@ class RecurrentDepthAttention(nn.Module):
             self.config._attn_implementation, eager_attention_forward
         )
         output, weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
+            self, query, key, value, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, **kwargs,
         )
         if attentions is not None:
             attentions.append(weights)
@@ -187,13 +181,8 @@ class RecurrentDepthDecoderLayer(GradientCheckpointingLayer):
         **kwargs,
     ) -> torch.Tensor:
         hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            cache=cache,
-            cache_slot=cache_slot,
-            read_only_cache=read_only_cache,
-            **kwargs,
+            self.input_layernorm(hidden_states), position_embeddings=position_embeddings, attention_mask=attention_mask,
+            cache=cache, cache_slot=cache_slot, read_only_cache=read_only_cache, **kwargs,
         )
         hidden_states = self.attention_residual_norm(hidden_states)
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -483,38 +472,21 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
 
     @can_return_tuple
     def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        num_steps: int | None = None,
-        backprop_depth: int | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        cache: Cache | None = None,
-        **kwargs,
+        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0, num_steps: int | None = None,
+        backprop_depth: int | None = None, output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None, cache: Cache | None = None, **kwargs,
     ) -> CausalLMOutputWithPast:
         """As `RecurrentDepthModel.forward` (outputs laid out as its docstring says), plus the LM head and, given
         `labels`, the loss. `return_dict=False` gives a tuple: (loss, logits, cache, hidden_states, attentions), each
         present only when computed."""
         outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache if cache is not None else past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            num_steps=num_steps,
-            backprop_depth=backprop_depth,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-            **kwargs,
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            num_steps=num_steps, backprop_depth=backprop_depth, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states, return_dict=True, **kwargs,
         )
         hidden = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

@@ -1,4 +1,4 @@
-"""Same-data comparison pipeline (scripts/compare.py): the stream taken in cycles, one held-out set, results,
+"""Same-data comparison pipeline (trainer_ext.comparison): the stream taken in cycles, one held-out set, results,
 resuming after a kill, refusing other settings, pushes named after cycles; and the prepare_data options it uses."""
 
 import json
@@ -14,10 +14,11 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from hf_recurrent import presets
-from scripts import compare, run_pretrain
-from scripts.prepare_data import PrepareDataArguments, prepare
 from hub_server import HubTestServer
-from trainer_ext.comparison.state import CYCLE_STAGES, STATE_NAME, CompareState
+from trainer_ext.comparison.arguments import parse_args
+from trainer_ext.comparison.pipeline import ComparisonRun
+from trainer_ext.comparison.state import CYCLE_STAGES, MODELS, STATE_NAME, CompareState
+from trainer_ext.data.prepare import PrepareDataArguments, prepare
 from trainer_ext.data.shards import ShardedTokenDataset, file_sha256, read_manifest
 from trainer_ext.evaluation.metrics import unigram_cross_entropy
 
@@ -27,6 +28,11 @@ TINY = ["--num_cycles", "2", "--cycle_tokens", "512", "--per_device_train_batch_
         "--max_documents", "40", "--vocab_size", "300", "--eval_tokens", "528", "--eval_depths", "1", "4", "24",
         "--warmup_steps", "0", "--learning_rate", "3e-3", "--logging_steps", "4"]
 METRICS = ("ce", "perplexity", "top1", "top5", "tokens")
+
+
+def compare(argv):
+    """A comparison from a command line, as hf-recurrent-compare runs it; its result."""
+    return ComparisonRun(*parse_args(argv)).run()
 
 
 def argv(out, *extra):
@@ -55,7 +61,7 @@ def numbers(records):
 def reference(tmp_path_factory):
     """An uninterrupted two-cycle run."""
     out = tmp_path_factory.mktemp("compare") / "reference"
-    result = compare.main(argv(out))
+    result = compare(argv(out))
     return out, result
 
 
@@ -100,7 +106,7 @@ def test_cycles_start_at_the_previous_end_and_get_the_tokens_of_the_absolute_ski
     """Each cycle's piece starts at the recorded end of the one before it (whole documents skipped untokenized)
     and holds, byte for byte, the samples that skipping all earlier tokens gives."""
     out = tmp_path / "run"
-    run = compare.ComparisonRun(*compare.parse_args(argv(out, "--cycle_tokens", "4096")))  # pieces of 4,224 tokens
+    run = ComparisonRun(*parse_args(argv(out, "--cycle_tokens", "4096")))  # pieces of 4,224 tokens
     run.state = CompareState.open(str(out / STATE_NAME), run.identity())
     run.prepare_heldout()
     for cycle in (1, 2):
@@ -173,7 +179,7 @@ def test_two_cycles_end_to_end(reference):
 def test_killed_mid_cycle_resumes_without_redoing_stages_and_pushes_cycles(reference, tmp_path, monkeypatch):
     out = tmp_path / "killed"
     log = open(tmp_path / "killed.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "scripts.compare", *argv(out)], cwd=REPO_ROOT,
+    process = subprocess.Popen([sys.executable, "-m", "trainer_ext.cli.compare", *argv(out)], cwd=REPO_ROOT,
                                stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     try:  # kill it as soon as cycle 2's recurrent training is recorded: the baseline's is under way
@@ -192,7 +198,7 @@ def test_killed_mid_cycle_resumes_without_redoing_stages_and_pushes_cycles(refer
     with HubTestServer() as hub:
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         push = ["--push_to_hub", "--hub_model_id", "test-org/cmp"]  # hub options may change between starts
-        result = compare.main(argv(out, *push))
+        result = compare(argv(out, *push))
         after = stage_times(read_state(out))
         assert len(after) == 1 + 2 * (len(CYCLE_STAGES) - 1)  # every stage but the teacher cache
         assert {key: after[key] for key in before} == before  # nothing finished was redone
@@ -210,7 +216,7 @@ def test_killed_mid_cycle_resumes_without_redoing_stages_and_pushes_cycles(refer
         assert b'repo = "test-org/cmp"' in files["README.md"] and b"Tokens seen: 1,024" in files["README.md"]
         assert all(read_state(out)["cycles"][c]["pushed"].keys() == {"recurrent", "baseline"} for c in ("1", "2"))
         commits = len(hub.commit_titles("test-org/cmp"))
-        compare.main(argv(out, *push))  # everything done and pushed: nothing happens
+        compare(argv(out, *push))  # everything done and pushed: nothing happens
         assert len(hub.commit_titles("test-org/cmp")) == commits
         assert stage_times(read_state(out)) == after
 
@@ -224,20 +230,20 @@ def test_teacher_cache_per_cycle_distils_both_models_and_goes_with_the_shards(re
     out = tmp_path / "distil"
     teacher_args = ["--num_cycles", "1", "--teacher_cache_model", teacher_dir, "--teacher_cache_topk", "8"]
     with pytest.raises(ValueError, match="--teacher_cache_quantization needs --teacher_cache_model"):
-        compare.main(argv(out, "--teacher_cache_quantization", "4bit"))
+        compare(argv(out, "--teacher_cache_quantization", "4bit"))
     with pytest.raises(ValueError, match="--teacher_cache_quantization='3bit' is not allowed"):
-        compare.main(argv(out, *teacher_args, "--teacher_cache_quantization", "3bit"))
+        compare(argv(out, *teacher_args, "--teacher_cache_quantization", "3bit"))
     with pytest.raises(ValueError, match="--teacher_cache_model needs --tokenizer"):
-        compare.main(argv(out, *teacher_args))
+        compare(argv(out, *teacher_args))
     for online in (["--teacher_model_name_or_path", teacher_dir], [f"--teacher_model_name_or_path={teacher_dir}"]):
         with pytest.raises(ValueError, match="not both"):
-            compare.main(argv(out, *teacher_args, "--tokenizer", teacher_dir, *online))
+            compare(argv(out, *teacher_args, "--tokenizer", teacher_dir, *online))
 
-    compare.main(argv(out, *teacher_args, "--tokenizer", teacher_dir))
+    compare(argv(out, *teacher_args, "--tokenizer", teacher_dir))
     cycle = read_state(out)["cycles"]["1"]
     assert cycle["cache_teacher"]["topk"] == 8 and cycle["cache_teacher"]["teacher"]["name_or_path"] == teacher_dir
-    assert list(cycle) == [*compare.CYCLE_STAGES]  # the cache is built between preparation and training
-    for model in compare.MODELS:  # both trained on CE plus KD from the cache
+    assert list(cycle) == [*CYCLE_STAGES]  # the cache is built between preparation and training
+    for model in MODELS:  # both trained on CE plus KD from the cache
         with open(out / model / "cycle-001" / "log_history.json") as f:
             steps = [entry for entry in json.load(f) if "loss" in entry]
         assert steps and all(entry["kd"] > 0 for entry in steps)
@@ -250,7 +256,7 @@ def test_state_without_stream_positions_resumes_by_token_count(reference, tmp_pa
     """A state written before stream positions were recorded continues: the next cycle skips by token count,
     trains on the same tokens, and records its end again."""
     out = tmp_path / "old"
-    compare.main(argv(out, "--num_cycles", "1"))
+    compare(argv(out, "--num_cycles", "1"))
     state = read_state(out)
     del state["heldout"]["stream_end"]
     for field in ("start", "stream_end"):
@@ -258,7 +264,7 @@ def test_state_without_stream_positions_resumes_by_token_count(reference, tmp_pa
     with open(out / STATE_NAME, "w") as f:
         json.dump(state, f)
 
-    result = compare.main(argv(out))
+    result = compare(argv(out))
     cycle2 = read_state(out)["cycles"]["2"]["prepare"]
     assert cycle2["start"] == {"skip_documents": 0, "skip_tokens": state["heldout"]["stream_tokens"] + 16 * 33}
     assert cycle2["stream_end"] == read_state(reference[0])["cycles"]["2"]["prepare"]["stream_end"]
@@ -279,37 +285,37 @@ def test_other_settings_are_refused_and_pass_through_checked(reference, tmp_path
     out, _ = reference
     times = stage_times(read_state(out))
     with pytest.raises(ValueError, match=r"other settings \(differs in: cycle_tokens\)"):
-        compare.main(argv(out, "--cycle_tokens", "4096"))
+        compare(argv(out, "--cycle_tokens", "4096"))
     with pytest.raises(ValueError, match=r"other settings \(differs in: train_args\)"):
-        compare.main(argv(out, "--learning_rate", "1e-3"))
-    compare.main(argv(out, "--num_cycles", "1"))  # fewer cycles: the same run, nothing redone
+        compare(argv(out, "--learning_rate", "1e-3"))
+    compare(argv(out, "--num_cycles", "1"))  # fewer cycles: the same run, nothing redone
     assert stage_times(read_state(out)) == times
 
     fresh = tmp_path / "fresh"
     with pytest.raises(ValueError, match="--max_steps is set by the comparison .* --cycle_tokens"):
-        compare.main(argv(fresh, "--max_steps", "5"))
+        compare(argv(fresh, "--max_steps", "5"))
     with pytest.raises(ValueError, match="no_such_option"):
-        compare.main(argv(fresh, "--no_such_option", "1"))
+        compare(argv(fresh, "--no_such_option", "1"))
     with pytest.raises(ValueError, match="less than one optimizer step"):
-        compare.main(argv(fresh, "--cycle_tokens", "100"))
+        compare(argv(fresh, "--cycle_tokens", "100"))
     with pytest.raises(ValueError, match="--baseline_preset='debug' is not a Transformer"):
-        compare.main(argv(fresh, "--baseline_preset", "debug"))
+        compare(argv(fresh, "--baseline_preset", "debug"))
     assert not os.path.exists(fresh / STATE_NAME)  # refused before any work
 
 
 def test_learning_rate_per_model_wins_over_the_shared_one_and_is_part_of_the_run(reference, tmp_path):
     out, _ = reference  # started without per-model learning rates: the unset options leave its identity alone
-    run = compare.ComparisonRun(*compare.parse_args(argv(tmp_path / "run", "--recurrent_learning_rate", "1e-4")))
-    learning_rates = {model: run_pretrain.parse_args(run.train_argv(model, 1, previous_final=None))[2].learning_rate
-                      for model in compare.MODELS}
+    run = ComparisonRun(*parse_args(argv(tmp_path / "run", "--recurrent_learning_rate", "1e-4")))
+    learning_rates = {model: run.training(model, 1).arguments(run.args, run.options)[2].learning_rate
+                      for model in MODELS}
     assert learning_rates == {"recurrent": 1e-4, "baseline": 3e-3}  # the baseline keeps --learning_rate
     times = stage_times(read_state(out))
     with pytest.raises(ValueError, match=r"differs in: recurrent_learning_rate"):
-        compare.main(argv(out, "--recurrent_learning_rate", "1e-4"))
-    compare.main(argv(out))
+        compare(argv(out, "--recurrent_learning_rate", "1e-4"))
+    compare(argv(out))
     assert stage_times(read_state(out)) == times
     with pytest.raises(ValueError, match="--baseline_learning_rate must be > 0"):
-        compare.main(argv(tmp_path / "bad", "--baseline_learning_rate", "0"))
+        compare(argv(tmp_path / "bad", "--baseline_learning_rate", "0"))
 
 
 def test_state_overwrite_discards_only_other_settings(tmp_path):

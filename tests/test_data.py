@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, default_data_collator
 
-from scripts import prepare_data
-from scripts.prepare_data import PrepareDataArguments, main, prepare
-from trainer_ext.data import corpus
+from trainer_ext.cli.prepare_data import main
+from trainer_ext.data import corpus, packing
+from trainer_ext.data.prepare import PrepareDataArguments, prepare
 from trainer_ext.data.shards import MANIFEST_NAME, ShardedTokenDataset, read_manifest, token_dtype, tokenizer_hash
 
 SEQ_LEN = 32
@@ -72,7 +72,7 @@ def prepared(source_dir, tmp_path_factory):
     """Shuffled, multi-shard output written through the CLI entry point."""
     root, docs = source_dir
     out = tmp_path_factory.mktemp("prepared") / "data"
-    main(_file_args(root, out, "--eval_samples", "5"))
+    assert main(_file_args(root, out, "--eval_samples", "5")) == 0
     return out, docs
 
 
@@ -112,7 +112,7 @@ def test_unshuffled_shards_are_exactly_the_tokenized_stream(source_dir, tmp_path
     manifest = prepare(PrepareDataArguments(
         files=[str(root / "part-*.jsonl"), str(root / "notes-*.txt"), str(root / "extra.parquet")],
         output_dir=str(out), vocab_size=VOCAB, seq_len=SEQ_LEN, shard_size=64, eval_samples=7,
-        shuffle=False, num_proc=2, cache_dir=str(tmp_path / "hf_cache"),
+        shuffle=False, cache_dir=str(tmp_path / "hf_cache"),
     ))
     tokenizer = AutoTokenizer.from_pretrained(out)
     expected = _expected_stream(tokenizer, docs)
@@ -320,13 +320,13 @@ def test_a_slice_reads_and_tokenizes_no_document_beyond_it(source_dir, prepared,
     piece = dict(skip_documents=6, skip_tokens=3, max_tokens=3 * (SEQ_LEN + 1))
     reference = _piece(root, tmp_path / "reference", str(out), **piece)
     encoded = []
-    real_encode = prepare_data.encode_documents
+    real_encode = packing.encode_documents
 
     def counting_encode(tokenizer, texts, eos_token_id):
         encoded.extend(texts)
         return real_encode(tokenizer, texts, eos_token_id)
 
-    monkeypatch.setattr(prepare_data, "encode_documents", counting_encode)
+    monkeypatch.setattr(packing, "encode_documents", counting_encode)
     sliced = _piece(broken, tmp_path / "piece", str(out), **piece)
     assert sliced["splits"]["train"] == reference["splits"]["train"]
     # 99 tokens from the 7th document on, in batches of 4 documents: one batch tokenized, the first 6 skipped.
@@ -348,7 +348,7 @@ def test_rerun_skips_refuses_or_overwrites(source_dir, tmp_path):
     mtime = shard.stat().st_mtime_ns
 
     again = prepare(PrepareDataArguments(files=[str(root / "part-*.jsonl")], output_dir=str(out),
-                                         vocab_size=VOCAB, seq_len=SEQ_LEN, num_proc=2))
+                                         vocab_size=VOCAB, seq_len=SEQ_LEN, disable_tqdm=True))
     assert again["created"] == first["created"] and shard.stat().st_mtime_ns == mtime
 
     with pytest.raises(ValueError, match=r"manifest\.json.*--seq_len.*--overwrite"):

@@ -11,9 +11,12 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_recurrent import RecurrentDepthForCausalLM, presets
-from scripts import cache_teacher, compare, evaluate_checkpoints as evaluate_script, run_pretrain
+from trainer_ext.cli import cache_teacher, evaluate_checkpoints as evaluate_script, run_pretrain
+from trainer_ext.comparison.training import whole_run_train_loss
 from trainer_ext.data.shards import ShardedTokenDataset
-from trainer_ext.evaluation.metrics import cache_mode_cost, evaluate_model
+from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.evaluation.generation import cache_mode_cost
+from trainer_ext.evaluation.metrics import evaluate_model
 
 QUICK = ["--max_steps", "2", "--save_steps", "2", "--eval_steps", "2", "--logging_steps", "1",
          "--max_eval_samples", "8", "--per_device_train_batch_size", "2"]
@@ -109,7 +112,7 @@ def test_truncated_teacher_weights_are_named_by_cache_teacher(tiny_data_dir, tru
 
 def test_evaluate_logs_the_speed_phase_and_where_results_went(tiny_data_dir, run_dir, tmp_path, caplog):
     out = tmp_path / "eval"
-    with caplog.at_level(logging.INFO, logger="evaluate"):
+    with caplog.at_level(logging.INFO, logger="trainer_ext.evaluation"):
         evaluate_script.main(["--checkpoints", os.path.join(run_dir, "final"), "--data_dir", tiny_data_dir,
                               "--output_dir", str(out), "--depths", "1", "2", "--max_samples", "8",
                               "--new_tokens", "4", "--prompt_len", "8", "--speed_repeats", "1",
@@ -133,7 +136,7 @@ def test_our_progress_bars_stay_out_of_non_interactive_logs(tiny_data_dir, capsy
 
 
 def test_teacher_cache_logs_shards_instead_of_a_bar(tiny_data_dir, run_dir, tmp_path, capsys, caplog):
-    with caplog.at_level(logging.INFO, logger="cache_teacher"):
+    with caplog.at_level(logging.INFO, logger="trainer_ext.distill.caching"):
         cache_teacher.main(["--teacher_model_name_or_path", os.path.join(run_dir, "final"), "--data_dir",
                             tiny_data_dir, "--output_dir", str(tmp_path / "cache"), "--splits", "eval",
                             "--topk", "4", "--device", "cpu"])
@@ -143,13 +146,13 @@ def test_teacher_cache_logs_shards_instead_of_a_bar(tiny_data_dir, run_dir, tmp_
 
 def test_trainer_bar_is_off_when_stderr_is_not_a_terminal_unless_asked_for(tmp_path):
     out = ["--output_dir", str(tmp_path / "out")]
-    assert run_pretrain.parse_args(out)[2].disable_tqdm is True
-    assert run_pretrain.parse_args(out + ["--disable_tqdm", "false"])[2].disable_tqdm is False
+    assert parse_pretrain_args(out)[2].disable_tqdm is True
+    assert parse_pretrain_args(out + ["--disable_tqdm", "false"])[2].disable_tqdm is False
     config = tmp_path / "args.json"
     config.write_text(json.dumps({"output_dir": str(tmp_path / "out"), "disable_tqdm": False}))
-    assert run_pretrain.parse_args([str(config)])[2].disable_tqdm is False
+    assert parse_pretrain_args([str(config)])[2].disable_tqdm is False
     config.write_text(json.dumps({"output_dir": str(tmp_path / "out")}))
-    assert run_pretrain.parse_args([str(config)])[2].disable_tqdm is True
+    assert parse_pretrain_args([str(config)])[2].disable_tqdm is True
 
 
 # ----------------------------------------------------------------------------- a resumed cycle's train_loss
@@ -161,14 +164,14 @@ def test_train_loss_of_a_resumed_run_covers_every_step(tiny_data_dir, tmp_path):
     out = str(tmp_path / "out")
     common = ["--data_dir", tiny_data_dir, "--output_dir", out, "--save_steps", "2", "--logging_steps", "1",
               "--eval_strategy", "no", "--per_device_train_batch_size", "2", "--max_eval_samples", "8"]
-    run_pretrain.main(common + ["--max_steps", "2"])
-    metrics = run_pretrain.main(common + ["--max_steps", "4"])  # resumes from checkpoint-2 by itself
+    pretrain(*parse_pretrain_args(common + ["--max_steps", "2"]))
+    metrics = pretrain(*parse_pretrain_args(common + ["--max_steps", "4"]))  # resumes from checkpoint-2 by itself
     with open(os.path.join(out, "log_history.json"), encoding="utf-8") as f:
         log_history = json.load(f)
     losses = {entry["step"]: entry["loss"] for entry in log_history if "loss" in entry}
     assert sorted(losses) == [1, 2, 3, 4]
     # The Trainer's own figure covers the steps after the resume only (5.24), or divides them by all four (5.17).
     assert metrics["train_loss"] != pytest.approx(sum(losses.values()) / 4, rel=1e-4)
-    whole = compare.whole_run_train_loss(log_history, 2, metrics["train_loss"])
+    whole = whole_run_train_loss(log_history, 2, metrics["train_loss"])
     assert whole == pytest.approx(sum(losses.values()) / 4, rel=1e-4)
-    assert compare.whole_run_train_loss(log_history, None, metrics["train_loss"]) == metrics["train_loss"]
+    assert whole_run_train_loss(log_history, None, metrics["train_loss"]) == metrics["train_loss"]

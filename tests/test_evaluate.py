@@ -7,19 +7,20 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from hf_recurrent import RecurrentDepthForCausalLM, presets
-from scripts import evaluate_checkpoints as evaluate_script
+from trainer_ext.cli import evaluate_checkpoints as evaluate_script
 from trainer_ext.data.shards import ShardedTokenDataset
+from trainer_ext.evaluation.checkpoints import evaluate_checkpoints
+from trainer_ext.evaluation.generation import cache_mode_cost, generation_speed
 from trainer_ext.evaluation.metrics import (
-    cache_mode_cost,
     context_free_warning,
     depth_collapse_warning,
     evaluate_model,
-    generation_speed,
     learning_warnings,
     load_metric,
     token_statistics,
     unigram_cross_entropy,
 )
+from trainer_ext.evaluation.report import read_report
 
 
 @pytest.fixture(scope="module")
@@ -184,13 +185,13 @@ def test_cache_mode_cost_shared_equals_per_step_at_depth_one(eval_set):
 
 def test_evaluate_script_writes_json_and_markdown(tiny_data_dir, checkpoints, tmp_path):
     out = tmp_path / "eval"
-    report = evaluate_script.main([
+    report = evaluate_checkpoints(evaluate_script.parse_args([
         "--checkpoints", checkpoints["ours"], checkpoints["baseline"], "--data_dir", tiny_data_dir,
         "--depths", "1", "3", "--max_samples", "8", "--speed_batch_size", "2", "--prompt_len", "8",
         "--new_tokens", "3", "--speed_repeats", "1", "--cache_cost_samples", "2", "--cache_cost_tokens", "4", "--output_dir", str(out),
-        "--plots", "false"])
+        "--plots", "false"]))
 
-    saved = evaluate_script.read_report(str(out / "results.json"))
+    saved = read_report(str(out / "results.json"))
     assert saved["results"] == report["results"]
     columns = [(r["model"], r["num_steps"]) for r in saved["results"]]
     assert columns == [("ours", 1), ("ours", 3), ("baseline", None)]  # default labels: the run folders
@@ -259,7 +260,8 @@ def test_evaluate_script_warns_about_a_collapsed_recurrent_model(tiny_data_dir, 
             "--prompt_len", "8", "--new_tokens", "2", "--speed_repeats", "1", "--cache_cost_samples", "0",
             "--plots", "false", "--output_dir", str(tmp_path / "eval")]
     with caplog.at_level("WARNING"):
-        report = evaluate_script.main(["--checkpoints", str(tmp_path / "collapsed"), *args])
+        report = evaluate_checkpoints(evaluate_script.parse_args(
+            ["--checkpoints", str(tmp_path / "collapsed"), *args]))
     ce = [r["ce"] for r in report["results"]]
     assert ce[0] == pytest.approx(ce[1], abs=1e-6)
     assert "the recurrent state has probably collapsed" in caplog.text

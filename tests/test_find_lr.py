@@ -8,11 +8,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from hf_recurrent import presets
-from scripts import find_lr, run_pretrain
-from trainer_ext.training import lr_finder
+from trainer_ext.cli import find_lr
 from trainer_ext.data.shards import ShardedTokenDataset
-from trainer_ext.training.lr_finder import SweepArguments, pick_learning_rate, summarize_trial
-from trainer_ext.training.trainer import RecurrentTrainingArguments
+from trainer_ext.training import lr_finder
+from trainer_ext.training.arguments import RecurrentTrainingArguments, resolve_schedule_defaults
+from trainer_ext.training.lr_finder import SweepArguments, pick_learning_rate, resolve_sweep_defaults, summarize_trial
+from trainer_ext.training.pretrain import check_pretrain_arguments, parse_pretrain_args, pretrain
 
 SWEEP = ["--sweep_steps", "16", "--sweep_warmup_steps", "4", "--per_device_train_batch_size", "8",
          "--use_cpu", "true"]
@@ -68,21 +69,25 @@ def test_sweep_writes_a_table_and_a_plot(sweep_dir):
 def test_run_pretrain_takes_the_rate_from_the_sweep_unless_set_on_the_command_line(sweep_dir, tiny_data_dir, tmp_path):
     chosen = json.loads((sweep_dir / "lr_sweep.json").read_text())["learning_rate"]
     sweep_file = str(sweep_dir / "lr_sweep.json")
-    _, _, args = run_pretrain.parse_args(["--learning_rate_from", sweep_file, "--use_cpu", "true"])
+    _, _, args = parse_pretrain_args(["--learning_rate_from", sweep_file, "--use_cpu", "true"])
+    resolve_schedule_defaults(args, num_params=1_000_000)
     assert args.learning_rate == chosen and args.warmup_steps == 30  # the rate only; the warm-up stays
     # It wins over the large-model defaults (3e-4, 2000 warm-up steps), which still set the rest.
-    assert "learning_rate" not in run_pretrain.apply_large_model_defaults(args, num_params=3_000_000_000)
+    _, _, args = parse_pretrain_args(["--learning_rate_from", sweep_file, "--use_cpu", "true"])
+    assert "learning_rate" not in resolve_schedule_defaults(args, num_params=3_000_000_000)
     assert args.learning_rate == chosen and args.warmup_steps == 2000 and args.max_steps == -1
     # A flag on the command line wins over the file; the folder holding lr_sweep.json works as well.
-    _, _, args = run_pretrain.parse_args(["--learning_rate_from", str(sweep_dir), "--learning_rate", "1e-4",
-                                          "--use_cpu", "true"])
+    _, _, args = parse_pretrain_args(["--learning_rate_from", str(sweep_dir), "--learning_rate", "1e-4",
+                                      "--use_cpu", "true"])
+    resolve_schedule_defaults(args, num_params=1_000_000)
     assert args.learning_rate == 1e-4 and args.warmup_steps == 30
 
     # A short training run logs the rate from the file (constant schedule, no warm-up given explicitly).
-    run_pretrain.main(["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "2",
-                       "--learning_rate_from", sweep_file, "--warmup_steps", "0",
-                       "--lr_scheduler_type", "constant", "--logging_steps", "1", "--eval_strategy", "no",
-                       "--save_strategy", "no", "--save_final", "false", "--disable_tqdm", "true", "--use_cpu", "true"])
+    pretrain(*parse_pretrain_args([
+        "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "2",
+        "--learning_rate_from", sweep_file, "--warmup_steps", "0", "--lr_scheduler_type", "constant",
+        "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no", "--save_final", "false",
+        "--disable_tqdm", "true", "--use_cpu", "true"]))
     logs = [e for e in json.loads((tmp_path / "run" / "log_history.json").read_text()) if "loss" in e]
     assert [e["learning_rate"] for e in logs] == [pytest.approx(chosen)] * 2
 
@@ -100,7 +105,7 @@ def test_a_missing_or_malformed_sweep_file_is_named_with_the_fix(tmp_path, conte
     if content is not None:
         path.write_text(content)
     with pytest.raises(ValueError, match=message) as raised:
-        run_pretrain.parse_args(["--learning_rate_from", str(path), "--use_cpu", "true"])
+        check_pretrain_arguments(*parse_pretrain_args(["--learning_rate_from", str(path), "--use_cpu", "true"]))
     assert str(path) in str(raised.value)
     if content is None:
         assert "hf-recurrent-find-lr" in str(raised.value)
@@ -117,7 +122,8 @@ def test_no_stable_rate_exits_non_zero_and_says_to_try_smaller_rates(tiny_data_d
     assert not first["stable"] and not second["stable"]
     assert second["skipped"] == first["diverged"]  # larger rates are skipped only after a divergence
     with pytest.raises(ValueError, match="no stable learning rate"):
-        run_pretrain.parse_args(["--learning_rate_from", str(tmp_path / "lr_sweep.json"), "--use_cpu", "true"])
+        check_pretrain_arguments(*parse_pretrain_args(["--learning_rate_from", str(tmp_path / "lr_sweep.json"),
+                                                       "--use_cpu", "true"]))
 
 
 class _FailAbove(TrainerCallback):
@@ -233,9 +239,9 @@ def test_sweep_arguments_are_checked_and_small_models_get_a_quick_sweep():
         SweepArguments(spike_nats=0)
     assert SweepArguments(learning_rates=[3e-3, 1e-3, 3e-3]).learning_rates == [1e-3, 3e-3]
     small = SweepArguments(sweep_steps=40)
-    changed = find_lr.apply_small_model_sweep(small, num_params=1_000_000, explicit={"sweep_steps"})
+    changed = resolve_sweep_defaults(small, num_params=1_000_000)
     assert "sweep_steps" not in changed and small.sweep_steps == 40
-    assert small.learning_rates == find_lr.SMALL_MODEL_SWEEP["learning_rates"]
+    assert small.learning_rates == lr_finder.SMALL_MODEL_SWEEP["learning_rates"]
     large = SweepArguments()
-    assert find_lr.apply_small_model_sweep(large, num_params=3_000_000_000, explicit=set()) == {}
+    assert resolve_sweep_defaults(large, num_params=3_000_000_000) == {}
     assert large.learning_rates == list(lr_finder.DEFAULT_LEARNING_RATES) and large.sweep_steps == 60

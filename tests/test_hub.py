@@ -18,18 +18,14 @@ from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_recurrent import presets
+from hf_recurrent.cost import parameter_counts, tokens_per_optimizer_step
 from hub_server import HubTestServer
 from trainer_ext.data.shards import ShardedTokenDataset
-from trainer_ext.hub.push import (
-    BackgroundPusher,
-    HubPushCallback,
-    HubPushError,
-    cycle_commit_message,
-    push_checkpoint,
-    tokens_per_optimizer_step,
-)
-from trainer_ext.hub.model_card import ModelCardInfo, parameter_counts, render_model_card, write_model_card
-from trainer_ext.training.trainer import RecurrentTrainer, RecurrentTrainingArguments
+from trainer_ext.hub.callbacks import HubPushCallback
+from trainer_ext.hub.model_card import ModelCardInfo, render_model_card, write_model_card
+from trainer_ext.hub.push import BackgroundPusher, HubPushError, cycle_commit_message, push_checkpoint
+from trainer_ext.training.arguments import RecurrentTrainingArguments
+from trainer_ext.training.trainer import RecurrentTrainer
 
 TOKEN = "hf_" + hashlib.sha256(os.urandom(16)).hexdigest()[:34]  # a fresh secret per run, to grep for
 REPO = "test-org/tiny-recurrent"
@@ -128,7 +124,7 @@ def test_card_written_from_saved_config_and_template_found_without_package(tmp_p
     path = write_model_card(str(tmp_path), info=ModelCardInfo(tokens_seen=5))
     assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]  # no temporary file left behind
     first = open(path).read()
-    # The templates resolve from the source tree when the `model_cards` package is not importable.
+    # The templates are package data of the library: no top-level `model_cards` package is needed.
     monkeypatch.setitem(sys.modules, "model_cards", None)
     assert render_model_card(presets.get("debug"), ModelCardInfo(tokens_seen=5)) == first
 

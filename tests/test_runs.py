@@ -8,19 +8,20 @@ import os
 import pytest
 from transformers import AutoTokenizer
 
-from scripts import run_pretrain
+from trainer_ext.training.arguments import RecurrentTrainingArguments
 from trainer_ext.training.checkpoints import last_complete_checkpoint
-from trainer_ext.training.trainer import RecurrentTrainer, RecurrentTrainingArguments
+from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.training.trainer import RecurrentTrainer
 
 
 def run(data_dir, out, *extra):
     """A short debug-preset run: no evaluation during training, a checkpoint every 2 steps; a constant learning rate,
     so that a run continued to more steps follows the one trained to them at once."""
-    return run_pretrain.main([
+    return pretrain(*parse_pretrain_args([
         "--data_dir", data_dir, "--output_dir", str(out), "--per_device_train_batch_size", "4",
         "--logging_steps", "1", "--eval_strategy", "no", "--save_steps", "2", "--max_eval_samples", "8",
         "--warmup_steps", "0", "--lr_scheduler_type", "constant", "--disable_tqdm", "true", "--use_cpu", "true",
-        *extra])
+        *extra]))
 
 
 def logged_losses(out):
@@ -47,7 +48,7 @@ class SaveKilled(Exception):
 def test_rerun_resumes_from_the_last_complete_checkpoint_and_says_which(tiny_data_dir, tmp_path, caplog):
     run(tiny_data_dir, tmp_path / "full", "--max_steps", "6")
     run(tiny_data_dir, tmp_path / "run", "--max_steps", "4")
-    with caplog.at_level(logging.INFO, logger="run_pretrain"):
+    with caplog.at_level(logging.INFO, logger="trainer_ext.training.output_dir"):
         run(tiny_data_dir, tmp_path / "run", "--max_steps", "6")  # the same command, a larger budget
     assert f"Resuming from {tmp_path / 'run' / 'checkpoint-4'}" in caplog.text
     assert logged_losses(tmp_path / "run") == pytest.approx(logged_losses(tmp_path / "full"), rel=1e-6)
@@ -126,7 +127,7 @@ def test_resume_true_takes_the_last_complete_checkpoint_and_says_when_there_is_n
     out = tmp_path / "run"
     run(tiny_data_dir, out, "--max_steps", "2")
     _incomplete_checkpoint(out / "checkpoint-3")
-    with caplog.at_level(logging.INFO, logger="run_pretrain"):
+    with caplog.at_level(logging.INFO, logger="trainer_ext.training.output_dir"):
         run(tiny_data_dir, out, "--max_steps", "4", "--resume_from_checkpoint", "true")
     assert f"Resuming from {out / 'checkpoint-2'}" in caplog.text
     assert len(logged_losses(out)) == 4
@@ -213,9 +214,9 @@ def test_vocab_size_override_must_cover_the_tokenizer(tiny_data_dir, tmp_path):
 def test_remote_code_is_off_by_default_and_our_checkpoints_load_without_it(tiny_data_dir, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from scripts.cache_teacher import CacheTeacherArguments
+    from trainer_ext.distill.caching import CacheTeacherArguments
 
-    model_args = run_pretrain.parse_args(["--use_cpu", "true"])[0]
+    model_args = parse_pretrain_args(["--use_cpu", "true"])[0]
     assert model_args.trust_remote_code is False
     assert CacheTeacherArguments("teacher", "data", "out").trust_remote_code is False
     run(tiny_data_dir, tmp_path / "first", "--max_steps", "1")

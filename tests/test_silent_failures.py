@@ -72,12 +72,12 @@ def corrupt_copy(data_dir, tmp_path, change):
 
     import numpy as np
 
-    from trainer_ext.data.shards import _read_npy_header
+    from trainer_ext.data.shards import read_npy_header
 
     copy = tmp_path / "data"
     shutil.copytree(data_dir, copy)
     shard = copy / "train-00000.npy"
-    _, dtype, _, offset = _read_npy_header(str(shard))
+    _, dtype, _, offset = read_npy_header(str(shard))
     position = offset + 10 * dtype.itemsize  # the 11th token of the first sample
     raw = bytearray(shard.read_bytes())
     token = int(np.frombuffer(bytes(raw[position:position + dtype.itemsize]), dtype=dtype)[0])
@@ -126,7 +126,7 @@ def test_an_id_past_the_vocabulary_is_reported_as_corruption_naming_the_file(tin
 
 
 def test_decoding_replacements_are_counted_and_the_file_is_named(tmp_path, caplog):
-    from scripts import prepare_data
+    from trainer_ext.cli import prepare_data
     from trainer_ext.data import corpus
 
     chapters = list(itertools.islice(corpus.iter_default_documents(), 20))
@@ -135,7 +135,7 @@ def test_decoding_replacements_are_counted_and_the_file_is_named(tmp_path, caplo
     # Three bytes that are not UTF-8 (cp1252 quotes and an e-acute), and one U+FFFD that is real text.
     bad.write_bytes(("\n".join(chapters[10:]) + "\n").encode() + b"caf\xe9 \x93quoted\x94 \xef\xbf\xbd\n")
     assert corpus.count_decoding_replacements(str(bad)) == 3 and corpus.count_decoding_replacements(str(good)) == 0
-    with caplog.at_level(logging.WARNING, logger="prepare_data"):
+    with caplog.at_level(logging.WARNING, logger="trainer_ext.data.corpus"):
         prepare_data.main(["--files", str(good), str(bad), "--text_sample_by", "line", "--output_dir",
                            str(tmp_path / "out"), "--vocab_size", "300", "--seq_len", "16", "--eval_samples", "2",
                            "--disable_tqdm"])
@@ -168,7 +168,7 @@ class SpyTokenizer:
 def test_long_documents_are_tokenized_in_bounded_pieces_with_the_same_tokens(tiny_data_dir, monkeypatch):
     from transformers import AutoTokenizer
 
-    from scripts import prepare_data
+    from trainer_ext.data import tokenizer as prepare_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_data_dir)  # byte-level BPE, as prepare_data trains
     document = long_document()
@@ -176,15 +176,15 @@ def test_long_documents_are_tokenized_in_bounded_pieces_with_the_same_tokens(tin
     texts = [document, "In the beginning", "", document[:5000]]
     whole = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     expected = [ids + [tokenizer.eos_token_id] if ids else [] for ids in whole]
-    monkeypatch.setattr(prepare_data, "MAX_ENCODE_CHARS", 4096)
+    monkeypatch.setattr(prepare_tokenizer, "MAX_ENCODE_CHARS", 4096)
     spy = SpyTokenizer(tokenizer)
-    encoded = prepare_data.encode_documents(spy, texts, tokenizer.eos_token_id)
+    encoded = prepare_tokenizer.encode_documents(spy, texts, tokenizer.eos_token_id)
     assert [ids.tolist() for ids in encoded] == expected
     assert max(spy.call_chars) <= 4096 and sum(spy.call_chars) == sum(map(len, texts))
 
 
 def test_split_long_text_cuts_before_a_word_and_keeps_every_character():
-    from scripts.prepare_data import split_long_text
+    from trainer_ext.data.tokenizer import split_long_text
 
     document = long_document()
     pieces = split_long_text(document, 1000)

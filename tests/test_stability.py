@@ -12,7 +12,8 @@ from transformers import TrainerCallback
 
 from test_trainer import StopAt, losses, make_trainer
 from trainer_ext.training.stability import GRAD_NORM_BLOWUP, LOSS_SPIKE, StabilityGuard, UnstableTrainingError
-from trainer_ext.training.trainer import INTERVENTIONS_FILE, RecurrentTrainingArguments
+from trainer_ext.training.arguments import RecurrentTrainingArguments
+from trainer_ext.training.trainer import INTERVENTIONS_FILE
 
 # ----------------------------------------------------------------------------- the guard on its own
 

@@ -1,4 +1,4 @@
-"""Offline distillation: scripts/cache_teacher.py and trainer_ext.distill.cache (CPU, tiny models)."""
+"""Offline distillation: the cache_teacher CLI, trainer_ext.distill.caching and .cache (CPU, tiny models)."""
 
 import json
 import math
@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_colla
 
 import hf_recurrent  # noqa: F401
 from hf_recurrent import presets
-from scripts import cache_teacher
+from trainer_ext.cli import cache_teacher
 from trainer_ext.data.shards import ShardedTokenDataset, read_manifest, write_manifest, write_shard
 from trainer_ext.distill.losses import TopKTeacher, chunked_lm_loss
 from trainer_ext.distill.cache import (
@@ -23,7 +23,8 @@ from trainer_ext.distill.cache import (
     validate_teacher_cache,
     write_teacher_manifest,
 )
-from trainer_ext.training.trainer import RecurrentTrainer, RecurrentTrainingArguments
+from trainer_ext.training.arguments import RecurrentTrainingArguments
+from trainer_ext.training.trainer import RecurrentTrainer
 
 TOPK = 16
 TRAIN_SHARDS = [f"train-{i:05d}.npy" for i in range(4)]

@@ -8,9 +8,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import hf_recurrent
 from hf_recurrent import presets
-from scripts import run_pretrain
 from trainer_ext.data.shards import ShardedTokenDataset
-from trainer_ext.training.trainer import RecurrentTrainer, RecurrentTrainingArguments, resolve_momentum
+from trainer_ext.training.arguments import RecurrentTrainingArguments, resolve_momentum, resolve_schedule_defaults
+from trainer_ext.training.model_setup import load_teacher
+from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.training.trainer import RecurrentTrainer
 
 
 def make_trainer(data_dir, out_dir, **overrides):
@@ -103,11 +105,11 @@ def test_bad_training_arguments_are_refused(tmp_path):
 
 
 def test_run_pretrain_writes_a_loadable_checkpoint(tiny_data_dir, tmp_path):
-    metrics = run_pretrain.main([
+    metrics = pretrain(*parse_pretrain_args([
         "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "30",
         "--per_device_train_batch_size", "8", "--logging_steps", "10", "--eval_steps", "30", "--save_steps", "30",
         "--disable_tqdm", "true", "--use_cpu", "true",
-    ])
+    ]))
     final = tmp_path / "run" / "final"
     assert {"model.safetensors", "config.json", "modeling_recurrent_depth.py", "tokenizer.json"} <= set(os.listdir(final))
     assert math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] < math.log(384)  # below uniform guessing
@@ -129,12 +131,12 @@ def _save_teacher(data_dir, path, tokenizer=None):
 
 def test_run_pretrain_distills_from_an_online_teacher(tiny_data_dir, tmp_path):
     _save_teacher(tiny_data_dir, tmp_path / "teacher")
-    run_pretrain.main([
+    pretrain(*parse_pretrain_args([
         "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "3",
         "--per_device_train_batch_size", "4", "--logging_steps", "1", "--eval_strategy", "no",
         "--save_strategy", "no", "--save_final", "false", "--disable_tqdm", "true", "--use_cpu", "true",
         "--teacher_model_name_or_path", str(tmp_path / "teacher"), "--distill_alpha", "0.5",
-    ])
+    ]))
     logs = [e for e in json.load(open(tmp_path / "run" / "log_history.json")) if "loss" in e]
     assert len(logs) == 3
     for entry in logs:
@@ -149,10 +151,10 @@ def test_teacher_with_another_tokenizer_is_refused(tiny_data_dir, tmp_path):
     other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, "<unk>")))
     _save_teacher(tiny_data_dir, tmp_path / "teacher", tokenizer=other)
     with pytest.raises(ValueError, match="different tokenizer"):
-        run_pretrain.main([
+        pretrain(*parse_pretrain_args([
             "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "1",
             "--use_cpu", "true", "--teacher_model_name_or_path", str(tmp_path / "teacher"),
-        ])
+        ]))
 
 
 def test_torch_compile_compiles_each_layer_and_keeps_state_dict_keys(tiny_data_dir, tmp_path):
@@ -168,10 +170,10 @@ def test_teacher_quantization_needs_cuda_and_a_known_mode(tiny_data_dir, tmp_pat
     _save_teacher(tiny_data_dir, tmp_path / "teacher")
     tokenizer = AutoTokenizer.from_pretrained(tiny_data_dir)
     with pytest.raises(ValueError, match="CUDA"):
-        run_pretrain.load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"), "8bit")
+        load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"), "8bit")
     with pytest.raises(ValueError, match="teacher_quantization"):
-        run_pretrain.load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"), "2bit")
-    teacher = run_pretrain.load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"))
+        load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"), "2bit")
+    teacher = load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"))
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
 
 
@@ -196,15 +198,15 @@ def test_accelerate_launch_with_the_single_card_config(tiny_data_dir, tmp_path):
 
 
 def test_large_models_get_a_conservative_schedule_unless_set():
-    _, _, args = run_pretrain.parse_args(["--preset", "recurrent-3.3b", "--learning_rate", "1e-4", "--use_cpu", "true"])
-    changed = run_pretrain.apply_large_model_defaults(args, num_params=3_000_000_000)
+    _, _, args = parse_pretrain_args(["--preset", "recurrent-3.3b", "--learning_rate", "1e-4", "--use_cpu", "true"])
+    changed = resolve_schedule_defaults(args, num_params=3_000_000_000)
     assert "learning_rate" not in changed and args.learning_rate == 1e-4  # what the command line said wins
     assert args.warmup_steps == 2000 and args.max_steps == -1 and args.num_train_epochs == 1
-    _, _, small = run_pretrain.parse_args(["--use_cpu", "true"])
-    assert run_pretrain.apply_large_model_defaults(small, num_params=1_000_000) == {}
+    _, _, small = parse_pretrain_args(["--use_cpu", "true"])
+    assert resolve_schedule_defaults(small, num_params=1_000_000) == {}
     assert small.learning_rate == 3e-3 and small.max_steps == 240  # the CPU demo's schedule
 
 
 def test_missing_data_dir_is_named_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match="prepare_data"):
-        run_pretrain.main(["--data_dir", str(tmp_path / "nothing"), "--use_cpu", "true"])
+        pretrain(*parse_pretrain_args(["--data_dir", str(tmp_path / "nothing"), "--use_cpu", "true"]))

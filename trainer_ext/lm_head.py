@@ -1,5 +1,6 @@
-"""The LM head applied a chunk of positions at a time: the one place that turns hidden states into logits outside
-the model's own forward (training loss, distillation, evaluation, the teacher cache).
+"""The LM head applied a chunk of positions at a time where no gradient is needed: how evaluation and the teacher
+cache turn hidden states into logits. (The training loss, `trainer_ext.distill.losses`, runs the head inside its
+own autograd function, which also computes the head's gradient chunk by chunk.)
 
 A 64k vocabulary at batch 8 x 2048 would be a 4 GiB fp32 logits tensor; in chunks of `chunk_size` positions it is
 chunk_size x V floats at a time.

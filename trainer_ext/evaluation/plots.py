@@ -3,7 +3,7 @@
 matplotlib is imported inside the functions (it is only needed when a plot is drawn), and only its
 object-oriented `Figure` API is used: no pyplot, no GUI backend, no global figure state.
 
-Inputs are the plain dicts that `scripts/evaluate_checkpoints.py` and the comparison pipeline write to JSON:
+Inputs are the plain dicts that the evaluation report (`report.py`) and the comparison pipeline write to JSON:
 
     depth results      {"model", "kind": "recurrent"|"transformer", "num_steps", "layers", "ce", "top1", "top5",
                         "tokens_per_s_batch_<B>", ...}

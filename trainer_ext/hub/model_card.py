@@ -1,8 +1,8 @@
 """The model card (README.md) written into every saved or pushed checkpoint.
 
-The prose lives in `model_cards/*.md` (`string.Template` placeholders); this module computes the values:
-YAML metadata, parameter counts (unique, and unrolled at a depth), the compute per token at a few depths,
-the training summary and the evaluation table.
+The prose lives in the templates of `trainer_ext.hub.model_cards` (`string.Template` placeholders); this module
+computes the values: YAML metadata, parameter counts (unique, and unrolled at a depth) and the compute per token
+at a few depths from `hf_recurrent.cost`, the training summary and the evaluation table.
 
     info = ModelCardInfo(repo_id="me/r3b", preset="recurrent-3.3b", datasets=["uonlp/CulturaX"],
                          tokens_seen=400_000_000, teacher="llm-jp/llm-jp-3-13b",
@@ -10,7 +10,6 @@ the training summary and the evaluation table.
     write_model_card("outputs/r3b/final", model, info)
 """
 
-import copy
 import math
 import os
 import re
@@ -19,12 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import yaml
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig
 
-import hf_recurrent  # noqa: F401  (registers the recurrent model with the Auto classes)
-from hf_recurrent import flops_per_token
+from hf_recurrent.cost import ParameterCounts, flops_per_token, parameter_counts
 from hf_recurrent.presets import is_recurrent
 
 from trainer_ext.files import write_text
@@ -98,52 +95,6 @@ def _format_metric(value: Any) -> str:
     if math.isnan(value) or math.isinf(value):
         return str(value)
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
-
-
-@dataclass(frozen=True)
-class ParameterCounts:
-    unique: int  # every stored parameter once
-    per_step: int  # parameters applied once per recurrent step (core block and input adapter); 0 for a Transformer
-
-    def unrolled(self, num_steps: int) -> int:
-        """Parameters a plain Transformer would need to run the same layers `num_steps` times."""
-        return self.unique + max(num_steps - 1, 0) * self.per_step
-
-
-def _config_of(model_or_config) -> PretrainedConfig:
-    config = getattr(model_or_config, "config", model_or_config)
-    if not isinstance(config, PretrainedConfig):
-        raise ValueError(f"Expected a model or a transformers config, got {type(model_or_config).__name__}.")
-    return config
-
-
-_COUNTS: dict[str, ParameterCounts] = {}  # by config JSON: a callback renders a card at every save
-
-
-def _count_from_config(config) -> ParameterCounts:
-    # Built on the meta device: exact counts for any size, in a fraction of a second and no memory.
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
-    return _count_model(model)
-
-
-def _count_model(model) -> ParameterCounts:
-    unique, per_step = 0, 0
-    for name, parameter in model.named_parameters():  # shared (tied) tensors are listed once
-        unique += parameter.numel()
-        if ".core." in f".{name}" or ".adapter." in f".{name}":
-            per_step += parameter.numel()
-    return ParameterCounts(unique, per_step)
-
-
-def parameter_counts(model_or_config) -> ParameterCounts:
-    """Counts from the config's architecture (a model's config is used, so sharded or offloaded models count
-    right too)."""
-    config = _config_of(model_or_config)
-    key = config.to_json_string(use_diff=False)
-    if key not in _COUNTS:
-        _COUNTS[key] = _count_from_config(config)
-    return _COUNTS[key]
 
 
 # -- sections
@@ -313,9 +264,9 @@ def _template(name: str) -> string.Template:
 def render_model_card(model_or_config, info: ModelCardInfo | None = None) -> str:
     """The README.md text for a recurrent-depth model (or a Transformer baseline) and what `info` records."""
     info = info or ModelCardInfo()
-    config = _config_of(model_or_config)
+    config = getattr(model_or_config, "config", model_or_config)
+    counts = parameter_counts(config)  # raises ValueError for anything but a model or a config
     recurrent = is_recurrent(config)
-    counts = parameter_counts(config)
     repo_name = info.repo_id.split("/")[-1] if info.repo_id else None
     name = info.model_name or repo_name or info.preset
     title = name or ("Recurrent-depth model" if recurrent else "Transformer baseline")
@@ -364,5 +315,4 @@ def write_model_card(save_dir: str, model_or_config=None, info: ModelCardInfo | 
     return write_text(os.path.join(save_dir, CARD_NAME), text)  # a reader (or an upload) never sees half a card
 
 
-__all__ = ["ModelCardInfo", "ParameterCounts", "eval_table", "format_count", "parameter_counts",
-           "render_model_card", "write_model_card"]
+__all__ = ["ModelCardInfo", "eval_table", "format_count", "render_model_card", "write_model_card"]

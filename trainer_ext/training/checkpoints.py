@@ -140,7 +140,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def check_not_run_dir(path: str, option: str) -> None:
-    """Refuse a run_pretrain output folder given where a model is expected.
+    """Refuse a training run's output folder (`pretrain`'s) given where a model is expected.
 
     Such a folder holds `checkpoint-N/` and `final/` but no config.json of its own; transformers then fails with
     a message about sentencepiece / tiktoken (the tokenizer) or a missing `model_type`, neither naming the cause."""

@@ -79,7 +79,10 @@ def check_optimizer_supports(model: nn.Module, optimizer_name: str, accelerator=
 
 
 def check_processes_coordinated(accelerator) -> None:
-    """Raise ValueError if the launcher started several processes but the accelerator runs each one alone."""
+    """Raise ValueError if the launcher started several processes but the accelerator runs each one alone.
+
+    `accelerator`: an `Accelerator`, its `AcceleratorState`, or the `PartialState` of `TrainingArguments`
+    (`training_args.distributed_state`), which `pretrain` and `find_lr` check before any work."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     state = _state(accelerator)
     num_processes = getattr(state, "num_processes", 1)

@@ -7,12 +7,7 @@ so the sweep fits the memory budget of the run it prepares), at a constant rate 
 pick is the largest rate that was stable, with every smaller rate stable too, divided by `margin`: a long
 run at its threshold rate would ride the edge, and a short trial can miss slow instabilities.
 
-Files written into the output folder (all read and written here):
-
-    lr_sweep.json   the setting (model, seq_len, batch size), per-trial summaries and per-step curves, and
-                    the `learning_rate` that `hf-recurrent-pretrain --learning_rate_from` takes
-    lr_sweep.md     a table: lr | initial loss | final loss | spikes | grad-norm ratio | stable
-    lr_sweep.png    loss and gradient norm per step, one line per rate
+The sweep's files (lr_sweep.json / .md / .png) are written and read in trainer_ext/training/lr_sweep_file.py.
 
 The summary and pick functions are pure (lists of floats in, dicts out) so they are tested on synthetic curves.
 """
@@ -21,10 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import logging
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,16 +26,18 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PrinterCallback, ProgressCallback
 
-from trainer_ext.files import atomic_open, write_json, write_text
-from trainer_ext.data.shards import load_manifest
+from trainer_ext.training.lr_sweep_file import FORMAT_VERSION, format_optional, write_sweep
+from trainer_ext.training.arguments import LARGE_MODEL_PARAMS
 from trainer_ext.training.trainer import RecurrentTrainer
 
 logger = logging.getLogger(__name__)
 
-SWEEP_FILE, REPORT_FILE, PLOT_FILE = "lr_sweep.json", "lr_sweep.md", "lr_sweep.png"
-FORMAT_VERSION = 1
-# Around run_pretrain's 3e-4 default for large models, up to where billion-scale runs are known to diverge.
+# Around the 3e-4 default for large models, up to where billion-scale runs are known to diverge.
 DEFAULT_LEARNING_RATES = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3)
+LARGE_MODEL_SWEEP = {"learning_rates": list(DEFAULT_LEARNING_RATES), "sweep_steps": 60, "sweep_warmup_steps": 10}
+# Models under LARGE_MODEL_PARAMS train at a 3e-3 default: their grid brackets that rate instead, and a shorter
+# trial keeps the bare command (debug preset on a CPU) at about a minute.
+SMALL_MODEL_SWEEP = {"learning_rates": [3e-3, 1e-2, 3e-2, 1e-1], "sweep_steps": 24, "sweep_warmup_steps": 6}
 # Initial and final loss are means over at most this many steps: one step's loss is too noisy to compare.
 LOSS_WINDOW = 10
 # A trial stopped by an exception of these kinds is an unstable rate (e.g. the optimizer's stop after
@@ -52,34 +47,37 @@ TRIAL_FAILURES = (RuntimeError, ArithmeticError)
 
 @dataclass
 class SweepArguments:
-    learning_rates: list[float] = field(
-        default_factory=lambda: list(DEFAULT_LEARNING_RATES),
-        metadata={"help": "Rates to try, each a fresh trial from the same initial weights (sorted ascending)."})
-    sweep_steps: int = field(default=60, metadata={"help": "Optimizer steps per trial, warm-up included."})
-    sweep_warmup_steps: int = field(
-        default=10, metadata={"help": "Linear warm-up steps of each trial; loss is judged after them."})
+    # None where the user leaves them: `resolve_sweep_defaults` picks them from the model's size.
+    learning_rates: list[float] | None = field(
+        default=None, metadata={"help": "Rates to try, each a fresh trial from the same initial weights (default: "
+                                        "1e-4 to 5e-3; 3e-3 to 1e-1 for models under 50M parameters)."})
+    sweep_steps: int | None = field(
+        default=None, metadata={"help": "Optimizer steps per trial, warm-up included (default: 60, small models 24)."})
+    sweep_warmup_steps: int | None = field(
+        default=None, metadata={"help": "Warm-up steps per trial; loss is judged after them (default 10, small 6)."})
     spike_nats: float = field(
         default=0.5, metadata={"help": "A spike: a loss after warm-up this many nats above the lowest loss so far."})
     max_grad_norm_growth: float = field(
         default=10.0, metadata={"help": "Unstable when the median grad norm of a trial's last quarter exceeds this "
                                         "many times that of its first quarter."})
     margin: float = field(
-        default=2.0, metadata={"help": "The pick is the largest stable rate divided by this (not snapped to the "
-                                       "grid): the largest rate such that it and every smaller rate were stable."})
+        default=2.0, metadata={"help": "The pick: the largest rate stable with all smaller ones, divided by this."})
     skip_after_divergence: bool = field(
         default=True, metadata={"help": "After a trial diverges (non-finite loss or grad norm, no progress, a loss "
                                         "above the first, or a stop), record larger rates as skipped instead of "
                                         "running them; they cannot be picked."})
 
     def __post_init__(self):
-        rates = [float(rate) for rate in self.learning_rates]
-        if not rates or not all(math.isfinite(rate) and rate > 0 for rate in rates):
-            raise ValueError(f"--learning_rates={self.learning_rates!r}: give one or more positive numbers, "
-                             "e.g. --learning_rates 1e-4 3e-4 1e-3.")
-        self.learning_rates = sorted(set(rates))
-        if self.sweep_warmup_steps < 0:
+        if self.learning_rates is not None:
+            rates = [float(rate) for rate in self.learning_rates]
+            if not rates or not all(math.isfinite(rate) and rate > 0 for rate in rates):
+                raise ValueError(f"--learning_rates={self.learning_rates!r}: give one or more positive numbers, "
+                                 "e.g. --learning_rates 1e-4 3e-4 1e-3.")
+            self.learning_rates = sorted(set(rates))
+        if self.sweep_warmup_steps is not None and self.sweep_warmup_steps < 0:
             raise ValueError(f"--sweep_warmup_steps={self.sweep_warmup_steps} must be >= 0.")
-        if self.sweep_steps - self.sweep_warmup_steps < 4:
+        if self.sweep_steps is not None and self.sweep_warmup_steps is not None \
+                and self.sweep_steps - self.sweep_warmup_steps < 4:
             raise ValueError(
                 f"--sweep_steps={self.sweep_steps} leaves {self.sweep_steps - self.sweep_warmup_steps} steps after "
                 f"--sweep_warmup_steps={self.sweep_warmup_steps}; the summary needs at least 4 (first and last "
@@ -90,6 +88,19 @@ class SweepArguments:
             raise ValueError(f"--max_grad_norm_growth={self.max_grad_norm_growth} must be > 1.")
         if not self.margin >= 1:
             raise ValueError(f"--margin={self.margin} must be >= 1 (1 picks the largest stable rate itself).")
+
+
+def resolve_sweep_defaults(sweep: SweepArguments, num_params: int) -> dict:
+    """Fill the sweep fields left None, in place: SMALL_MODEL_SWEEP under LARGE_MODEL_PARAMS, else
+    LARGE_MODEL_SWEEP; then check the combination. Returns the small-model settings applied, for the log."""
+    small = num_params < LARGE_MODEL_PARAMS
+    defaults = SMALL_MODEL_SWEEP if small else LARGE_MODEL_SWEEP
+    applied = {name: list(value) if isinstance(value, list) else value for name, value in defaults.items()
+               if getattr(sweep, name) is None}
+    for name, value in applied.items():
+        setattr(sweep, name, value)
+    sweep.__post_init__()  # e.g. a --sweep_warmup_steps given with the small models' 24 steps
+    return applied if small else {}
 
 
 # ----------------------------------------------------------------------------- pure summary and pick
@@ -250,10 +261,9 @@ def trial_arguments(training_args, learning_rate: float, sweep: SweepArguments):
     """The production arguments (optimizer, precision, checkpointing, batch size) with a trial's schedule: constant
     rate after a linear warm-up, a log entry every step, no evaluation, no checkpoints, no hub push, and no
     stability guard: it skips spiking updates and lowers the rate, which would hide what the trial measures."""
-    no_guard = {"stability_guard": False} if hasattr(training_args, "stability_guard") else {}
     return dataclasses.replace(
         training_args,
-        **no_guard,
+        stability_guard=False,
         learning_rate=learning_rate,
         max_steps=sweep.sweep_steps,
         lr_scheduler_type="constant_with_warmup",
@@ -319,6 +329,9 @@ def run_sweep(
     `make_model` must return the same initial weights each call (seed it): the trials then differ only in rate.
     `trainer_kwargs` go to each RecurrentTrainer (processing_class, teacher, ...). Writes nothing.
     """
+    unset = [f.name for f in dataclasses.fields(sweep) if getattr(sweep, f.name) is None]
+    if unset:
+        raise ValueError(f"SweepArguments {unset} unset: call resolve_sweep_defaults(sweep, num_params) first.")
     trials, diverged_at = [], None
     total = len(sweep.learning_rates)
     for index, rate in enumerate(sweep.learning_rates, 1):
@@ -352,16 +365,10 @@ def run_sweep(
 
 def _progress_line(trial: dict) -> str:
     verdict = "stable" if trial["stable"] else f"UNSTABLE ({', '.join(trial['unstable_reasons'])})"
-    return (f"lr {trial['learning_rate']:.3g}: loss {_fmt(trial['initial_loss'])} -> {_fmt(trial['final_loss'])}, "
-            f"{trial['spikes']} spikes, grad-norm ratio {_fmt(trial['grad_norm_ratio'], '.2f')}, {verdict} "
+    return (f"lr {trial['learning_rate']:.3g}: loss {format_optional(trial['initial_loss'])} -> "
+            f"{format_optional(trial['final_loss'])}, "
+            f"{trial['spikes']} spikes, grad-norm ratio {format_optional(trial['grad_norm_ratio'], '.2f')}, {verdict} "
             f"[{trial['seconds']:.0f}s]")
-
-
-def _fmt(value, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-# ----------------------------------------------------------------------------- files
 
 
 def find_learning_rate(make_model, training_args, train_dataset, sweep: SweepArguments,
@@ -372,121 +379,3 @@ def find_learning_rate(make_model, training_args, train_dataset, sweep: SweepArg
         paths = write_sweep(training_args.output_dir, result)
         logger.info("Wrote %s", ", ".join(paths))
     return result
-
-
-def write_sweep(output_dir: str, result: dict) -> list[str]:
-    """The three files of a sweep; each written atomically."""
-    return [
-        write_json(os.path.join(output_dir, SWEEP_FILE), result),
-        write_text(os.path.join(output_dir, REPORT_FILE), format_report(result)),
-        plot_sweep(result, os.path.join(output_dir, PLOT_FILE)),
-    ]
-
-
-def format_report(result: dict) -> str:
-    sweep = result["sweep"]
-    lines = [
-        "# Learning-rate sweep",
-        "",
-        f"Model {result.get('model', '?')} ({_fmt_params(result.get('num_parameters'))}), seq_len "
-        f"{result.get('seq_len', '?')}, batch {result.get('per_device_train_batch_size', '?')} per device, "
-        f"{sweep['sweep_steps']} steps per trial ({sweep['sweep_warmup_steps']} warm-up, then constant).",
-        f"Initial / final loss: means of the first / last steps after warm-up. Spike: a loss "
-        f"{sweep['spike_nats']} nats above the lowest so far. Grad-norm ratio: median of the last quarter of the "
-        f"trial / median of its first quarter (unstable from {sweep['max_grad_norm_growth']:g}).",
-        "",
-        "| lr | initial loss | final loss | spikes | grad-norm ratio | stable |",
-        "| ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for trial in result["trials"]:
-        if trial.get("skipped"):
-            lines.append(f"| {trial['learning_rate']:g} | - | - | - | - | {trial['unstable_reasons'][0]} |")
-            continue
-        verdict = "yes" if trial["stable"] else f"no: {', '.join(trial['unstable_reasons'])}"
-        lines.append(f"| {trial['learning_rate']:g} | {_fmt(trial['initial_loss'])} | {_fmt(trial['final_loss'])} "
-                     f"| {trial['spikes']} | {_fmt(trial['grad_norm_ratio'], '.2f')} | {verdict} |")
-    lines.append("")
-    if result["learning_rate"] is None:
-        lines.append("No rate was stable from the smallest up: try smaller rates with `--learning_rates`.")
-    else:
-        lines.append(
-            f"**Chosen: learning_rate {result['learning_rate']:.3g}** (largest stable "
-            f"{result['largest_stable_learning_rate']:g} / margin {result['margin']:g}), found with "
-            f"{result['sweep']['sweep_warmup_steps']} warm-up steps. Train with `hf-recurrent-pretrain ... "
-            f"--learning_rate_from` and this folder's {SWEEP_FILE} (the run keeps its own warm-up).")
-        if result["first_unstable_learning_rate"] is None:
-            lines.append("")
-            lines.append("Every rate was stable: the threshold lies above the grid; add larger rates to find it.")
-        if result["stable_above_first_unstable"]:
-            lines.append("")
-            lines.append(f"Stable above the first unstable rate ({result['first_unstable_learning_rate']:g}), "
-                         f"not trusted: {', '.join(f'{r:g}' for r in result['stable_above_first_unstable'])}.")
-    return "\n".join(lines) + "\n"
-
-
-def _fmt_params(num_parameters) -> str:
-    return "? parameters" if num_parameters is None else f"{num_parameters / 1e6:.1f}M parameters"
-
-
-def plot_sweep(result: dict, path: str) -> str:
-    """Loss and grad norm per step, one line per rate; unstable rates dashed, the warm-up end marked."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(11.0, 4.0), layout="constrained")
-    FigureCanvasAgg(figure)
-    loss_ax, grad_ax = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
-    ran = [trial for trial in result["trials"] if not trial.get("skipped")]
-    for index, trial in enumerate(ran):
-        curve = trial["curve"]
-        style = {"color": f"C{index % 10}", "linewidth": 1.2, "linestyle": "-" if trial["stable"] else "--",
-                 "label": f"{trial['learning_rate']:g}" + ("" if trial["stable"] else " (unstable)")}
-        loss_ax.plot(*_points(curve["step"], curve["loss"]), **style)
-        grad_ax.plot(*_points(curve["step"], curve["grad_norm"]), **style)
-    # A diverged trial's loss would squash the others: the axis ends a little above the highest first loss.
-    starts = [trial["start_loss"] for trial in ran if trial.get("start_loss") is not None]
-    lows = [v for trial in ran for v in trial["curve"]["loss"] if v is not None]
-    if starts and lows:
-        loss_ax.set_ylim(min(lows) - 0.1, max(starts) + 0.5)
-    if any(v is not None and v > 0 for trial in ran for v in trial["curve"]["grad_norm"]):
-        grad_ax.set_yscale("log")
-    for ax, label in ((loss_ax, "training loss (nats/token)"), (grad_ax, "gradient norm")):
-        ax.axvline(result["sweep"]["sweep_warmup_steps"], color="gray", linewidth=0.8, linestyle=":")
-        ax.set_xlabel("step")
-        ax.set_ylabel(label)
-        ax.grid(True, alpha=0.3)
-    loss_ax.legend(title="learning rate", fontsize="small")
-    chosen = result["learning_rate"]
-    figure.suptitle(f"{result.get('model', '')}: chosen learning rate "
-                    + ("none (no stable rate)" if chosen is None else f"{chosen:.3g}"))
-    with atomic_open(path, "wb") as f:
-        figure.savefig(f, format="png", dpi=110)
-    return path
-
-
-def _points(steps: list, values: list) -> tuple[list, list]:
-    pairs = [(s, v) for s, v in zip(steps, values) if v is not None]
-    return [s for s, _ in pairs], [v for _, v in pairs]
-
-
-# ----------------------------------------------------------------------------- reading the pick
-
-
-def read_sweep_choice(path: str) -> dict:
-    """`learning_rate` from an lr_sweep.json, or from the folder holding one.
-
-    Raises ValueError naming the file and the fix when it is missing, malformed, or holds no stable rate.
-    """
-    if os.path.isdir(path):
-        path = os.path.join(path, SWEEP_FILE)
-    rerun = f"run hf-recurrent-find-lr (it writes <output_dir>/{SWEEP_FILE}) and pass that file to --learning_rate_from"
-    data = load_manifest(path, ("format_version", "learning_rate"), FORMAT_VERSION, not_found=f"{rerun}.", fix=rerun)
-    rate = data["learning_rate"]
-    if rate is None:
-        raise ValueError(f"--learning_rate_from {path}: the sweep found no stable learning rate; rerun "
-                         "hf-recurrent-find-lr with smaller --learning_rates.")
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
-        raise ValueError(f"--learning_rate_from {path}: 'learning_rate' is {rate!r}, not a positive number; {rerun}.")
-    # Only the rate: the trials' short warm-up was enough for a few dozen steps, not for a long run, whose
-    # warm-up stays the command line's or the large-model default.
-    return {"learning_rate": float(rate)}

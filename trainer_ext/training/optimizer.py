@@ -22,15 +22,24 @@ resuming from a checkpoint reproduces them without saving any generator state (t
 from __future__ import annotations
 
 import collections
-import functools
-import importlib.util
-import inspect
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
+
+from trainer_ext.training.optimizer_kernels import (
+    EAGER_KERNELS,
+    compiled_kernels,
+    factored_update,
+    has_triton,
+    hyper_values,
+    mix32,
+    row_chunks,
+    to_device,
+    unfactored_update,
+)
 
 __all__ = ["LowMemoryAdafactor", "check_gradient_accumulation", "create_optimizer"]
 
@@ -44,252 +53,6 @@ __all__ = ["LowMemoryAdafactor", "check_gradient_accumulation", "create_optimize
 DEFAULT_MAX_CHUNK_NUMEL = 2**26
 
 _STATE_DICT_KEY = "low_memory_adafactor"
-
-# Layout of the per-group device tensor of hyperparameters. Passing them as one tensor (not Python
-# floats) means a learning-rate change never recompiles the compiled update.
-_LR, _WEIGHT_DECAY, _BETA1, _BETA2, _BETA2_DECAY, _EPS, _CLIP = range(7)
-
-# Salts that give weights and momentum independent random streams.
-_WEIGHT_SALT, _MOMENTUM_SALT = 0x1B873593, 0x68E31DA4
-
-
-# ----------------------------------------------------------------------------- random bits and rounding
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Chris Wellons' "lowbias32") on int32 tensors.
-
-    Multiplication wraps modulo 2**32; right shifts are masked so that they are logical, not arithmetic.
-    """
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * 0x7FEB352D
-    x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * -0x7B935975  # 0x846CA68B as a signed int32
-    return x ^ ((x >> 16) & 0xFFFF)
-
-
-def _random_bits(shape: torch.Size, key: torch.Tensor, step: torch.Tensor, salt: int) -> torch.Tensor:
-    """Pseudo-random int32 per element, a pure function of (key, step, salt, element index)."""
-    stream = _mix32(key ^ _mix32(step.to(torch.int32) ^ salt))
-    index = torch.arange(math.prod(shape), dtype=torch.int32, device=key.device).view(shape)
-    return _mix32(_mix32(index) ^ stream)
-
-
-def round_to_bf16_stochastic(x: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
-    """Round fp32 ``x`` to bf16, up or down with probability proportional to the distance.
-
-    bf16 is the top 16 bits of fp32. Adding a uniform 16-bit integer to the low half of the fp32 bit
-    pattern carries into the top half with probability (low half) / 2**16, then truncation keeps the top
-    half. This is unbiased, E[round(x)] = x, so updates far smaller than a bf16 step still move weights
-    on average (plain rounding to nearest would drop them). Works for negative values too: the bit
-    pattern is sign-magnitude, so the magnitude is what rounds. ``x`` must be finite.
-    """
-    bits = x.view(torch.int32) + (random_bits & 0xFFFF)
-    return (bits & -65536).view(torch.float32).to(torch.bfloat16)
-
-
-def _store(target: torch.Tensor, value: torch.Tensor, ok: torch.Tensor, key: torch.Tensor,
-           step: torch.Tensor, salt: int) -> None:
-    """Write fp32 ``value`` into ``target`` (in its own dtype) where ``ok``, else leave it unchanged."""
-    if target.dtype == torch.bfloat16:
-        value = round_to_bf16_stochastic(value, _random_bits(value.shape, key, step, salt))
-    target.copy_(torch.where(ok, value, target))
-
-
-# ----------------------------------------------------------------------------- the update math
-# Plain torch functions on tensors only (hyperparameters and step counts are device tensors), so that
-# each can be compiled with fullgraph=True and run without host syncs. ``ok`` is a 0-d bool tensor that
-# is False when the tensor's gradient is not finite; every state and weight write goes through
-# torch.where(ok, ...), so a skipped update is decided on the device.
-
-
-def _beta2_and_bias_correction(t: torch.Tensor, hyper: torch.Tensor, beta2_decay: bool):
-    """beta2 for step ``t`` and the factor that removes the bias of the second-moment average.
-
-    Constant beta2: the average is biased towards zero by (1 - beta2**t), Adam-style correction. With
-    Adafactor's schedule beta2_t = 1 - t**-decay (capped at beta2), beta2_1 = 0 makes the average's
-    weights sum to one at every step, so it is unbiased as it stands.
-    """
-    if beta2_decay:
-        beta2 = torch.minimum(hyper[_BETA2], 1.0 - t.pow(-hyper[_BETA2_DECAY]))
-        return beta2, torch.ones_like(t)
-    return hyper[_BETA2], 1.0 - hyper[_BETA2].pow(t)
-
-
-def _record(step: torch.Tensor, grad_sq: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
-    """Advance the step if the gradient is finite; add to the step's grad-norm and skip totals."""
-    ok = torch.isfinite(grad_sq)
-    step.add_(ok.to(step.dtype))
-    totals[0] += grad_sq
-    totals[1] += (~ok).to(totals.dtype)
-    return ok
-
-
-def _clip_scale(update_sq: torch.Tensor, numel: int, hyper: torch.Tensor) -> torch.Tensor:
-    """Adafactor's update clipping: divide by max(1, RMS(update) / clip_threshold)."""
-    return 1.0 / torch.clamp(torch.sqrt(update_sq / numel) / hyper[_CLIP], min=1.0)
-
-
-def _apply_update(param: torch.Tensor, update: torch.Tensor, momentum: torch.Tensor | None,
-                  ok: torch.Tensor, step: torch.Tensor, key: torch.Tensor, hyper: torch.Tensor) -> None:
-    """Momentum (optional), decoupled weight decay, and the in-place weight write."""
-    if momentum is not None:
-        # ``step`` already counts this update (when ok), so the first one divides by 1 - beta1.
-        beta1 = hyper[_BETA1]
-        update = beta1 * momentum.float() + (1.0 - beta1) * update
-        _store(momentum, update, ok, key, step, _MOMENTUM_SALT)
-        update = update / (1.0 - beta1.pow(torch.clamp(step, min=1.0)))
-    lr = hyper[_LR]
-    new_param = param.float() * (1.0 - lr * hyper[_WEIGHT_DECAY]) - lr * update
-    _store(param, new_param, ok, key, step, _WEIGHT_SALT)
-
-
-def _grad_stats(grad: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor, grad_sq: torch.Tensor,
-                hyper: torch.Tensor) -> None:
-    """For a chunk (k, r, C): write the row means of grad**2 + eps into ``row_mean`` (k, r), add its
-    column sums to ``col_sum`` (k, C) and the sum of grad**2 to ``grad_sq`` (in place, so that a chunk
-    is one call with no eager glue)."""
-    squared = grad.float().square()
-    squared_eps = squared + hyper[_EPS]
-    row_mean.copy_(squared_eps.mean(-1))
-    col_sum.add_(squared_eps.sum(-2))
-    grad_sq.add_(squared.sum())
-
-
-def _update_factors(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor,
-                    grad_sq: torch.Tensor, step: torch.Tensor, totals: torch.Tensor, hyper: torch.Tensor,
-                    beta2_decay: bool):
-    """Update the row (B, R) and column (B, C) averages; return ok and the factors of 1/sqrt(v_hat).
-
-    v_hat[i, j] = row[i] * col[j] / mean(row) / bias_correction, the rank-1 estimate of Adafactor.
-    """
-    beta2, bias_correction = _beta2_and_bias_correction(step + 1.0, hyper, beta2_decay)
-    new_row = beta2 * row + (1.0 - beta2) * row_mean
-    new_col = beta2 * col + (1.0 - beta2) * col_sum / row.shape[-1]
-    ok = _record(step, grad_sq, totals)
-    row.copy_(torch.where(ok, new_row, row))
-    col.copy_(torch.where(ok, new_col, col))
-    row_factor = torch.rsqrt(new_row / (new_row.mean(-1, keepdim=True) * bias_correction))
-    return ok, row_factor, torch.rsqrt(new_col)
-
-
-def _factored_update_sq(grad: torch.Tensor, row_factor: torch.Tensor, col_factor: torch.Tensor,
-                        update_sq: torch.Tensor) -> None:
-    update = grad.float() * row_factor.unsqueeze(-1) * col_factor.unsqueeze(-2)
-    update_sq.add_(update.square().sum())
-
-
-def _factored_apply(param, grad, momentum, row_factor, col_factor, update_sq, numel: int, ok, step, key,
-                    hyper) -> None:
-    scale = _clip_scale(update_sq, numel, hyper)
-    update = grad.float() * row_factor.unsqueeze(-1) * (col_factor.unsqueeze(-2) * scale)
-    _apply_update(param, update, momentum, ok, step, key, hyper)
-
-
-class _Kernels(NamedTuple):
-    grad_stats: Callable
-    update_factors: Callable
-    update_sq: Callable
-    apply: Callable
-
-
-_EAGER = _Kernels(_grad_stats, _update_factors, _factored_update_sq, _factored_apply)
-_WHOLE = ((slice(None), slice(None)),)
-
-
-def _factored_update(param, grad, row, col, momentum, step, keys, hyper, totals, *,
-                     chunks, kernels: _Kernels, beta2_decay: bool) -> None:
-    """One tensor's factored update. param, grad, momentum: (B, R, C); row: (B, R); col: (B, C).
-
-    ``chunks`` index (B, R) and cover it; three passes over them, because the column statistics and the
-    update RMS each need the whole tensor before anything can be written.
-    """
-    row_mean = torch.empty_like(row)
-    col_sum = torch.zeros_like(col)
-    grad_sq = torch.zeros((), dtype=torch.float32, device=row.device)
-    for rows in chunks:
-        kernels.grad_stats(grad[rows], row_mean[rows], col_sum[rows[0]], grad_sq, hyper)
-    ok, row_factor, col_factor = kernels.update_factors(
-        row, col, row_mean, col_sum, grad_sq, step, totals, hyper, beta2_decay
-    )
-    update_sq = torch.zeros_like(grad_sq)
-    for rows in chunks:
-        kernels.update_sq(grad[rows], row_factor[rows], col_factor[rows[0]], update_sq)
-    for i, rows in enumerate(chunks):
-        kernels.apply(param[rows], grad[rows], None if momentum is None else momentum[rows], row_factor[rows],
-                      col_factor[rows[0]], update_sq, grad.numel(), ok, step, keys[i], hyper)
-
-
-def _factored_update_whole(param, grad, row, col, momentum, step, keys, hyper, totals, *, beta2_decay):
-    """The whole tensor as one chunk: compiled as a single graph, so it fuses into a few kernels."""
-    _factored_update(param, grad, row, col, momentum, step, keys, hyper, totals,
-                     chunks=_WHOLE, kernels=_EAGER, beta2_decay=beta2_decay)
-
-
-def _unfactored_update(param, grad, second_moment, momentum, step, keys, hyper, totals, *,
-                       beta2_decay: bool) -> None:
-    """Tensors with ndim < 2 (biases, norm scales): a full fp32 second moment; they are small."""
-    grad32 = grad.float()
-    grad_sq = grad32.square()
-    beta2, bias_correction = _beta2_and_bias_correction(step + 1.0, hyper, beta2_decay)
-    new_second_moment = beta2 * second_moment + (1.0 - beta2) * (grad_sq + hyper[_EPS])
-    ok = _record(step, grad_sq.sum(), totals)
-    second_moment.copy_(torch.where(ok, new_second_moment, second_moment))
-    update = grad32 * torch.rsqrt(new_second_moment / bias_correction)
-    update = update * _clip_scale(update.square().sum(), update.numel(), hyper)
-    _apply_update(param, update, momentum, ok, step, keys[0], hyper)
-
-
-# dynamic=True lets one graph serve many tensor shapes, but dynamo still specialises sizes of 1, equal
-# sizes and zero view offsets, so a model's tensors need a handful of graphs per function. Dynamo's
-# default limit (8) would be close, and with fullgraph=True hitting it is an error, not a fallback.
-_RECOMPILE_LIMIT = 64
-
-
-def _compile(fn: Callable) -> Callable:
-    options = dict(fullgraph=True, dynamic=True)
-    if "recompile_limit" in inspect.signature(torch.compile).parameters:
-        return torch.compile(fn, recompile_limit=_RECOMPILE_LIMIT, **options)
-    # Older torch has only the global limit: raise it (never lower it). A per-call config.patch would
-    # cost more than the update of a small tensor.
-    dynamo_config = torch._dynamo.config
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
-    return torch.compile(fn, **options)
-
-
-@functools.cache
-def _compiled() -> tuple[_Kernels, Callable, Callable]:
-    """Compiled kernels, built on first use."""
-    kernels = _Kernels(*(_compile(fn) for fn in _EAGER))
-    return kernels, _compile(_factored_update_whole), _compile(_unfactored_update)
-
-
-@functools.lru_cache(maxsize=256)
-def _row_chunks(num_slices: int, rows: int, cols: int, max_numel: int) -> tuple[tuple[slice, slice], ...]:
-    """Index pairs (slices of B, slices of R) for a (B, R, C) tensor, each chunk <= max_numel elements
-    (at least one row). Whole (R, C) slices are grouped when they are small."""
-    slice_numel = max(rows * cols, 1)
-    if slice_numel <= max_numel:
-        per_chunk = max_numel // slice_numel
-        return tuple((slice(b, min(b + per_chunk, num_slices)), slice(None))
-                     for b in range(0, num_slices, per_chunk))
-    per_chunk = max(max_numel // max(cols, 1), 1)
-    return tuple((slice(b, b + 1), slice(r, min(r + per_chunk, rows)))
-                 for b in range(num_slices) for r in range(0, rows, per_chunk))
-
-
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Small host list to a device tensor without a device sync (pinned memory, non_blocking)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
 
 # ----------------------------------------------------------------------------- the optimizer
 
@@ -548,10 +311,10 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             totals = self._totals[p.device] = torch.zeros(2, dtype=torch.float32, device=p.device)
         beta2_decay = group["beta2_decay"] is not None
         param = p.detach()
-        compiled = self.compile if self.compile is not None else p.is_cuda and _has_triton()
+        compiled = self.compile if self.compile is not None else p.is_cuda and has_triton()
 
         if p.ndim < 2:
-            update = _compiled()[2] if compiled else _unfactored_update
+            update = compiled_kernels()[2] if compiled else unfactored_update
             update(param, grad, state["second_moment"], momentum, state["step"], self._keys(index, p.device, 1),
                    hyper, totals, beta2_decay=beta2_decay)
             return
@@ -559,24 +322,23 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         views = (param.view(shape3), grad.reshape(shape3), state["row"].view(shape3[:2]),
                  state["col"].view(-1, p.shape[-1]), None if momentum is None else momentum.view(shape3))
         num_slices, rows, cols = views[0].shape
-        chunks = _row_chunks(num_slices, rows, cols, self.max_chunk_numel)
+        chunks = row_chunks(num_slices, rows, cols, self.max_chunk_numel)
         args = (*views, state["step"], self._keys(index, p.device, len(chunks)), hyper, totals)
         if not compiled:
-            _factored_update(*args, chunks=chunks, kernels=_EAGER, beta2_decay=beta2_decay)
+            factored_update(*args, chunks=chunks, kernels=EAGER_KERNELS, beta2_decay=beta2_decay)
         elif len(chunks) == 1:
-            _compiled()[1](*args, beta2_decay=beta2_decay)
+            compiled_kernels()[1](*args, beta2_decay=beta2_decay)
         else:
-            _factored_update(*args, chunks=chunks, kernels=_compiled()[0], beta2_decay=beta2_decay)
+            factored_update(*args, chunks=chunks, kernels=compiled_kernels()[0], beta2_decay=beta2_decay)
 
     def _hyper(self, group: dict, device: torch.device) -> torch.Tensor:
         """The group's hyperparameters as one device tensor, rebuilt only when one of them changes."""
-        values = (group["lr"], group["weight_decay"], group["momentum"] or 0.0, group["beta2"],
-                  group["beta2_decay"] or 0.0, group["eps"], group["clip_threshold"])
+        values = hyper_values(group)
         key = (id(group), device)
         cached = self._hyper_cache.get(key)
         if cached is None or cached[0] != values:
             _validate_group(group, check_params=False)
-            cached = self._hyper_cache[key] = (values, _to_device(list(values), torch.float32, device))
+            cached = self._hyper_cache[key] = (values, to_device(list(values), torch.float32, device))
         return cached[1]
 
     def _keys(self, index: int, device: torch.device, num_chunks: int) -> torch.Tensor:
@@ -584,9 +346,9 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         cache_key = (index, device, num_chunks)
         keys = self._rng_keys.get(cache_key)
         if keys is None:
-            base = _mix32(torch.tensor(self.seed, dtype=torch.int32) ^ _mix32(torch.tensor(index, dtype=torch.int32)))
-            keys = _mix32(base + torch.arange(num_chunks, dtype=torch.int32))
-            keys = self._rng_keys[cache_key] = _to_device(keys.tolist(), torch.int32, device)
+            base = mix32(torch.tensor(self.seed, dtype=torch.int32) ^ mix32(torch.tensor(index, dtype=torch.int32)))
+            keys = mix32(base + torch.arange(num_chunks, dtype=torch.int32))
+            keys = self._rng_keys[cache_key] = to_device(keys.tolist(), torch.int32, device)
         return keys
 
     # -- state

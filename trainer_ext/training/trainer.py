@@ -7,187 +7,26 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_recurrent import DepthSampler, flops_per_token
 from hf_recurrent.presets import is_recurrent
 
+from trainer_ext.distill.losses import OnlineTeacher, TopKTeacher, chunked_lm_loss
+from trainer_ext.training.arguments import TARGETS, fill_unset_schedule, resolve_momentum
+from trainer_ext.training.callbacks import STABILITY_STATE_KEY, PhaseTimingCallback, TrainingHooksCallback
 from trainer_ext.training.checkpoints import TRAINER_STATE_NAME, last_complete_checkpoint, publish, staging_dir
-from trainer_ext.distill.losses import DIVERGENCES, OnlineTeacher, TopKTeacher, chunked_lm_loss
-from trainer_ext.training.telemetry import PhaseProfiler, device_peak_flops, memory_stats
 from trainer_ext.training.distributed import check_optimizer_supports, saved_as_pretrained_class
-from trainer_ext.training.optimizer import check_gradient_accumulation, create_optimizer
-from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError, check_settings, write_interventions
+from trainer_ext.training.optimizer import create_optimizer
+from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError, write_interventions
+from trainer_ext.training.telemetry import PhaseProfiler, device_peak_flops, memory_stats
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZERS = ("low_memory", "hf")
-# Batch key of the targets aligned with positions (target t belongs to input t); HF's loss functions use the
-# same name for labels that are already shifted.
-TARGETS = "shift_labels"
-# The guard's running statistics live in the trainer state (trainer_state.json of each checkpoint) under this key,
-# so that a resumed run takes the decisions an uninterrupted one would have taken.
-STABILITY_STATE_KEY = "StabilityGuard"
 INTERVENTIONS_FILE = "stability_interventions.json"
-_CHECKPOINTING = (
-    "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
-    else "gradient_checkpointing"
-)
-
-
-# The low-memory optimizer's bf16 momentum costs 2 bytes per parameter. It is on by default below this size
-# (recurrent-3.3b: +6.7 GB, still fits a 24 GB card) and off from it up (recurrent-7b would need +13.8 GB): at 121M
-# parameters it brought the held-out loss from 8.6% to 0.6% behind AdamW, and on small recurrent models in bf16 it
-# made the difference between a stalled and a healthy run (BENCHMARKS.md).
-AUTO_MOMENTUM, AUTO_MOMENTUM_MAX_PARAMS = 0.9, 5e9
-
-
-def resolve_momentum(momentum: float | None, num_params: int) -> float | None:
-    """The optimizer's beta1: the argument if given (0 = off), else the size-based default."""
-    if momentum is None:
-        return AUTO_MOMENTUM if num_params < AUTO_MOMENTUM_MAX_PARAMS else None
-    return momentum or None
-
-
-@dataclass
-class RecurrentTrainingArguments(TrainingArguments):
-    backprop_depth: int | None = field(
-        default=None, metadata={"help": "Gradients through the last k recurrent steps only (default: the config's)."})
-    depth_seed: int = field(default=0, metadata={"help": "Seed of the per-step depth sampler."})
-    eval_num_steps: int | None = field(
-        default=None, metadata={"help": "Depth used for evaluation (default: the config's mean_recurrence)."})
-    optimizer: str = field(
-        default="low_memory",
-        metadata={"help": "low_memory (factored, bf16 in place, update in backward) or hf (use `optim`)."})
-    optimizer_in_backward: bool = field(
-        default=True, metadata={"help": "Update each tensor as soon as its gradient exists (gradient release)."})
-    optimizer_momentum: float | None = field(
-        default=None, metadata={"help": "beta1 of a bf16 first moment (2 bytes per parameter); 0 turns it off. Default: "
-                                        "0.9 for models under 5B parameters, off from 5B up (see resolve_momentum)."})
-    optimizer_clip_threshold: float = field(default=1.0, metadata={"help": "Per-tensor update RMS clip."})
-    profile_steps: int = field(default=30, metadata={"help": "Synchronized phase timing for the first N steps."})
-    peak_flops: float | None = field(
-        default=None, metadata={"help": "Peak FLOP/s for MFU (default: the device's bf16 datasheet peak)."})
-    loss_chunk_size: int = field(default=1024, metadata={"help": "Positions per chunk of the LM loss."})
-    distill_alpha: float = field(default=0.5, metadata={"help": "Weight of the distillation term."})
-    distill_temperature: float = field(default=1.0, metadata={"help": "Distillation temperature T."})
-    distill_divergence: str = field(default="forward_kl", metadata={"help": f"One of {list(DIVERGENCES)}."})
-    stability_guard: bool = field(
-        default=True, metadata={"help": "Skip the update of a loss spike, lower the learning rate for a while after "
-                                        "a gradient-norm blow-up, stop after many skips in a row."})
-    stability_warmup_steps: int = field(
-        default=20, metadata={"help": "Losses (and gradient norms) seen before the guard compares against them."})
-    stability_loss_spike: float = field(
-        default=1.0, metadata={"help": "A loss this many nats above its running mean skips the update."})
-    stability_loss_spike_sigmas: float = field(
-        default=2.5, metadata={"help": "... or this many running standard deviations of the loss, if more (0: the "
-                                       "fixed limit alone): small batches are noisy."})
-    stability_grad_norm_factor: float = field(
-        default=10.0, metadata={"help": "A gradient norm this many times its running typical value lowers the "
-                                        "learning rate (low_memory optimizer only: it reports the norm for free)."})
-    stability_lr_factor: float = field(
-        default=0.5, metadata={"help": "Learning-rate multiplier after a gradient-norm blow-up."})
-    stability_cooldown_steps: int = field(
-        default=100, metadata={"help": "Steps at the lowered learning rate; it then returns to the schedule "
-                                       "linearly over as many steps."})
-    stability_max_consecutive_skips: int = field(
-        default=20, metadata={"help": "Stop training after this many skipped steps in a row."})
-    collapse_check_steps: int = field(
-        default=10, metadata={"help": "Stop training (an error) once the training cross-entropy has stayed within "
-                                      "--collapse_margin nats of ln(vocab_size), the loss of uniform predictions, "
-                                      "for this many steps in a row: the model has collapsed, usually from too high "
-                                      "a learning rate. 0 turns the check off."})
-    collapse_margin: float = field(
-        default=0.05, metadata={"help": "Nats around ln(vocab_size) that count as uniform predictions."})
-    # Activation checkpointing on by default (transformers >= 5.24 renamed the flag; keep one, no warning).
-    __annotations__[_CHECKPOINTING] = bool
-    vars()[_CHECKPOINTING] = field(default=True, metadata={"help": "Recompute layer activations in backward."})
-    # transformers 5 dropped `overwrite_output_dir` from TrainingArguments; scripts (run_pretrain) still follow
-    # run_clm.py's rule, so the flag lives here (the Trainer itself ignores it).
-    if "overwrite_output_dir" not in TrainingArguments.__dataclass_fields__:
-        overwrite_output_dir: bool = field(
-            default=False, metadata={"help": "Start afresh in a non-empty --output_dir: its checkpoints and final/ "
-                                             "are deleted before training (default: resume its last complete "
-                                             "checkpoint; refuse a folder without one)."})
-    prediction_loss_only: bool = field(default=True, metadata={"help": "Evaluation computes the loss only."})
-    # Batches carry keys the model's forward does not take (targets, teacher top-k): the loss reads them.
-    remove_unused_columns: bool = field(default=False, metadata={"help": "Drop batch keys forward does not take."})
-
-    def __post_init__(self):
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer={self.optimizer!r} is not allowed; choose one of {list(OPTIMIZERS)}.")
-        if self.torch_compile_mode == "reduce-overhead" or self.torch_compile_mode == "max-autotune":
-            raise ValueError(
-                f"--torch_compile_mode={self.torch_compile_mode!r} uses CUDA graphs, which break with a depth that "
-                "changes every step and with gradient checkpointing; use 'default' or 'max-autotune-no-cudagraphs'."
-            )
-        if self.distill_divergence not in DIVERGENCES:
-            raise ValueError(
-                f"--distill_divergence={self.distill_divergence!r} is not allowed; choose one of {list(DIVERGENCES)}.")
-        self._check_ranges()
-        check_settings(**self.stability_settings(), name_prefix="--stability_")
-        if self.label_names is None:
-            self.label_names = [TARGETS]
-        if self.tf32 is None and torch.cuda.is_available():
-            # fp32 matmuls (the loss's head-gradient accumulation) otherwise run on SIMT cores: ~8% of a 3B step.
-            self.tf32 = True
-        if getattr(self, f"{_CHECKPOINTING}_kwargs") is None:
-            setattr(self, f"{_CHECKPOINTING}_kwargs", {"use_reentrant": False})
-        uses_release = self.optimizer == "low_memory" and self.optimizer_in_backward
-        if uses_release:
-            check_gradient_accumulation(self.gradient_accumulation_steps, in_backward=True)
-            # Gradients are freed as they are used: there is nothing left to clip; the optimizer clips per tensor.
-            self.max_grad_norm = 0.0
-        super().__post_init__()
-
-    def _check_ranges(self):
-        """Our fields' ranges, checked here because otherwise they fail late: at the first step (a depth of 0, a
-        distillation weight of 5) or only at the first evaluation, after that many steps of training are lost."""
-        def check(name: str, ok: bool, allowed: str):
-            if not ok:
-                raise ValueError(f"--{name}={getattr(self, name)!r} is not allowed; it must be {allowed}.")
-
-        def is_int(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        def is_number(value) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-        for name in ("backprop_depth", "eval_num_steps"):
-            value = getattr(self, name)
-            check(name, value is None or (is_int(value) and value >= 1),
-                  "an integer >= 1 (recurrent steps), or unset for the model config's default")
-        check("profile_steps", is_int(self.profile_steps) and self.profile_steps >= 0,
-              "an integer >= 0 (0 turns step profiling off)")
-        check("loss_chunk_size", is_int(self.loss_chunk_size) and self.loss_chunk_size >= 1,
-              "an integer >= 1 (positions per chunk of the loss)")
-        check("optimizer_momentum",
-              self.optimizer_momentum is None or (is_number(self.optimizer_momentum)
-                                                  and 0 <= self.optimizer_momentum < 1),
-              "in [0, 1) (0 turns momentum off), or unset for the size-based default")
-        check("optimizer_clip_threshold",
-              is_number(self.optimizer_clip_threshold) and self.optimizer_clip_threshold > 0, "a number > 0")
-        check("peak_flops", self.peak_flops is None or (is_number(self.peak_flops) and self.peak_flops > 0),
-              "a number > 0 (FLOP/s), or unset for the device's datasheet peak")
-        check("distill_alpha", is_number(self.distill_alpha) and 0 <= self.distill_alpha <= 1,
-              "in [0, 1] (the weight of the distillation term; 1 - alpha weighs the plain cross-entropy)")
-        check("distill_temperature", is_number(self.distill_temperature) and self.distill_temperature > 0,
-              "a number > 0")
-        check("collapse_check_steps", is_int(self.collapse_check_steps) and self.collapse_check_steps >= 0,
-              "an integer >= 0 (0 turns the collapse check off)")
-        check("collapse_margin", is_number(self.collapse_margin) and self.collapse_margin > 0, "a number > 0 (nats)")
-
-    def stability_settings(self) -> dict:
-        """Keyword arguments of `StabilityGuard` from the `stability_*` fields."""
-        return dict(warmup_steps=self.stability_warmup_steps, loss_spike=self.stability_loss_spike,
-                    loss_spike_sigmas=self.stability_loss_spike_sigmas,
-                    grad_norm_factor=self.stability_grad_norm_factor, lr_factor=self.stability_lr_factor,
-                    cooldown_steps=self.stability_cooldown_steps,
-                    max_consecutive_skips=self.stability_max_consecutive_skips)
 
 
 def compile_decoder_layers(model, mode: str = "default", backend: str = "inductor") -> int:
@@ -196,60 +35,6 @@ def compile_decoder_layers(model, mode: str = "default", backend: str = "inducto
     for layer in layers:
         layer.compile(mode=mode, backend=backend)
     return len(layers)
-
-
-class _PhaseCallback(TrainerCallback):
-    """Times the optimizer step the Trainer runs between backward and the next batch."""
-
-    def __init__(self, profiler: PhaseProfiler):
-        self.profiler = profiler
-        self._phase = None
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self._phase = self.profiler.phase("optimizer")
-        self._phase.__enter__()
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        if self._phase is not None:
-            self._phase.__exit__(None, None, None)
-            self._phase = None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.profiler.mark_step_end()
-
-
-class _StabilityCallback(TrainerCallback):
-    """The stability guard's points in the Trainer's loop that lie outside `compute_loss`."""
-
-    def __init__(self, trainer: "RecurrentTrainer"):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._start_stability_guard(state)
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        # Before the scheduler steps: it must never see (and build on) the guard's lowered rate.
-        self.trainer._restore_scheduled_lr()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if control.should_save:
-            # The step's gradient norm is otherwise read at the next step, which a run resumed from this
-            # checkpoint would never see; waiting for it costs nothing next to writing a checkpoint.
-            self.trainer._observe_grad_norm()
-        state.stateful_callbacks[STABILITY_STATE_KEY] = self.trainer.stability.state_dict()
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._write_interventions()
-
-
-class _HealthCallback(TrainerCallback):
-    """Starts the collapse and skipped-update bookkeeping of each `train()` once a resumed optimizer is loaded."""
-
-    def __init__(self, trainer: "RecurrentTrainer"):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._reset_health_bookkeeping()
 
 
 class RecurrentTrainer(Trainer):
@@ -265,6 +50,8 @@ class RecurrentTrainer(Trainer):
 
     def __init__(self, *args, teacher=None, teacher_vocab_limit: int | None = None, **kwargs):
         args_ = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if args_ is not None:
+            fill_unset_schedule(args_)
         # torch.compile is applied per decoder layer (below), not to the whole model: the depth loop stays
         # eager, so a new depth does not recompile, and saved keys carry no `_orig_mod.` prefix.
         compile_options = None
@@ -283,18 +70,20 @@ class RecurrentTrainer(Trainer):
         if teacher is not None:
             teacher.eval().requires_grad_(False)
         self.profiler = PhaseProfiler(self.args.profile_steps)
-        self.add_callback(_PhaseCallback(self.profiler))
+        self.add_callback(PhaseTimingCallback(self.profiler))
         self.peak_flops = self.args.peak_flops or device_peak_flops()
-        self._window = {"tokens": 0, "flops": 0.0, "ce": 0.0, "kd": 0.0, "depth": 0, "steps": 0, "nonfinite": 0}
+        # Since the last logged loss. `nonfinite` counts non-finite losses once: on the host where the stability
+        # guard reads each loss anyway, else on the device (no sync). `finite_sum` / `finite`: the guard's losses.
+        self._window = {"tokens": 0, "flops": 0.0, "ce": 0.0, "kd": 0.0, "depth": 0, "steps": 0, "nonfinite": 0,
+                        "finite_sum": 0.0, "finite": 0}
         self._window_start = time.perf_counter()
         self._profile_logged = False
         self.stability = None
         if self.args.stability_guard:
             self.stability = StabilityGuard(**self.args.stability_settings())
-            self.add_callback(_StabilityCallback(self))
         self._reset_stability_bookkeeping()
         self._reset_health_bookkeeping()
-        self.add_callback(_HealthCallback(self))
+        self.add_callback(TrainingHooksCallback(self))
 
     # -- optimizer
 
@@ -424,7 +213,8 @@ class RecurrentTrainer(Trainer):
             self._window["ce"] += out.ce.detach()
             self._window["kd"] += out.kd.detach()
             self._window["depth"] += num_steps or 0
-            self._window["nonfinite"] += (~torch.isfinite(out.loss.detach())).sum()
+            if self.stability is None:
+                self._window["nonfinite"] += (~torch.isfinite(out.loss.detach())).sum()
             self._window["steps"] += 1
         loss = out.loss
         if training and self.stability is not None:
@@ -443,13 +233,12 @@ class RecurrentTrainer(Trainer):
         weight = self.teacher.get_output_embeddings().weight.to(hidden.device)
         return OnlineTeacher(hidden=hidden, lm_head_weight=weight, vocab_limit=self.teacher_vocab_limit)
 
-    # -- stability guard (trainer_ext/stability.py decides; this carries it out)
+    # -- stability guard (trainer_ext/training/stability.py decides; this carries it out)
 
     def _reset_stability_bookkeeping(self):
         self._skipping_step = None  # step whose update is being skipped
         self._grad_norm_step = None  # step whose gradient norm the guard has not seen yet
         self._scheduled_lrs = None  # the scheduler's learning rates while the guard's multiplier is applied
-        self._loss_window = {"finite_sum": 0.0, "finite": 0, "nonfinite": 0}  # since the last logged loss
 
     def _start_stability_guard(self, state):
         """A fresh guard for each `train()`, or the checkpoint's when resuming."""
@@ -475,10 +264,10 @@ class RecurrentTrainer(Trainer):
         self._observe_grad_norm()  # the previous step's, complete by now: the read above has waited for more
         intervention = self.stability.check_loss(step, value)
         if math.isfinite(value):
-            self._loss_window["finite_sum"] += value
-            self._loss_window["finite"] += 1
+            self._window["finite_sum"] += value
+            self._window["finite"] += 1
         else:
-            self._loss_window["nonfinite"] += 1
+            self._window["nonfinite"] += 1
         if intervention is None:
             self._scale_lr(self.stability.lr_scale(step))
             self._grad_norm_step = step
@@ -593,10 +382,10 @@ class RecurrentTrainer(Trainer):
             nonfinite = int(window["nonfinite"])
             if nonfinite:
                 logs["nonfinite_losses"] = nonfinite
-                if self.stability is None:
-                    # The Trainer's NaN filter counts a non-finite loss as 0.0 at the start of a logging window
-                    # (or as the window's mean so far): a healthy-looking number for a broken step.
-                    logs["loss"] = float("nan")
+                # The Trainer's figure holds the guard's stand-ins for non-finite losses or, without the guard, its
+                # NaN filter's 0.0 (or the window's mean so far): healthy-looking numbers for broken steps. Report
+                # the mean of the finite losses the guard saw, or NaN.
+                logs["loss"] = window["finite_sum"] / window["finite"] if window["finite"] else float("nan")
             collapsed = self._track_collapse(ce)
             self._logged_step = self.state.global_step
             logs.update(memory_stats())
@@ -671,11 +460,6 @@ class RecurrentTrainer(Trainer):
         raise UnstableTrainingError(message)
 
     def _add_stability_logs(self, logs: dict):
-        window = self._loss_window
-        if window["nonfinite"]:
-            # The Trainer's figure holds stand-ins for the non-finite losses: report the finite ones, or NaN.
-            logs["loss"] = window["finite_sum"] / window["finite"] if window["finite"] else float("nan")
-        self._loss_window = dict.fromkeys(window, 0)
         logs["stability/skipped_steps"] = self.stability.skipped_steps
         logs["stability/interventions"] = len(self.stability.interventions)
         logs["stability/lr_scale"] = self.stability.lr_scale(self.state.global_step)

@@ -1,0 +1,365 @@
+"""The same-data comparison: a recurrent-depth model against a Transformer baseline, trained in token cycles.
+
+Every cycle takes the next `cycle_tokens` training tokens of one data stream and, in this order:
+
+    prepare          shards of the cycle's tokens (`trainer_ext.data.prepare`), starting where the previous
+                     cycle's piece of the stream ended, with the held-out set's shards as its eval split
+    cache_teacher    only with --teacher_cache_model: the teacher's top-k log-probs over the cycle's shards
+    train_recurrent  `pretrain`: cycle 1 from the recurrent preset, later cycles from the previous final weights
+    train_baseline   the same for the baseline (a LlamaForCausalLM): same tokenizer, data, order and seed
+    evaluate         both models on one fixed held-out set (the recurrent one at each evaluation depth),
+                     appended to the results files; model cards rewritten; pushes submitted
+    cleanup          the cycle's shards, teacher cache and intermediate checkpoints deleted (final weights stay)
+
+The held-out set is the first `eval_tokens` tokens of the stream, prepared once before cycle 1 (which also trains
+the tokenizer, unless one is given); no cycle trains on it. Cycle k trains for `cycle_tokens // (batch x grad
+accum x seq_len)` optimizer steps on exactly the samples those steps consume. Each preparation records where its
+piece of the stream ends, and the next one skips to there by whole documents without tokenizing them.
+
+Progress lives in `<output_dir>/compare_state.json` (`CompareState`): killed at any point, the same run continues
+where it stopped; finished stages are not redone, an interrupted training resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import logging
+import os
+import shutil
+
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from hf_recurrent import presets
+from trainer_ext.comparison.arguments import (
+    NON_IDENTITY_ARGS,
+    OPTIONAL_IDENTITY_ARGS,
+    RUN_TRAINING_ARGS,
+    CompareArguments,
+    CompareDataArguments,
+    TrainingOptions,
+    changed_options,
+    check_training_options,
+)
+from trainer_ext.comparison.evaluation import HeldoutEvaluation, write_cycle_card
+from trainer_ext.comparison.progress import RunProgress, StepProgress, inner_bars_off
+from trainer_ext.comparison.pushes import CyclePushes
+from trainer_ext.comparison.report import RESULT_FILES, write_results
+from trainer_ext.comparison.state import CYCLE_STAGES, MODELS, STATE_NAME, CompareState
+from trainer_ext.comparison.training import CycleTraining, whole_run_train_loss
+from trainer_ext.data.prepare import prepare
+from trainer_ext.distill.caching import CacheTeacherArguments, cache_teacher
+from trainer_ext.hub.model_card import ModelCardInfo
+from trainer_ext.training.checkpoints import checkpoint_step, last_complete_checkpoint
+from trainer_ext.training.model_setup import parse_overrides
+from trainer_ext.training.pretrain import check_pretrain_arguments, pretrain
+
+logger = logging.getLogger(__name__)
+
+
+class ComparisonRun:
+    """One comparison run in `options.training.output_dir`: `run()` starts or continues it. Every check the
+    arguments allow runs here, before any work."""
+
+    def __init__(self, args: CompareArguments, data_args: CompareDataArguments, options: TrainingOptions):
+        self.args, self.data_args, self.options = args, data_args, options
+        training = options.training
+        self.out = training.output_dir
+        self._check_arguments()
+        self.sample_len = data_args.seq_len + 1
+        self.global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps
+        self.tokens_per_step = self.global_batch * data_args.seq_len
+        self.steps_per_cycle = args.cycle_tokens // self.tokens_per_step
+        if self.steps_per_cycle < 1:
+            raise ValueError(
+                f"--cycle_tokens={args.cycle_tokens} is less than one optimizer step of {self.tokens_per_step} tokens "
+                f"(batch {self.global_batch} x seq_len {data_args.seq_len}); raise it or lower the batch / seq_len.")
+        self.tokens_per_cycle = self.steps_per_cycle * self.tokens_per_step
+        # Stream tokens per cycle: whole samples, exactly what the cycle's steps consume.
+        self.stream_per_cycle = self.steps_per_cycle * self.global_batch * self.sample_len
+        self.eval_samples = data_args.eval_tokens // self.sample_len
+        self.depths = self._eval_depths()
+        self.repos = {"recurrent": training.hub_model_id,
+                      "baseline": args.hub_baseline_model_id or (f"{training.hub_model_id}-baseline"
+                                                                 if training.hub_model_id else None)}
+        for model in MODELS:  # what cycle 1 would run, so a bad option fails in seconds, not after data preparation
+            check_pretrain_arguments(*self.training(model, 1).arguments(args, options))
+        self.state: CompareState | None = None
+        self.pushes: CyclePushes | None = None
+        self.progress: RunProgress | None = None
+
+    def _check_arguments(self) -> None:
+        args, data_args, options = self.args, self.data_args, self.options
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("The comparison runs its trainings in one process; start it with `hf-recurrent-compare`, "
+                             "not through accelerate launch / torchrun.")
+        check_training_options(options)
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            if getattr(options.training, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(options.training, name)}.")
+        if options.training.push_to_hub and not options.training.hub_model_id:
+            raise ValueError("--push_to_hub needs --hub_model_id (the recurrent model's repo, e.g. me/r125m).")
+        if args.teacher_cache_model is not None and data_args.tokenizer is None:
+            raise ValueError("--teacher_cache_model needs --tokenizer: teacher and data must share one tokenizer, and "
+                             "one trained by the comparison cannot match the teacher's (pass --tokenizer "
+                             f"{args.teacher_cache_model}).")
+        if args.teacher_cache_model is not None and options.model.teacher_model_name_or_path:
+            raise ValueError("Pass either --teacher_model_name_or_path (online teacher) or --teacher_cache_model "
+                             "(a cache per cycle), not both.")
+
+    # -- paths
+
+    def heldout_dir(self) -> str:
+        return os.path.join(self.out, "data", "heldout")
+
+    def data_dir(self, cycle: int) -> str:
+        return os.path.join(self.out, "data", f"cycle-{cycle:03d}")
+
+    def teacher_cache_dir(self, cycle: int) -> str:
+        return os.path.join(self.out, "data", f"cycle-{cycle:03d}-teacher")
+
+    def train_dir(self, model: str, cycle: int) -> str:
+        return os.path.join(self.out, model, f"cycle-{cycle:03d}")
+
+    def stages_per_cycle(self) -> tuple[str, ...]:
+        return tuple(s for s in CYCLE_STAGES if s != "cache_teacher" or self.args.teacher_cache_model is not None)
+
+    # -- what the run is
+
+    def _eval_depths(self) -> list[int]:
+        overrides = parse_overrides(self.args.recurrent_config_overrides)
+        mean = presets.get(self.args.recurrent_preset, **overrides).mean_recurrence
+        limit = self.args.max_depth_factor * mean
+        depths = sorted({d for d in self.args.eval_depths if d <= limit})
+        dropped = sorted(set(self.args.eval_depths) - set(depths))
+        if dropped:
+            logger.info("Evaluation depths %s exceed %g x mean_recurrence (%d) and are skipped.", dropped,
+                        self.args.max_depth_factor, mean)
+        if not depths:
+            raise ValueError(f"--eval_depths {self.args.eval_depths}: none is within --max_depth_factor "
+                             f"{self.args.max_depth_factor:g} x mean_recurrence ({mean}); give smaller depths.")
+        return depths
+
+    def identity(self) -> dict:
+        """What makes two runs the same run: the options that change data, models or results."""
+        compare = {k: v for k, v in dataclasses.asdict(self.args).items()
+                   if k not in NON_IDENTITY_ARGS and not (k in OPTIONAL_IDENTITY_ARGS and v is None)}
+        compare.update({name: getattr(self.options.training, name) for name in RUN_TRAINING_ARGS})
+        data = {k: v for k, v in dataclasses.asdict(self.data_args).items() if k not in NON_IDENTITY_ARGS}
+        train_args = [[name, value] for name, value in changed_options(self.options)
+                      if name not in NON_IDENTITY_ARGS and name not in RUN_TRAINING_ARGS]
+        return {"compare": compare, "data": data, "train_args": train_args}
+
+    def teacher(self) -> str | None:
+        """The teacher both models are distilled from (a per-cycle cache or an online teacher), if any."""
+        return self.args.teacher_cache_model or self.options.model.teacher_model_name_or_path
+
+    def _source_text(self) -> str:
+        if self.data_args.dataset:
+            return f"`{self.data_args.dataset}`" + (f" ({self.data_args.dataset_config})"
+                                                    if self.data_args.dataset_config else "")
+        if self.data_args.files:
+            return f"local files {self.data_args.files}"
+        return "the embedded corpus"
+
+    def _remove_outputs(self) -> None:
+        """What an earlier run in this directory wrote (only our own files and folders)."""
+        for name in ("data", *MODELS):
+            shutil.rmtree(os.path.join(self.out, name), ignore_errors=True)
+        for name in RESULT_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.out, name))
+
+    # -- stages
+
+    def prepare_heldout(self) -> None:
+        manifest = prepare(self.data_args.prepare_args(
+            self.heldout_dir(), eval_only=True, max_tokens=self.eval_samples * self.sample_len))
+        num_samples = manifest["splits"]["eval"]["num_samples"]
+        if num_samples < self.eval_samples:
+            raise ValueError(f"The data stream holds only {num_samples} samples of {self.sample_len} tokens, fewer "
+                             f"than the held-out set's {self.eval_samples} (--eval_tokens); add data or lower it.")
+        self.state.mark_heldout(dir=self.heldout_dir(), num_samples=num_samples,
+                                stream_tokens=num_samples * self.sample_len,
+                                stream_end=manifest.get("stream_end"),
+                                tokenizer_hash=manifest["tokenizer_hash"],
+                                shards=[s["sha256"] for s in manifest["splits"]["eval"]["shards"]])
+
+    def tokens_before(self, cycle: int) -> int:
+        """Stream tokens before cycle `cycle`'s: the held-out set's and those of the earlier cycles."""
+        return self.state.heldout["stream_tokens"] + (cycle - 1) * self.stream_per_cycle
+
+    def cycle_start(self, cycle: int) -> dict:
+        """Where cycle `cycle`'s tokens begin in the stream, as the preparation's skip arguments: the end of the
+        previous piece (the held-out set before cycle 1), skipped by whole documents without tokenizing them.
+        A piece recorded without its end (by a version before stream positions) is skipped by its token count
+        instead, which tokenizes everything before it once; its successor records the position again."""
+        previous = self.state.heldout if cycle == 1 else self.state.stage(cycle - 1, "prepare")
+        end = previous.get("stream_end")
+        if end is None:
+            return {"skip_documents": 0, "skip_tokens": self.tokens_before(cycle)}
+        return {"skip_documents": end["documents"], "skip_tokens": end["tokens"]}
+
+    def prepare_cycle(self, cycle: int) -> None:
+        skip = self.tokens_before(cycle)
+        start = self.cycle_start(cycle)
+        manifest = prepare(self.data_args.prepare_args(
+            self.data_dir(cycle), tokenizer=None, eval_from=self.heldout_dir(), max_tokens=self.stream_per_cycle,
+            **start))
+        got = manifest["splits"]["train"]["num_samples"]
+        needed = self.steps_per_cycle * self.global_batch
+        if got < needed:
+            raise ValueError(
+                f"The data stream ends after {skip + got * self.sample_len:,} tokens: cycle {cycle} needs "
+                f"{needed * self.sample_len:,} tokens after the {skip:,} used before it but got "
+                f"{got * self.sample_len:,}. Add data (--files / --dataset), or lower --cycle_tokens or "
+                "--num_cycles.")
+        self.state.mark_done(cycle, "prepare", dir=self.data_dir(cycle), skip_tokens=skip, start=start,
+                             stream_end=manifest.get("stream_end"), train_samples=got,
+                             eval_shards=[s["sha256"] for s in manifest["splits"]["eval"]["shards"]])
+
+    def cache_teacher(self, cycle: int) -> None:
+        options = {"topk": self.args.teacher_cache_topk, "quantization": self.args.teacher_cache_quantization}
+        manifest = cache_teacher(CacheTeacherArguments(
+            teacher_model_name_or_path=self.args.teacher_cache_model, data_dir=self.data_dir(cycle),
+            output_dir=self.teacher_cache_dir(cycle), splits=["train"], device=self.args.device,
+            **{k: v for k, v in options.items() if v is not None}))
+        self.state.mark_done(cycle, "cache_teacher", dir=self.teacher_cache_dir(cycle), topk=manifest["topk"],
+                             teacher=manifest["teacher"])
+
+    def training(self, model: str, cycle: int, previous_final: str | None = None) -> CycleTraining:
+        """One model's training in `cycle` (continuing from `previous_final`, the previous cycle's weights)."""
+        return CycleTraining(
+            model=model, output_dir=self.train_dir(model, cycle), data_dir=self.data_dir(cycle),
+            max_steps=self.steps_per_cycle, previous_final=previous_final,
+            teacher_cache_dir=self.teacher_cache_dir(cycle) if self.args.teacher_cache_model is not None else None)
+
+    def train(self, model: str, cycle: int) -> None:
+        previous = self.state.stage(cycle - 1, f"train_{model}")["final_dir"] if cycle > 1 else None
+        if previous is not None and not os.path.isfile(os.path.join(previous, "config.json")):
+            raise ValueError(f"{previous}: the final checkpoint of cycle {cycle - 1} is missing, so cycle {cycle} "
+                             "cannot continue from it; restore it, or start again with --overwrite.")
+        output_dir = self.train_dir(model, cycle)
+        resumed = last_complete_checkpoint(output_dir)
+        if resumed is not None:
+            logger.info("Resuming the interrupted training of %s, cycle %d, from %s.", model, cycle, resumed)
+        callback = StepProgress(self.progress, cycle, model, (cycle - 1) * self.tokens_per_cycle, self.tokens_per_step)
+        metrics = pretrain(*self.training(model, cycle, previous).arguments(self.args, self.options),
+                           callbacks=[callback])
+        with open(os.path.join(output_dir, "log_history.json"), encoding="utf-8") as f:
+            log_history = json.load(f)
+        train_loss = whole_run_train_loss(log_history, checkpoint_step(resumed) if resumed else None,
+                                          metrics.get("train_loss"))
+        self.state.mark_done(cycle, f"train_{model}", final_dir=os.path.join(output_dir, "final"), base=previous,
+                             tokens_seen=cycle * self.tokens_per_cycle, steps=self.steps_per_cycle,
+                             train_loss=train_loss)
+
+    def evaluate(self, cycle: int) -> None:
+        heldout = HeldoutEvaluation(self.heldout_dir(), self.state.heldout["tokenizer_hash"], self.depths,
+                                    self.args.eval_batch_size, self.args.eval_max_batches, self.args.device,
+                                    self.args.eval_dtype)
+        checkpoints = {model: (getattr(self.args, f"{model}_preset"),
+                               self.state.stage(cycle, f"train_{model}")["final_dir"]) for model in MODELS}
+        records = heldout.evaluate(cycle, cycle * self.tokens_per_cycle, checkpoints, self.progress)
+        for model in MODELS:
+            self.write_card(cycle, model, records)
+        self.state.mark_done(cycle, "evaluate", results=records)
+        write_results(self.out, self.all_records())
+
+    def write_card(self, cycle: int, model: str, records: list[dict]) -> None:
+        """The model card of a cycle's final checkpoint, with its held-out results (rewritten before a push, so
+        it names the repo pushed to)."""
+        other = self.args.baseline_preset if model == "recurrent" else self.args.recurrent_preset
+        tokens_seen = cycle * self.tokens_per_cycle
+        info = ModelCardInfo(
+            repo_id=self.repos[model], preset=getattr(self.args, f"{model}_preset"), teacher=self.teacher(),
+            tokens_seen=tokens_seen,
+            training_data=f"{self._source_text()}, cycle {cycle}: {tokens_seen:,} tokens in cycles of "
+                          f"{self.tokens_per_cycle:,}",
+            training_details={"Comparison": f"same-data comparison with `{other}` (same tokenizer, data, order and "
+                                            "seed); evaluated on a fixed held-out set of "
+                                            f"{self.state.heldout['num_samples'] * self.data_args.seq_len:,} tokens"})
+        write_cycle_card(self.state.stage(cycle, f"train_{model}")["final_dir"], model, records, info)
+
+    def cleanup(self, cycle: int) -> None:
+        shutil.rmtree(self.data_dir(cycle), ignore_errors=True)
+        shutil.rmtree(self.teacher_cache_dir(cycle), ignore_errors=True)
+        for model in MODELS:  # resume checkpoints of a finished cycle; the final weights stay
+            for checkpoint in glob.glob(os.path.join(self.train_dir(model, cycle), "checkpoint-*")):
+                shutil.rmtree(checkpoint, ignore_errors=True)
+        self.state.mark_done(cycle, "cleanup")
+
+    def all_records(self) -> list[dict]:
+        return [r for c in self.state.completed_cycles() for r in self.state.stage(c, "evaluate")["results"]]
+
+    # -- driver
+
+    def submit_pushes(self, cycle: int) -> None:
+        for model in MODELS:
+            if not self.state.is_pushed(cycle, model):
+                self.write_card(cycle, model, self.state.stage(cycle, "evaluate")["results"])
+                stage = self.state.stage(cycle, f"train_{model}")
+                self.pushes.submit(cycle, model, stage["final_dir"], stage["tokens_seen"])
+
+    def _stage(self, cycle: int | str, model: str, name: str, work, *work_args) -> None:
+        self.progress.begin(cycle, model, name)
+        with inner_bars_off():
+            work(*work_args)
+        self.progress.end()
+        if self.pushes is not None:
+            self.pushes.sync()
+
+    def run(self) -> dict:
+        """Run (or continue) the comparison; returns the output folder, the records, the results files and the
+        state file."""
+        args = self.args
+        os.makedirs(self.out, exist_ok=True)
+        self.state = CompareState.open(os.path.join(self.out, STATE_NAME), self.identity(), args.overwrite,
+                                       remove_outputs=self._remove_outputs)
+        if self.options.training.push_to_hub:
+            self.pushes = CyclePushes(self.repos, self.options.training.hub_private_repo, self.state)
+        total = 1 + len(self.stages_per_cycle()) * args.num_cycles
+        with logging_redirect_tqdm():
+            self.progress = RunProgress(total, self.state.stages_done())
+            try:
+                if self.pushes is not None:  # cycles evaluated by an earlier start whose push did not finish
+                    for cycle in self.state.completed_cycles():
+                        if cycle <= args.num_cycles:
+                            self.submit_pushes(cycle)
+                if self.state.heldout is None:
+                    self._stage("-", "-", "heldout", self.prepare_heldout)
+                for cycle in range(1, args.num_cycles + 1):
+                    self._run_cycle(cycle)
+            except Exception:
+                if self.pushes is not None:  # record the uploads that finish; the next start retries the rest
+                    self.pushes.wait()
+                raise
+            finally:
+                self.progress.close()
+        failures = self.pushes.wait() if self.pushes is not None else []
+        records = self.all_records()
+        paths = write_results(self.out, records)
+        if failures:
+            raise RuntimeError("Pushes failed (the checkpoints are intact; the same command retries them):\n"
+                               + "\n".join(failures))
+        logger.info("Comparison of %d cycles in %s", len(self.state.completed_cycles()), self.out)
+        return {"output_dir": self.out, "results": records, "files": paths,
+                "state": os.path.join(self.out, STATE_NAME)}
+
+    def _run_cycle(self, cycle: int) -> None:
+        state = self.state
+        if not state.is_done(cycle, "prepare"):
+            self._stage(cycle, "-", "prepare", self.prepare_cycle, cycle)
+        if "cache_teacher" in self.stages_per_cycle() and not state.is_done(cycle, "cache_teacher"):
+            self._stage(cycle, "-", "cache_teacher", self.cache_teacher, cycle)
+        for model in MODELS:
+            if not state.is_done(cycle, f"train_{model}"):
+                self._stage(cycle, model, f"train_{model}", self.train, model, cycle)
+        if not state.is_done(cycle, "evaluate"):
+            self._stage(cycle, "both", "evaluate", self.evaluate, cycle)
+            if self.pushes is not None:
+                self.submit_pushes(cycle)  # uploads while the next cycle trains
+        if not state.is_done(cycle, "cleanup"):
+            self._stage(cycle, "-", "cleanup", self.cleanup, cycle)

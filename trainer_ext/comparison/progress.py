@@ -1,0 +1,90 @@
+"""What a comparison run shows while it works: one progress bar for the whole run.
+
+The bar has one unit per stage and advances per optimizer step inside trainings, so tqdm's ETA follows the real
+work; its postfix says where the run is (cycle, model, stage or step, tokens). The progress bars of the work
+inside a stage (tokenizing, loading and saving weights, the Trainer's) are switched off meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+
+from trainer_ext.hub.model_card import format_count
+
+logger = logging.getLogger(__name__)
+
+
+class RunProgress:
+    """One bar for the whole run, `done` of its `total` stages finished by earlier starts."""
+
+    def __init__(self, total: int, done: int):
+        self.bar = tqdm(total=total, initial=min(done, total), desc="compare", unit="stage", dynamic_ncols=True,
+                        disable=False, bar_format="{l_bar}{bar}| {percentage:3.0f}% [{elapsed}<{remaining}{postfix}]")
+        self.stage_start = self.bar.n
+
+    def begin(self, cycle: int | str, model: str, stage: str) -> None:
+        self.stage_start = float(round(self.bar.n))
+        self.show(f"cycle={cycle}, model={model}, stage={stage}")
+
+    def show(self, where: str) -> None:
+        self.bar.set_postfix_str(where)
+
+    def training_step(self, cycle: int, model: str, step: int, max_steps: int, tokens: int) -> None:
+        self._advance_to(self.stage_start + min(step / max(max_steps, 1), 0.999))
+        self.show(f"cycle={cycle}, model={model}, step={step}/{max_steps}, tokens={format_count(tokens)}")
+
+    def end(self) -> None:
+        self._advance_to(self.stage_start + 1)
+
+    def _advance_to(self, value: float) -> None:
+        if value > self.bar.n:
+            self.bar.update(value - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class StepProgress(TrainerCallback):
+    """Moves the run's bar after every optimizer step of one training (one model, one cycle); logs the schedule
+    the training starts with, defaults resolved from the model's size included."""
+
+    def __init__(self, progress: RunProgress, cycle: int, model: str, tokens_before: int, tokens_per_step: int):
+        self.progress, self.cycle, self.model = progress, cycle, model
+        self.tokens_before, self.tokens_per_step = tokens_before, tokens_per_step
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        logger.info("Cycle %d, %s: %d steps at learning rate %g (%s, %g warm-up steps).", self.cycle, self.model,
+                    state.max_steps, args.learning_rate, args.lr_scheduler_type.value, args.warmup_steps)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.progress.training_step(self.cycle, self.model, state.global_step, state.max_steps,
+                                    self.tokens_before + state.global_step * self.tokens_per_step)
+
+
+@contextlib.contextmanager
+def inner_bars_off():
+    """Silence the progress bars of the work inside a stage, so the run's bar is the only one. Each library's own
+    switch, restored afterwards."""
+    import datasets
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as transformers_logging
+
+    switches = []
+    if not datasets.are_progress_bars_disabled():
+        datasets.disable_progress_bars()
+        switches.append(datasets.enable_progress_bars)
+    if transformers_logging.is_progress_bar_enabled():
+        transformers_logging.disable_progress_bar()
+        switches.append(transformers_logging.enable_progress_bar)
+    if not hub_utils.are_progress_bars_disabled():
+        hub_utils.disable_progress_bars()
+        switches.append(hub_utils.enable_progress_bars)
+    try:
+        yield
+    finally:
+        for enable in switches:
+            enable()

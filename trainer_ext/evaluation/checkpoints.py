@@ -1,0 +1,201 @@
+"""Evaluating saved checkpoints on held-out shards: CE, perplexity, top-1/top-5 and generation speed per depth.
+
+    report = evaluate_checkpoints(EvaluateArguments(checkpoints=["outputs/r3b/final", "outputs/t3b/final"],
+                                                    labels=["ours", "baseline"], data_dir="outputs/data/ja"))
+
+A recurrent-depth checkpoint is evaluated at every `depths` value, a fixed-depth baseline (e.g.
+LlamaForCausalLM) at its one depth. For recurrent checkpoints it also measures what decoding with the `shared`
+KV cache costs against the exact `per_step` cache (`cache_cost_samples=0` skips it). Writes the report
+(`trainer_ext.evaluation.report`) and, when matplotlib is installed, quality_vs_depth.png and speed_vs_depth.png
+to `output_dir`.
+"""
+
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_recurrent.cost import unrolled_layers
+from hf_recurrent.presets import is_recurrent
+from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
+from trainer_ext.devices import resolve_device, resolve_dtype
+from trainer_ext.evaluation.generation import cache_mode_cost, generation_speed
+from trainer_ext.evaluation.metrics import evaluate_model, learning_warnings, unigram_cross_entropy
+from trainer_ext.evaluation.plots import plot_depth_curves
+from trainer_ext.evaluation.report import write_report
+from trainer_ext.training.checkpoints import check_model_dir
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("auto", "bfloat16", "float32")
+
+
+@dataclass
+class EvaluateArguments:
+    checkpoints: list[str] = field(metadata={"help": "Checkpoint directories (from_pretrained), one or more."})
+    data_dir: str = field(metadata={"help": "Prepared shards (prepare_data); the --split split is evaluated."})
+    labels: list[str] | None = field(
+        default=None, metadata={"help": "A name per checkpoint for tables and plots (default: folder names)."})
+    split: str = field(default="eval", metadata={"help": "Shard split to evaluate."})
+    max_samples: int | None = field(default=256, metadata={"help": "Evaluate on at most this many samples."})
+    depths: list[int] = field(
+        default_factory=lambda: [1, 3, 6, 12, 24], metadata={"help": "Recurrence steps for recurrent models."})
+    batch_size: int = field(default=8, metadata={"help": "Samples per forward pass."})
+    speed_batch_size: int = field(default=8, metadata={"help": "The larger batch of the tokens/s measurement."})
+    prompt_len: int = field(default=32, metadata={"help": "Prompt tokens for the speed measurement."})
+    new_tokens: int = field(default=64, metadata={"help": "Generated tokens for the speed measurement."})
+    speed_repeats: int = field(default=3, metadata={"help": "Timed generate calls per figure (the median counts)."})
+    cache_cost_samples: int = field(
+        default=8, metadata={"help": "Samples for the shared-vs-per_step KV cache comparison (0: skip)."})
+    cache_cost_tokens: int = field(
+        default=64, metadata={"help": "Tokens decoded one at a time per sample in that comparison (the rest of "
+                                      "the sample is prefilled)."})
+    cache_cost_depths: list[int] | None = field(
+        default=None, metadata={"help": "Depths of that comparison (default: each model's mean_recurrence)."})
+    output_dir: str = field(default=os.path.join("outputs", "evaluate"), metadata={"help": "Where results go."})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), bfloat16 or float32."})
+    device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
+    plots: bool = field(default=True, metadata={"help": "Draw PNG plots (needs matplotlib)."})
+
+    def __post_init__(self):
+        if not self.checkpoints:
+            raise ValueError("--checkpoints: give at least one checkpoint directory.")
+        if self.labels is not None and len(self.labels) != len(self.checkpoints):
+            raise ValueError(f"--labels: {len(self.labels)} labels for {len(self.checkpoints)} checkpoints; "
+                             "give one per checkpoint or none.")
+        if not self.depths or any(d < 1 for d in self.depths):
+            raise ValueError(f"--depths {self.depths}: give one or more integers >= 1.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype={self.dtype!r} is not allowed; choose one of {list(DTYPES)}.")
+        for name in ("batch_size", "speed_batch_size", "prompt_len", "new_tokens", "speed_repeats",
+                     "cache_cost_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name}={getattr(self, name)} must be >= 1.")
+
+
+def default_label(checkpoint: str) -> str:
+    """The checkpoint's folder name; for run_pretrain's `<run>/final` the run's name."""
+    path = os.path.normpath(os.path.abspath(checkpoint))
+    name = os.path.basename(path)
+    return os.path.basename(os.path.dirname(path)) if name == "final" else name
+
+
+def load_checkpoint(path: str, dtype: torch.dtype, device: torch.device):
+    """A saved causal LM (our recurrent model or any Auto-loadable baseline), on `device`, in eval mode."""
+    check_model_dir(path, "--checkpoints")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path}: no config.json; pass a directory written by save_pretrained (e.g. <run>/final).")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
+
+
+def _eval_data(args: EvaluateArguments, checkpoint: str, model):
+    """The held-out split, checked against the checkpoint's tokenizer (when it has one) and vocabulary."""
+    has_tokenizer = os.path.isfile(os.path.join(checkpoint, "tokenizer.json"))
+    dataset = ShardedTokenDataset(
+        args.data_dir, args.split, expected_tokenizer_hash=tokenizer_hash(checkpoint) if has_tokenizer else None,
+        model_vocab_size=model.config.vocab_size)
+    if args.max_samples is not None and len(dataset) > args.max_samples:
+        dataset = torch.utils.data.Subset(dataset, range(args.max_samples))
+    return dataset
+
+
+def _speed_prompt(dataset, prompt_len: int) -> torch.Tensor:
+    """The first held-out tokens: a real text prompt, the same for every model and depth."""
+    ids, index = [], 0
+    while sum(x.numel() for x in ids) < prompt_len and index < len(dataset):
+        ids.append(dataset[index]["input_ids"])
+        index += 1
+    prompt = torch.cat(ids)
+    if prompt.numel() < prompt_len:
+        raise ValueError(f"--prompt_len={prompt_len} exceeds the {prompt.numel()} tokens of the --split split.")
+    return prompt[:prompt_len]
+
+
+def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, device, dtype,
+                        unigram_ce: float | None = None) -> tuple[list, list]:
+    """Result records (one per depth) and KV cache comparisons for one checkpoint; `unigram_ce` (the held-out
+    tokens' frequency-only CE) is what a model that learned nothing from the context would score."""
+    model = load_checkpoint(checkpoint, dtype, device)
+    dataset = _eval_data(args, checkpoint, model)
+    recurrent = is_recurrent(model.config)
+    batch_sizes = sorted({1, args.speed_batch_size})
+    prompt = _speed_prompt(dataset, args.prompt_len)
+    records, costs = [], []
+    for num_steps in list(args.depths) if recurrent else [None]:
+        where = f"at depth {num_steps}" if recurrent else "(fixed depth)"
+        logger.info("%s: evaluating %s", label, where)
+        quality = evaluate_model(model, dataset, num_steps=num_steps, batch_size=args.batch_size)
+        # Minutes per model and depth on a large model, with no bar of its own: say what runs and what it took.
+        logger.info("%s: generation speed %s: %d new tokens after a %d-token prompt, batch sizes %s, %d timed "
+                    "calls each (plus one warm-up)", label, where, args.new_tokens, args.prompt_len, batch_sizes,
+                    args.speed_repeats)
+        start = time.perf_counter()
+        speed = generation_speed(model, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                 batch_sizes=batch_sizes, num_steps=num_steps, prompt_ids=prompt,
+                                 repeats=args.speed_repeats)
+        logger.info("%s: generation speed %s took %.1fs: %s", label, where, time.perf_counter() - start,
+                    ", ".join(f"{s:.1f} tokens/s at batch {b}" for b, s in speed.items()))
+        records.append({
+            "model": label,
+            "checkpoint": checkpoint,
+            "kind": "recurrent" if recurrent else "transformer",
+            "num_steps": num_steps,
+            "layers": unrolled_layers(model.config, num_steps),
+            **quality,
+            **{f"tokens_per_s_batch_{b}": s for b, s in speed.items()},
+        })
+    for warning in learning_warnings(label, {r["num_steps"]: r["ce"] for r in records}, unigram_ce):
+        logger.warning(warning)
+    if recurrent and args.cache_cost_samples > 0:
+        seq_len = dataset[0]["input_ids"].shape[0]
+        prefix_len = max(seq_len - args.cache_cost_tokens, 0)
+        for num_steps in args.cache_cost_depths or [model.config.mean_recurrence]:
+            logger.info("%s: KV cache modes at depth %d: %d samples, %d tokens decoded one at a time per mode",
+                        label, num_steps, min(args.cache_cost_samples, len(dataset)), seq_len - prefix_len)
+            cost = cache_mode_cost(model, dataset, num_steps=num_steps, max_samples=args.cache_cost_samples,
+                                   prefix_len=prefix_len, batch_size=args.batch_size)
+            costs.append({"model": label, "checkpoint": checkpoint, **cost})
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return records, costs
+
+
+def evaluate_checkpoints(args: EvaluateArguments) -> dict:
+    """Evaluate every checkpoint of `args`, write the report (and plots) to `args.output_dir`, return the report."""
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    labels = args.labels or [default_label(c) for c in args.checkpoints]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--labels: the names {labels} repeat; give each checkpoint its own label with --labels.")
+
+    heldout = ShardedTokenDataset(args.data_dir, args.split)
+    num_samples = len(heldout) if args.max_samples is None else min(len(heldout), args.max_samples)
+    unigram_ce = unigram_cross_entropy(torch.utils.data.Subset(heldout, range(num_samples)))
+    results, costs = [], []
+    for checkpoint, label in zip(args.checkpoints, labels):
+        records, checkpoint_costs = evaluate_checkpoint(args, checkpoint, label, device, dtype, unigram_ce)
+        results += records
+        costs += checkpoint_costs
+    report = {
+        "data": {"data_dir": args.data_dir, "split": args.split, "samples": num_samples,
+                 "frequency_only_ce": unigram_ce},
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "args": asdict(args),
+        "results": results,
+        "cache_mode_cost": costs,
+        "plots": [],
+    }
+    if args.plots and importlib.util.find_spec("matplotlib") is None:
+        logger.warning("matplotlib is not installed: no plots (pip install matplotlib, or pass --plots false).")
+    elif args.plots:
+        report["plots"] = plot_depth_curves(results, args.output_dir)
+    written = write_report(report, args.output_dir)
+    logger.info("Results written to %s", ", ".join(written + list(report["plots"])))
+    return report

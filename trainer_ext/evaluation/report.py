@@ -1,0 +1,89 @@
+"""The evaluation report: results.json (written and read here) and its Markdown rendering, results.md.
+
+    report = {"data": {...}, "device", "dtype", "args", "results": [record per model and depth],
+              "cache_mode_cost": [...], "plots": [...]}
+
+A result record is {"model", "checkpoint", "kind": "recurrent"|"transformer", "num_steps", "layers", "ce",
+"perplexity", "top1", "top5", "tokens", "tokens_per_s_batch_<B>", ...}. `markdown_table` lays records out with
+metrics as rows and one column per model / depth, the layout of the comparison reports too.
+"""
+
+import json
+import math
+import os
+
+from trainer_ext.files import write_text
+
+RESULTS_JSON = "results.json"
+RESULTS_MD = "results.md"
+ROWS = (("CE", "ce", "{:.4f}"), ("perplexity", "perplexity", "{:.2f}"), ("top-1", "top1", "{:.2%}"),
+        ("top-5", "top5", "{:.2%}"))
+SPEED_PREFIX = "tokens_per_s_batch_"
+
+
+def column_name(record: dict) -> str:
+    if record["kind"] == "recurrent":
+        return f"{record['model']} / n={record['num_steps']}"
+    return f"{record['model']} / {record['layers']} layers"
+
+
+def markdown_table(results: list[dict]) -> str:
+    """Metrics as rows, one column per model / depth (the layout of the comparison reports)."""
+    if not results:
+        raise ValueError("markdown_table: no results.")
+    speed_batches = sorted({int(key.removeprefix(SPEED_PREFIX)) for record in results for key in record
+                            if key.startswith(SPEED_PREFIX)})
+    rows = list(ROWS) + [(f"tokens/s (batch {b})", f"{SPEED_PREFIX}{b}", "{:.1f}") for b in speed_batches]
+    lines = ["| metric | " + " | ".join(column_name(r) for r in results) + " |",
+             "|---|" + "---:|" * len(results)]
+    for title, key, fmt in rows:
+        cells = [_format(r.get(key), fmt) for r in results]
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def cache_cost_table(costs: list[dict]) -> str:
+    lines = ["| model / depth | decoded tokens | full forward CE | per_step CE | shared CE | shared - per_step |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for cost in costs:
+        lines.append(
+            f"| {cost['model']} / n={cost['num_steps']} | {cost['tokens']} | {cost['full_forward']['ce']:.4f} | "
+            f"{cost['per_step']['ce']:.4f} | {cost['shared']['ce']:.4f} | {cost['shared_ce_increase']:+.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _format(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return fmt.format(value)
+
+
+def render_report(report: dict) -> str:
+    """results.md: the data it was measured on, the metrics table and the KV cache comparison."""
+    data = report["data"]
+    text = (f"# Evaluation\n\nHeld-out split `{data['split']}` of `{data['data_dir']}`: {data['samples']} samples. "
+            "CE in nats per token; tokens/s: greedy generation with the KV cache. Predicting every token from its "
+            f"frequency alone gives CE {data['frequency_only_ce']:.4f} on these tokens.\n\n")
+    text += markdown_table(report["results"])
+    if report["cache_mode_cost"]:
+        text += ("\n## KV cache modes\n\nTeacher-forced decoding, one token at a time after a prefilled prefix. "
+                 "`per_step` is exact (equals the full forward); `shared` keeps one cache per core layer.\n\n")
+        text += cache_cost_table(report["cache_mode_cost"])
+    return text
+
+
+def write_report(report: dict, output_dir: str) -> list[str]:
+    """results.json and results.md in `output_dir` (each written atomically); returns their paths."""
+    os.makedirs(output_dir, exist_ok=True)
+    paths = [os.path.join(output_dir, RESULTS_JSON), os.path.join(output_dir, RESULTS_MD)]
+    write_text(paths[0], json.dumps(report, indent=2) + "\n")
+    write_text(paths[1], render_report(report))
+    return paths
+
+
+def read_report(path: str) -> dict:
+    """A results.json written by `write_report`."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

@@ -1,0 +1,312 @@
+"""The arguments of a training run: the model, the data, `RecurrentTrainingArguments`, and their defaults.
+
+Schedule fields a user leaves unset (`learning_rate`, `warmup_steps`, `max_steps`, `num_train_epochs`) stay None
+until `resolve_schedule_defaults` fills them, once the model's size is known: a 3e-3 learning rate with 30 warm-up
+steps suits the CPU demo and diverges at the billion scale. `COMMAND_LINE_DEFAULTS` holds what a bare command
+(`hf-recurrent-pretrain`, `hf-recurrent-find-lr`) runs with besides: the debug preset on the embedded corpus.
+"""
+
+import contextlib
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainingArguments
+
+from hf_recurrent import presets
+from trainer_ext.distill.losses import DIVERGENCES
+from trainer_ext.training.optimizer import check_gradient_accumulation
+from trainer_ext.training.stability import check_settings
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZERS = ("low_memory", "hf")
+# Batch key of the targets aligned with positions (target t belongs to input t); HF's loss functions use the
+# same name for labels that are already shifted.
+TARGETS = "shift_labels"
+_CHECKPOINTING = (
+    "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
+
+# The low-memory optimizer's bf16 momentum costs 2 bytes per parameter. It is on by default below this size
+# (recurrent-3.3b: +6.7 GB, still fits a 24 GB card) and off from it up (recurrent-7b would need +13.8 GB): at 121M
+# parameters it brought the held-out loss from 8.6% to 0.6% behind AdamW, and on small recurrent models in bf16 it
+# made the difference between a stalled and a healthy run (BENCHMARKS.md).
+AUTO_MOMENTUM, AUTO_MOMENTUM_MAX_PARAMS = 0.9, 5e9
+
+# Models of LARGE_MODEL_PARAMS or more get LARGE_MODEL_SCHEDULE where the user left a field unset, smaller ones
+# SMALL_MODEL_SCHEDULE (the CPU demo: a few minutes on the debug preset).
+LARGE_MODEL_PARAMS = 50e6
+LARGE_MODEL_SCHEDULE = {"learning_rate": 3e-4, "warmup_steps": 2000, "max_steps": -1}
+SMALL_MODEL_SCHEDULE = {"learning_rate": 3e-3, "warmup_steps": 30, "max_steps": 240}
+# A large model without a step budget trains one epoch.
+LARGE_MODEL_EPOCHS = 1.0
+SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "max_steps", "num_train_epochs")
+
+# What a bare command runs with besides the schedule; the command line is appended, so anything on it wins.
+COMMAND_LINE_DEFAULTS = [
+    "--output_dir", os.path.join("outputs", "run_pretrain"),
+    "--per_device_train_batch_size", "8",
+    "--per_device_eval_batch_size", "16",
+    "--lr_scheduler_type", "cosine",
+    "--logging_steps", "20",
+    "--eval_strategy", "steps",
+    "--eval_steps", "120",
+    "--save_steps", "120",
+    "--save_total_limit", "2",
+    "--report_to", "none",
+    "--dataloader_num_workers", "0",
+    "--seed", "0",
+] + ([] if torch.cuda.is_available() else ["--dataloader_pin_memory", "false"])
+
+
+def resolve_momentum(momentum: float | None, num_params: int) -> float | None:
+    """The optimizer's beta1: the argument if given (0 = off), else the size-based default."""
+    if momentum is None:
+        return AUTO_MOMENTUM if num_params < AUTO_MOMENTUM_MAX_PARAMS else None
+    return momentum or None
+
+
+@dataclass
+class ModelArguments:
+    preset: str = field(default="debug", metadata={"help": f"One of {list(presets.NAMES)}."})
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Start from this checkpoint instead of a fresh preset."})
+    config_overrides: str | None = field(
+        default=None, metadata={"help": "Comma-separated config fields, e.g. 'mean_recurrence=8,injection=add'."})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), bfloat16 or float32."})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "eager, sdpa or flash_attention_2."})
+    teacher_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Online teacher: any causal LM sharing the student's tokenizer."})
+    teacher_device: str | None = field(
+        default=None, metadata={"help": "Where the teacher runs, e.g. cuda:1 (default: the training device)."})
+    teacher_quantization: str = field(
+        default="none", metadata={"help": "none, 8bit or 4bit (bitsandbytes, CUDA only) to fit a larger teacher."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run the Python code a --model_name_or_path / --teacher_model_name_or_path "
+                                         "repository ships (auto_map). Off by default: a hub id's code runs on this "
+                                         "machine. Not needed for this package's recurrent-depth checkpoints."})
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"--dtype={self.dtype!r} is not allowed; choose one of ['auto', 'bfloat16', 'float32'].")
+
+
+@dataclass
+class DataArguments:
+    data_dir: str | None = field(
+        default=None, metadata={"help": "Prepared shards (hf-recurrent-prepare-data). Default: the embedded corpus, "
+                                        "prepared on first use."})
+    max_eval_samples: int | None = field(default=256, metadata={"help": "Evaluate on at most this many samples."})
+    teacher_cache_dir: str | None = field(
+        default=None, metadata={"help": "Offline teacher top-k cache (hf-recurrent-cache-teacher) aligned with "
+                                        "--data_dir."})
+    save_final: bool = field(default=True, metadata={"help": "Save the final model to <output_dir>/final."})
+
+
+@dataclass
+class RecurrentTrainingArguments(TrainingArguments):
+    # The schedule: None where the user leaves it, filled by `resolve_schedule_defaults` from the model's size.
+    learning_rate: float | None = field(
+        default=None, metadata={"help": f"Peak learning rate (default: --learning_rate_from's, else "
+                                        f"{LARGE_MODEL_SCHEDULE['learning_rate']:g} for models of "
+                                        f"{LARGE_MODEL_PARAMS / 1e6:.0f}M parameters or more, "
+                                        f"{SMALL_MODEL_SCHEDULE['learning_rate']:g} below)."})
+    learning_rate_from: str | None = field(
+        default=None, metadata={"help": "lr_sweep.json of hf-recurrent-find-lr (or its folder): take its learning_rate "
+                                        "unless --learning_rate is given."})
+    warmup_steps: float | None = field(
+        default=None, metadata={"help": f"Linear warm-up steps, or a fraction of the run if < 1 (default: "
+                                        f"{LARGE_MODEL_SCHEDULE['warmup_steps']} for large models, "
+                                        f"{SMALL_MODEL_SCHEDULE['warmup_steps']} below)."})
+    max_steps: int | None = field(
+        default=None, metadata={"help": f"Optimizer steps; -1 trains --num_train_epochs (default: -1 and one epoch "
+                                        f"for large models, {SMALL_MODEL_SCHEDULE['max_steps']} below)."})
+    num_train_epochs: float | None = field(
+        default=None, metadata={"help": "Epochs when --max_steps is -1 (default: 1 for a large model without "
+                                        "--max_steps, else 3)."})
+    backprop_depth: int | None = field(
+        default=None, metadata={"help": "Gradients through the last k recurrent steps only (default: the config's)."})
+    depth_seed: int = field(default=0, metadata={"help": "Seed of the per-step depth sampler."})
+    eval_num_steps: int | None = field(
+        default=None, metadata={"help": "Depth used for evaluation (default: the config's mean_recurrence)."})
+    optimizer: str = field(
+        default="low_memory",
+        metadata={"help": "low_memory (factored, bf16 in place, update in backward) or hf (use `optim`)."})
+    optimizer_in_backward: bool = field(
+        default=True, metadata={"help": "Update each tensor as soon as its gradient exists (gradient release)."})
+    optimizer_momentum: float | None = field(
+        default=None, metadata={"help": "beta1 of a bf16 first moment (2 bytes per parameter); 0 turns it off. Default: "
+                                        "0.9 for models under 5B parameters, off from 5B up (see resolve_momentum)."})
+    optimizer_clip_threshold: float = field(default=1.0, metadata={"help": "Per-tensor update RMS clip."})
+    profile_steps: int = field(default=30, metadata={"help": "Synchronized phase timing for the first N steps."})
+    peak_flops: float | None = field(
+        default=None, metadata={"help": "Peak FLOP/s for MFU (default: the device's bf16 datasheet peak)."})
+    loss_chunk_size: int = field(default=1024, metadata={"help": "Positions per chunk of the LM loss."})
+    distill_alpha: float = field(default=0.5, metadata={"help": "Weight of the distillation term."})
+    distill_temperature: float = field(default=1.0, metadata={"help": "Distillation temperature T."})
+    distill_divergence: str = field(default="forward_kl", metadata={"help": f"One of {list(DIVERGENCES)}."})
+    stability_guard: bool = field(
+        default=True, metadata={"help": "Skip the update of a loss spike, lower the learning rate for a while after "
+                                        "a gradient-norm blow-up, stop after many skips in a row."})
+    stability_warmup_steps: int = field(
+        default=20, metadata={"help": "Losses (and gradient norms) seen before the guard compares against them."})
+    stability_loss_spike: float = field(default=1.0, metadata={"help": "Nats above the running mean that skip a step."})
+    stability_loss_spike_sigmas: float = field(
+        default=2.5, metadata={"help": "... or this many running standard deviations of the loss, if more (0: the "
+                                       "fixed limit alone): small batches are noisy."})
+    stability_grad_norm_factor: float = field(
+        default=10.0, metadata={"help": "A gradient norm this many times its running typical value lowers the "
+                                        "learning rate (low_memory optimizer only: it reports the norm for free)."})
+    stability_lr_factor: float = field(default=0.5, metadata={"help": "Learning-rate multiplier after a blow-up."})
+    stability_cooldown_steps: int = field(
+        default=100, metadata={"help": "Steps at the lowered learning rate; it then returns to the schedule "
+                                       "linearly over as many steps."})
+    stability_max_consecutive_skips: int = field(default=20, metadata={"help": "Stop after this many skips in a row."})
+    collapse_check_steps: int = field(
+        default=10, metadata={"help": "Stop training (an error) once the training cross-entropy has stayed within "
+                                      "--collapse_margin nats of ln(vocab_size), the loss of uniform predictions, "
+                                      "for this many steps in a row: the model has collapsed, usually from too high "
+                                      "a learning rate. 0 turns the check off."})
+    collapse_margin: float = field(
+        default=0.05, metadata={"help": "Nats around ln(vocab_size) that count as uniform predictions."})
+    # Activation checkpointing on by default (transformers >= 5.24 renamed the flag; keep one, no warning).
+    __annotations__[_CHECKPOINTING] = bool
+    vars()[_CHECKPOINTING] = field(default=True, metadata={"help": "Recompute layer activations in backward."})
+    # transformers 5 dropped `overwrite_output_dir` from TrainingArguments; `pretrain` still follows run_clm.py's
+    # rule, so the flag lives here (the Trainer itself ignores it).
+    if "overwrite_output_dir" not in TrainingArguments.__dataclass_fields__:
+        overwrite_output_dir: bool = field(
+            default=False, metadata={"help": "Start afresh in a non-empty --output_dir: its checkpoints and final/ "
+                                             "are deleted before training (default: resume its last complete "
+                                             "checkpoint; refuse a folder without one)."})
+    prediction_loss_only: bool = field(default=True, metadata={"help": "Evaluation computes the loss only."})
+    # Batches carry keys the model's forward does not take (targets, teacher top-k): the loss reads them.
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Drop batch keys forward does not take."})
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer={self.optimizer!r} is not allowed; choose one of {list(OPTIMIZERS)}.")
+        if self.torch_compile_mode == "reduce-overhead" or self.torch_compile_mode == "max-autotune":
+            raise ValueError(
+                f"--torch_compile_mode={self.torch_compile_mode!r} uses CUDA graphs, which break with a depth that "
+                "changes every step and with gradient checkpointing; use 'default' or 'max-autotune-no-cudagraphs'."
+            )
+        if self.distill_divergence not in DIVERGENCES:
+            raise ValueError(
+                f"--distill_divergence={self.distill_divergence!r} is not allowed; choose one of {list(DIVERGENCES)}.")
+        self._check_ranges()
+        check_settings(**self.stability_settings(), name_prefix="--stability_")
+        if self.label_names is None:
+            self.label_names = [TARGETS]
+        if self.tf32 is None and torch.cuda.is_available():
+            # fp32 matmuls (the loss's head-gradient accumulation) otherwise run on SIMT cores: ~8% of a 3B step.
+            self.tf32 = True
+        if getattr(self, f"{_CHECKPOINTING}_kwargs") is None:
+            setattr(self, f"{_CHECKPOINTING}_kwargs", {"use_reentrant": False})
+        if self.disable_tqdm is None:
+            # In a log file every bar refresh is one more carriage-return line (thousands per run); the log lines
+            # (loss, learning rate every --logging_steps) still say how far it got.
+            self.disable_tqdm = not sys.stderr.isatty()
+        uses_release = self.optimizer == "low_memory" and self.optimizer_in_backward
+        if uses_release:
+            check_gradient_accumulation(self.gradient_accumulation_steps, in_backward=True)
+            # Gradients are freed as they are used: there is nothing left to clip; the optimizer clips per tensor.
+            self.max_grad_norm = 0.0
+        with self._unset_warmup_checked_as_zero():
+            super().__post_init__()
+
+    @contextlib.contextmanager
+    def _unset_warmup_checked_as_zero(self):
+        """TrainingArguments compares warmup_steps with 0: an unset one passes that check and stays unset."""
+        unset = self.warmup_steps is None
+        if unset:
+            self.warmup_steps = 0
+        try:
+            yield
+        finally:
+            if unset:
+                self.warmup_steps = None
+
+    def _check_ranges(self):
+        """Our fields' ranges, checked here because otherwise they fail late: at the first step (a depth of 0, a
+        distillation weight of 5) or only at the first evaluation, after that many steps of training are lost."""
+        def check(name: str, ok: bool, allowed: str):
+            if not ok:
+                raise ValueError(f"--{name}={getattr(self, name)!r} is not allowed; it must be {allowed}.")
+
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        for name in ("backprop_depth", "eval_num_steps"):
+            value = getattr(self, name)
+            check(name, value is None or (is_int(value) and value >= 1),
+                  "an integer >= 1 (recurrent steps), or unset for the model config's default")
+        check("profile_steps", is_int(self.profile_steps) and self.profile_steps >= 0,
+              "an integer >= 0 (0 turns step profiling off)")
+        check("loss_chunk_size", is_int(self.loss_chunk_size) and self.loss_chunk_size >= 1,
+              "an integer >= 1 (positions per chunk of the loss)")
+        check("optimizer_momentum",
+              self.optimizer_momentum is None or (is_number(self.optimizer_momentum)
+                                                  and 0 <= self.optimizer_momentum < 1),
+              "in [0, 1) (0 turns momentum off), or unset for the size-based default")
+        check("optimizer_clip_threshold",
+              is_number(self.optimizer_clip_threshold) and self.optimizer_clip_threshold > 0, "a number > 0")
+        check("peak_flops", self.peak_flops is None or (is_number(self.peak_flops) and self.peak_flops > 0),
+              "a number > 0 (FLOP/s), or unset for the device's datasheet peak")
+        check("distill_alpha", is_number(self.distill_alpha) and 0 <= self.distill_alpha <= 1,
+              "in [0, 1] (the weight of the distillation term; 1 - alpha weighs the plain cross-entropy)")
+        check("distill_temperature", is_number(self.distill_temperature) and self.distill_temperature > 0,
+              "a number > 0")
+        check("collapse_check_steps", is_int(self.collapse_check_steps) and self.collapse_check_steps >= 0,
+              "an integer >= 0 (0 turns the collapse check off)")
+        check("collapse_margin", is_number(self.collapse_margin) and self.collapse_margin > 0, "a number > 0 (nats)")
+
+    def stability_settings(self) -> dict:
+        """Keyword arguments of `StabilityGuard` from the `stability_*` fields."""
+        return dict(warmup_steps=self.stability_warmup_steps, loss_spike=self.stability_loss_spike,
+                    loss_spike_sigmas=self.stability_loss_spike_sigmas,
+                    grad_norm_factor=self.stability_grad_norm_factor, lr_factor=self.stability_lr_factor,
+                    cooldown_steps=self.stability_cooldown_steps,
+                    max_consecutive_skips=self.stability_max_consecutive_skips)
+
+
+def resolve_schedule_defaults(training_args: RecurrentTrainingArguments, num_params: int) -> dict:
+    """Fill the schedule fields left None, in place, for a model of `num_params` parameters.
+
+    learning_rate: the rate of the --learning_rate_from sweep file, else the size's default. warmup_steps and
+    max_steps: LARGE_MODEL_SCHEDULE from LARGE_MODEL_PARAMS up (one epoch where max_steps is unset), else
+    SMALL_MODEL_SCHEDULE. num_train_epochs: TrainingArguments' default (3) where not set otherwise. Fields the user
+    set are never changed. Returns the large-model defaults applied (empty for a small model), for the log.
+    """
+    from trainer_ext.training.lr_sweep_file import read_sweep_choice
+
+    large = num_params >= LARGE_MODEL_PARAMS
+    if training_args.learning_rate is None and training_args.learning_rate_from:
+        training_args.learning_rate = read_sweep_choice(training_args.learning_rate_from)["learning_rate"]
+        logger.info("Learning rate %g from %s", training_args.learning_rate, training_args.learning_rate_from)
+    schedule = LARGE_MODEL_SCHEDULE if large else SMALL_MODEL_SCHEDULE
+    applied = {name: value for name, value in schedule.items() if getattr(training_args, name) is None}
+    if large and training_args.max_steps is None and training_args.num_train_epochs is None:
+        applied["num_train_epochs"] = LARGE_MODEL_EPOCHS
+    for name, value in applied.items():
+        setattr(training_args, name, value)
+    fill_unset_schedule(training_args)  # num_train_epochs where max_steps decides
+    return applied if large else {}
+
+
+def fill_unset_schedule(training_args) -> None:
+    """Schedule fields still None take TrainingArguments' defaults (5e-5, no warm-up, 3 epochs), in place.
+
+    `RecurrentTrainer` calls this, so arguments built in code train as the HF Trainer would; `pretrain` calls
+    `resolve_schedule_defaults` first, which leaves nothing unset."""
+    for name in SCHEDULE_FIELDS:
+        if getattr(training_args, name) is None:
+            setattr(training_args, name, TrainingArguments.__dataclass_fields__[name].default)

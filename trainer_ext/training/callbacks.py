@@ -1,0 +1,67 @@
+"""The callbacks `RecurrentTrainer` adds to the Trainer's loop: phase timing of the optimizer step, the stability
+guard's points outside `compute_loss`, and the start of the collapse / skipped-update bookkeeping."""
+
+from typing import TYPE_CHECKING
+
+from transformers import TrainerCallback
+
+from trainer_ext.training.telemetry import PhaseProfiler
+
+if TYPE_CHECKING:
+    from trainer_ext.training.trainer import RecurrentTrainer
+
+# The guard's running statistics live in the trainer state (trainer_state.json of each checkpoint) under this key,
+# so that a resumed run takes the decisions an uninterrupted one would have taken.
+STABILITY_STATE_KEY = "StabilityGuard"
+
+
+class PhaseTimingCallback(TrainerCallback):
+    """Times the optimizer step the Trainer runs between backward and the next batch."""
+
+    def __init__(self, profiler: PhaseProfiler):
+        self.profiler = profiler
+        self._phase = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._phase = self.profiler.phase("optimizer")
+        self._phase.__enter__()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._phase is not None:
+            self._phase.__exit__(None, None, None)
+            self._phase = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.profiler.mark_step_end()
+
+
+class TrainingHooksCallback(TrainerCallback):
+    """`RecurrentTrainer`'s points in the Trainer's loop outside `compute_loss`: the stability guard's (with
+    `args.stability_guard`) and the start of the collapse / skipped-update bookkeeping of each `train()`, once a
+    resumed optimizer is loaded."""
+
+    def __init__(self, trainer: "RecurrentTrainer"):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.stability_guard:
+            self.trainer._start_stability_guard(state)
+        self.trainer._reset_health_bookkeeping()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if args.stability_guard:
+            # Before the scheduler steps: it must never see (and build on) the guard's lowered rate.
+            self.trainer._restore_scheduled_lr()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not args.stability_guard:
+            return
+        if control.should_save:
+            # The step's gradient norm is otherwise read at the next step, which a run resumed from this
+            # checkpoint would never see; waiting for it costs nothing next to writing a checkpoint.
+            self.trainer._observe_grad_norm()
+        state.stateful_callbacks[STABILITY_STATE_KEY] = self.trainer.stability.state_dict()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if args.stability_guard:
+            self.trainer._write_interventions()

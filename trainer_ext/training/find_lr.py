@@ -1,0 +1,98 @@
+"""The learning-rate sweep of a production run as one library call: `find_lr(model_args, data_args, training_args,
+sweep_args)` takes pretrain's model, data and training arguments (the trials use its optimizer, precision, batch
+size and checkpointing, so they fit the same memory) plus the sweep's own (`lr_finder.SweepArguments`), and writes
+lr_sweep.json / .md / .png into --output_dir. The schedule, evaluation and saving arguments of a training run are
+replaced by each trial's (`lr_finder.trial_arguments`)."""
+
+import logging
+import os
+
+from transformers import set_seed
+
+from hf_recurrent.cost import tokens_per_optimizer_step
+from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
+from trainer_ext.devices import resolve_dtype
+from trainer_ext.distill.cache import TeacherCacheDataset
+from trainer_ext.training.arguments import (
+    COMMAND_LINE_DEFAULTS,
+    DataArguments,
+    ModelArguments,
+    RecurrentTrainingArguments,
+)
+from trainer_ext.training.distributed import check_processes_coordinated
+from trainer_ext.training.lr_finder import SweepArguments, find_learning_rate, resolve_sweep_defaults
+from trainer_ext.training.model_setup import build_model, load_data_tokenizer, load_teacher_for, meta_model
+from trainer_ext.training.pretrain import ensure_data, parse_args_with_defaults
+
+logger = logging.getLogger(__name__)
+
+FIND_LR_DEFAULTS = COMMAND_LINE_DEFAULTS + ["--output_dir", os.path.join("outputs", "find_lr")]
+# Schedule fields of a training run that the trials replace; given anyway, they are named in the log.
+REPLACED_WHEN_SET = ("learning_rate", "learning_rate_from", "warmup_steps", "max_steps", "num_train_epochs")
+
+
+def parse_find_lr_args(argv=None) -> tuple[ModelArguments, DataArguments, RecurrentTrainingArguments, SweepArguments]:
+    """(model_args, data_args, training_args, sweep_args) of a find-lr command line (sys.argv without `argv`)."""
+    return tuple(parse_args_with_defaults(
+        (ModelArguments, DataArguments, RecurrentTrainingArguments, SweepArguments), argv, FIND_LR_DEFAULTS))
+
+
+def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args: RecurrentTrainingArguments,
+            sweep_args: SweepArguments) -> dict:
+    """Run the sweep, write its files; returns the lr_sweep.json record (`learning_rate` None: no stable rate).
+
+    Fills the sweep fields left None (`lr_finder.resolve_sweep_defaults`, from the model's size), in place."""
+    check_processes_coordinated(training_args.distributed_state)
+    replaced = [name for name in REPLACED_WHEN_SET if getattr(training_args, name) is not None]
+    if replaced:
+        logger.info("Replaced by each trial's schedule (see --sweep_steps, --learning_rates): %s", replaced)
+    if data_args.teacher_cache_dir and model_args.teacher_model_name_or_path:
+        raise ValueError("Pass either --teacher_model_name_or_path (online) or --teacher_cache_dir (offline).")
+
+    data_dir = ensure_data(data_args.data_dir)
+    tokenizer = load_data_tokenizer(data_dir)
+    shape = meta_model(model_args, tokenizer)
+    num_params = sum(p.numel() for p in shape.parameters())
+    vocab_size = shape.config.vocab_size
+    del shape
+    applied = resolve_sweep_defaults(sweep_args, num_params)
+    if applied:
+        logger.info("Sweep defaults for a model of %.1fM parameters (set them to override): %s",
+                    num_params / 1e6, applied)
+
+    train_set = ShardedTokenDataset(data_dir, "train", expected_tokenizer_hash=tokenizer_hash(tokenizer),
+                                    model_vocab_size=vocab_size)
+    trainer_kwargs = {"processing_class": tokenizer}
+    if data_args.teacher_cache_dir:  # the trials then train on the distillation loss, as the run will
+        train_set = TeacherCacheDataset(train_set, data_args.teacher_cache_dir)
+    teacher = load_teacher_for(model_args, tokenizer, training_args.device)  # loaded once, shared by every trial
+    if teacher is not None:
+        trainer_kwargs.update(teacher=teacher, teacher_vocab_limit=len(tokenizer))
+
+    def make_model():
+        set_seed(training_args.seed)  # the seed pretrain builds its model with: every trial, the same init
+        return build_model(model_args, len(tokenizer), tokenizer, training_args.device)
+
+    info = {
+        "model": model_args.model_name_or_path or model_args.preset,
+        "preset": None if model_args.model_name_or_path else model_args.preset,
+        "config_overrides": model_args.config_overrides,
+        "num_parameters": num_params,
+        "data_dir": data_dir,
+        "seq_len": train_set.seq_len,
+        "per_device_train_batch_size": training_args.per_device_train_batch_size,
+        "world_size": training_args.world_size,
+        "tokens_per_step": tokens_per_optimizer_step(training_args, train_set.seq_len),
+        "dtype": str(resolve_dtype(model_args.dtype, training_args.device)).removeprefix("torch."),
+        "device": str(training_args.device),
+        "optimizer": training_args.optimizer,
+        "seed": training_args.seed,
+    }
+    logger.info("Sweeping %s on %s (%.1fM parameters), %d steps per rate: %s", info["model"], training_args.device,
+                num_params / 1e6, sweep_args.sweep_steps, [f"{rate:g}" for rate in sweep_args.learning_rates])
+    result = find_learning_rate(make_model, training_args, train_set, sweep_args, trainer_kwargs, info)
+    if result["learning_rate"] is not None:
+        logger.info("Chosen learning rate %.3g (largest stable %g / margin %g): train with --learning_rate_from %s",
+                    result["learning_rate"], result["largest_stable_learning_rate"], sweep_args.margin,
+                    os.path.join(training_args.output_dir, "lr_sweep.json"))
+    return result

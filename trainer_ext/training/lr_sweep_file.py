@@ -1,0 +1,136 @@
+"""The files of a learning-rate sweep, written and read here: lr_sweep.json (the record, and the `learning_rate`
+that `hf-recurrent-pretrain --learning_rate_from` takes), lr_sweep.md (a table) and lr_sweep.png (the curves)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from trainer_ext.data.shards import load_manifest
+from trainer_ext.files import atomic_open, write_json, write_text
+
+SWEEP_FILE, REPORT_FILE, PLOT_FILE = "lr_sweep.json", "lr_sweep.md", "lr_sweep.png"
+FORMAT_VERSION = 1
+
+
+def format_optional(value, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def write_sweep(output_dir: str, result: dict) -> list[str]:
+    """The three files of a sweep; each written atomically."""
+    return [
+        write_json(os.path.join(output_dir, SWEEP_FILE), result),
+        write_text(os.path.join(output_dir, REPORT_FILE), format_report(result)),
+        plot_sweep(result, os.path.join(output_dir, PLOT_FILE)),
+    ]
+
+
+def format_report(result: dict) -> str:
+    sweep = result["sweep"]
+    lines = [
+        "# Learning-rate sweep",
+        "",
+        f"Model {result.get('model', '?')} ({_fmt_params(result.get('num_parameters'))}), seq_len "
+        f"{result.get('seq_len', '?')}, batch {result.get('per_device_train_batch_size', '?')} per device, "
+        f"{sweep['sweep_steps']} steps per trial ({sweep['sweep_warmup_steps']} warm-up, then constant).",
+        f"Initial / final loss: means of the first / last steps after warm-up. Spike: a loss "
+        f"{sweep['spike_nats']} nats above the lowest so far. Grad-norm ratio: median of the last quarter of the "
+        f"trial / median of its first quarter (unstable from {sweep['max_grad_norm_growth']:g}).",
+        "",
+        "| lr | initial loss | final loss | spikes | grad-norm ratio | stable |",
+        "| ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for trial in result["trials"]:
+        if trial.get("skipped"):
+            lines.append(f"| {trial['learning_rate']:g} | - | - | - | - | {trial['unstable_reasons'][0]} |")
+            continue
+        verdict = "yes" if trial["stable"] else f"no: {', '.join(trial['unstable_reasons'])}"
+        lines.append(f"| {trial['learning_rate']:g} | {format_optional(trial['initial_loss'])} "
+                     f"| {format_optional(trial['final_loss'])} "
+                     f"| {trial['spikes']} | {format_optional(trial['grad_norm_ratio'], '.2f')} | {verdict} |")
+    lines.append("")
+    if result["learning_rate"] is None:
+        lines.append("No rate was stable from the smallest up: try smaller rates with `--learning_rates`.")
+    else:
+        lines.append(
+            f"**Chosen: learning_rate {result['learning_rate']:.3g}** (largest stable "
+            f"{result['largest_stable_learning_rate']:g} / margin {result['margin']:g}), found with "
+            f"{result['sweep']['sweep_warmup_steps']} warm-up steps. Train with `hf-recurrent-pretrain ... "
+            f"--learning_rate_from` and this folder's {SWEEP_FILE} (the run keeps its own warm-up).")
+        if result["first_unstable_learning_rate"] is None:
+            lines.append("")
+            lines.append("Every rate was stable: the threshold lies above the grid; add larger rates to find it.")
+        if result["stable_above_first_unstable"]:
+            lines.append("")
+            lines.append(f"Stable above the first unstable rate ({result['first_unstable_learning_rate']:g}), "
+                         f"not trusted: {', '.join(f'{r:g}' for r in result['stable_above_first_unstable'])}.")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_params(num_parameters) -> str:
+    return "? parameters" if num_parameters is None else f"{num_parameters / 1e6:.1f}M parameters"
+
+
+def plot_sweep(result: dict, path: str) -> str:
+    """Loss and grad norm per step, one line per rate; unstable rates dashed, the warm-up end marked."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11.0, 4.0), layout="constrained")
+    FigureCanvasAgg(figure)
+    loss_ax, grad_ax = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    ran = [trial for trial in result["trials"] if not trial.get("skipped")]
+    for index, trial in enumerate(ran):
+        curve = trial["curve"]
+        style = {"color": f"C{index % 10}", "linewidth": 1.2, "linestyle": "-" if trial["stable"] else "--",
+                 "label": f"{trial['learning_rate']:g}" + ("" if trial["stable"] else " (unstable)")}
+        loss_ax.plot(*_points(curve["step"], curve["loss"]), **style)
+        grad_ax.plot(*_points(curve["step"], curve["grad_norm"]), **style)
+    # A diverged trial's loss would squash the others: the axis ends a little above the highest first loss.
+    starts = [trial["start_loss"] for trial in ran if trial.get("start_loss") is not None]
+    lows = [v for trial in ran for v in trial["curve"]["loss"] if v is not None]
+    if starts and lows:
+        loss_ax.set_ylim(min(lows) - 0.1, max(starts) + 0.5)
+    if any(v is not None and v > 0 for trial in ran for v in trial["curve"]["grad_norm"]):
+        grad_ax.set_yscale("log")
+    for ax, label in ((loss_ax, "training loss (nats/token)"), (grad_ax, "gradient norm")):
+        ax.axvline(result["sweep"]["sweep_warmup_steps"], color="gray", linewidth=0.8, linestyle=":")
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    loss_ax.legend(title="learning rate", fontsize="small")
+    chosen = result["learning_rate"]
+    figure.suptitle(f"{result.get('model', '')}: chosen learning rate "
+                    + ("none (no stable rate)" if chosen is None else f"{chosen:.3g}"))
+    with atomic_open(path, "wb") as f:
+        figure.savefig(f, format="png", dpi=110)
+    return path
+
+
+def _points(steps: list, values: list) -> tuple[list, list]:
+    pairs = [(s, v) for s, v in zip(steps, values) if v is not None]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+# ----------------------------------------------------------------------------- reading the pick
+
+
+def read_sweep_choice(path: str) -> dict:
+    """`learning_rate` from an lr_sweep.json, or from the folder holding one.
+
+    Raises ValueError naming the file and the fix when it is missing, malformed, or holds no stable rate.
+    """
+    if os.path.isdir(path):
+        path = os.path.join(path, SWEEP_FILE)
+    rerun = f"run hf-recurrent-find-lr (it writes <output_dir>/{SWEEP_FILE}) and pass that file to --learning_rate_from"
+    data = load_manifest(path, ("format_version", "learning_rate"), FORMAT_VERSION, not_found=f"{rerun}.", fix=rerun)
+    rate = data["learning_rate"]
+    if rate is None:
+        raise ValueError(f"--learning_rate_from {path}: the sweep found no stable learning rate; rerun "
+                         "hf-recurrent-find-lr with smaller --learning_rates.")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"--learning_rate_from {path}: 'learning_rate' is {rate!r}, not a positive number; {rerun}.")
+    # Only the rate: the trials' short warm-up was enough for a few dozen steps, not for a long run, whose
+    # warm-up stays the command line's or the large-model default.
+    return {"learning_rate": float(rate)}
