@@ -16,6 +16,7 @@ import re
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -25,7 +26,6 @@ from hf_recurrent.cost import ParameterCounts, flops_per_token, parameter_counts
 from hf_recurrent.presets import is_recurrent
 
 from trainer_ext.files import write_text
-from trainer_ext.hub import model_cards
 
 CARD_NAME = "README.md"
 BASE_TAGS = ("hf-recurrent",)
@@ -258,7 +258,15 @@ _KV_NOTES = {
 
 
 def _template(name: str) -> string.Template:
-    return string.Template(model_cards.template_text(name))
+    try:
+        from trainer_ext.hub import model_cards
+
+        return string.Template(model_cards.template_text(name))
+    except ImportError:
+        # A source checkout run without installing it (e.g. `python -m scripts.run_pretrain` on a machine where the
+        # package is only on PYTHONPATH): the templates are in model_cards/ at the repository root.
+        path = Path(__file__).resolve().parents[2] / "model_cards" / f"{name}.md"
+        return string.Template(path.read_text(encoding="utf-8"))
 
 
 def render_model_card(model_or_config, info: ModelCardInfo | None = None) -> str:
