@@ -3,6 +3,7 @@ small library modules, every library package installed, console entry points tha
 
 import ast
 import importlib.metadata
+import os
 import pathlib
 import subprocess
 import sys
@@ -29,7 +30,9 @@ def test_only_the_model_and_the_library_are_importable_outside_the_source_tree(t
             "names = ['scripts', 'model_cards', 'benchmarks', 'hf_recurrent', 'trainer_ext', 'trainer_ext.cli', "
             "'trainer_ext.hub.model_cards']; "
             "print({n: u.find_spec(n) is not None for n in names})")
-    found = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # what the install provides
+    found = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           check=True)
     assert ast.literal_eval(found.stdout.strip()) == {
         "scripts": False, "model_cards": False, "benchmarks": False, "hf_recurrent": True, "trainer_ext": True,
         "trainer_ext.cli": True, "trainer_ext.hub.model_cards": True}
