@@ -39,7 +39,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "eval")
 _REQUIRED_MANIFEST_FIELDS = ("format_version", "seq_len", "dtype", "vocab_size", "tokenizer_hash", "splits")
-_FIX_REPREPARE = "re-run `python -m trainer_ext.cli.prepare_data` with --overwrite for this output directory"
+_FIX_REPREPARE = "re-run `hf-recurrent-prepare-data` with --overwrite for this output directory"
 
 
 # ----------------------------------------------------------------------------- tokenizer identity
@@ -202,7 +202,7 @@ def read_manifest(data_dir: str) -> dict:
     """Load and sanity-check ``manifest.json``; raise ValueError naming the file and the fix."""
     path = os.path.join(os.fspath(data_dir), MANIFEST_NAME)
     not_found = ("a data directory is complete only once prepare_data has written its manifest; run "
-                 f"`python -m trainer_ext.cli.prepare_data --output_dir {data_dir}`.")
+                 f"`hf-recurrent-prepare-data --output_dir {data_dir}`.")
     manifest = load_manifest(path, _REQUIRED_MANIFEST_FIELDS, FORMAT_VERSION, not_found, _FIX_REPREPARE)
     if manifest["dtype"] not in ("uint16", "uint32"):
         raise ValueError(f"{path}: dtype '{manifest['dtype']}' is not uint16/uint32; {_FIX_REPREPARE}.")

@@ -54,7 +54,7 @@ TEACHER_MANIFEST_NAME = "teacher_manifest.json"
 LOGPROBS_DTYPE = np.dtype(np.float16)
 IDS_SUFFIX = ".topk_ids.npy"
 LOGPROBS_SUFFIX = ".topk_logprobs.npy"
-_FIX_RECACHE = "re-run `python -m trainer_ext.cli.cache_teacher` for this cache directory"
+_FIX_RECACHE = "re-run `hf-recurrent-cache-teacher` for this cache directory"
 # The smallest finite fp16: a log-prob below it (a -inf logit) is stored as that, i.e. probability 0.
 _FP16_MIN = float(np.finfo(np.float16).min)
 
@@ -70,7 +70,7 @@ def cache_file_names(token_file: str) -> tuple[str, str]:
 
 def read_teacher_manifest(cache_dir: str) -> dict:
     path = os.path.join(os.fspath(cache_dir), TEACHER_MANIFEST_NAME)
-    not_found = (f"{cache_dir} is not a teacher cache. Build one with `python -m trainer_ext.cli.cache_teacher "
+    not_found = (f"{cache_dir} is not a teacher cache. Build one with `hf-recurrent-cache-teacher "
                  f"--output_dir {cache_dir} --data_dir ... --teacher_model_name_or_path ...`.")
     required = ("format_version", "topk", "ids_dtype", "data", "teacher", "splits")
     return load_manifest(path, required, CACHE_FORMAT_VERSION, not_found, f"{_FIX_RECACHE} with --overwrite")
