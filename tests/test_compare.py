@@ -333,3 +333,29 @@ def test_state_overwrite_discards_only_other_settings(tmp_path):
         f.write("{truncated")
     with pytest.raises(ValueError, match="not a state file"):
         CompareState.open(path, {"cycle_tokens": 2})
+
+
+def test_trust_remote_code_reaches_the_teacher_cache_and_both_trainings(tmp_path, monkeypatch):
+    """--trust_remote_code, one flag of the comparison, is passed to every step that loads user-given model code:
+    the per-cycle teacher cache and the trainings (cycle 1 from a preset, later cycles from the previous weights)."""
+    from trainer_ext.comparison import pipeline
+
+    class CacheCalled(Exception):
+        pass
+
+    def cache_teacher(cache_args):
+        raise CacheCalled(cache_args.trust_remote_code)
+
+    monkeypatch.setattr(pipeline, "cache_teacher", cache_teacher)
+    for flag, expected in (([], False), (["--trust_remote_code", "true"], True)):
+        run = ComparisonRun(*parse_args(argv(tmp_path / "run", "--teacher_cache_model", "org/teacher",
+                                             "--tokenizer", "org/teacher", *flag)))
+        with pytest.raises(CacheCalled) as called:
+            run.cache_teacher(1)
+        assert called.value.args == (expected,)
+        trainings = [run.training(model, cycle, previous) for model in MODELS
+                     for cycle, previous in ((1, None), (2, str(tmp_path / "previous-final")))]
+        assert [t.arguments(run.args, run.options)[0].trust_remote_code for t in trainings] == [expected] * 4
+        # Consent to running code changes no result: a run continues when the flag is added later.
+        assert "trust_remote_code" not in json.dumps(run.identity())
+    assert not (tmp_path / "run").exists()  # checked and set up, nothing written

@@ -1,6 +1,9 @@
 import gc
 import json
 import math
+import pathlib
+import random
+import statistics
 import weakref
 
 import pytest
@@ -59,7 +62,7 @@ def test_sweep_marks_an_absurd_rate_unstable_and_picks_the_largest_stable_over_t
 
 def test_sweep_writes_a_table_and_a_plot(sweep_dir):
     report = (sweep_dir / "lr_sweep.md").read_text()
-    assert "| lr | initial loss | final loss | spikes | grad-norm ratio | stable |" in report
+    assert "| lr | initial loss | final loss | vs others | largest rise | spikes | grad-norm ratio | stable |" in report
     assert "| 0.001 |" in report and "| 1000 |" in report
     assert "--learning_rate_from" in report
     assert (sweep_dir / "lr_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -95,10 +98,11 @@ def test_run_pretrain_takes_the_rate_from_the_sweep_unless_set_on_the_command_li
 @pytest.mark.parametrize("content, message", [
     (None, "not found"),
     ("{not json", "not valid JSON"),
-    ('{"format_version": 1, "trials": []}', "missing fields \\['learning_rate'\\]"),
-    ('{"format_version": 2, "learning_rate": 0.001}', "format_version 2"),
-    ('{"format_version": 1, "learning_rate": null}', "smaller --learning_rates"),
-    ('{"format_version": 1, "learning_rate": -1}', "not a positive number"),
+    ('{"format_version": 2, "trials": []}', "missing fields \\['learning_rate'\\]"),
+    # Version 1 judged rates on raw batch losses: its pick is not taken.
+    ('{"format_version": 1, "learning_rate": 0.001}', "format_version 1"),
+    ('{"format_version": 2, "learning_rate": null}', "smaller --learning_rates"),
+    ('{"format_version": 2, "learning_rate": -1}', "not a positive number"),
 ])
 def test_a_missing_or_malformed_sweep_file_is_named_with_the_fix(tmp_path, content, message):
     path = tmp_path / "lr_sweep.json"
@@ -165,10 +169,11 @@ def test_a_trial_that_raises_is_unstable_larger_rates_are_skipped_and_models_are
 
 # ----------------------------------------------------------------------------- pure functions, synthetic curves
 
-def _summary(losses, grad_norms=None, error=None, warmup=4):
+def _summary(losses, grad_norms=None, error=None, warmup=4, reference=None):
     grad_norms = [1.0] * len(losses) if grad_norms is None else grad_norms
     return summarize_trial(losses, grad_norms, planned_steps=len(losses) if error is None else 40,
-                           warmup_steps=warmup, spike_nats=0.5, max_grad_norm_growth=10.0, error=error)
+                           warmup_steps=warmup, spike_nats=0.5, max_grad_norm_growth=10.0, error=error,
+                           reference=reference)
 
 
 def test_summary_of_a_smooth_curve_is_stable():
@@ -186,8 +191,8 @@ def test_summary_counts_spikes_above_the_running_minimum_after_warm_up_only():
     losses[3] = 6.45  # during warm-up: not a spike (nor above the first loss + 0.5)
     noisy = list(losses)
     noisy[20], noisy[21] = noisy[19] + 0.8, noisy[19] + 0.4  # a two-step blip: noise at a small batch
-    assert lr_finder.count_spikes(noisy, warmup_steps=4, spike_nats=0.3) == 2  # raw steps
-    assert _summary(noisy)["spikes"] == 0 and _summary(noisy)["stable"]  # judged on 9-step means
+    assert lr_finder.lasting_rise(noisy, warmup_steps=4, spike_nats=0.3)["spikes"] == 2  # raw steps
+    assert _summary(noisy)["spikes"] == 0 and _summary(noisy)["stable"]  # judged on 9-step medians
     for step in range(20, 30):  # a rise that lasts
         losses[step] = losses[19] + 1.2
     summary = _summary(losses)
@@ -245,3 +250,139 @@ def test_sweep_arguments_are_checked_and_small_models_get_a_quick_sweep():
     large = SweepArguments()
     assert resolve_sweep_defaults(large, num_params=3_000_000_000) == {}
     assert large.learning_rates == list(lr_finder.DEFAULT_LEARNING_RATES) and large.sweep_steps == 60
+
+
+# ----------------------------------------------------------------------------- judged against the other trials
+
+# A GPU sweep of recurrent-3.3b at batch 1 x 2048 (60 steps per rate, 10 warm-up), judged by the old rule (raw
+# batch losses, trailing means): it picked no rate. Its larger rates were skipped after 1e-3 was judged diverged.
+GPU_SWEEP = pathlib.Path(__file__).parent / "data" / "lr_sweep_recurrent-3.3b_batch1.json"
+
+
+def _replay(recorded):
+    sweep = SweepArguments(**recorded["sweep"])
+    ran = [trial for trial in recorded["trials"] if not trial["skipped"]]
+    trials, reference = lr_finder.judge_trials(ran, sweep)
+    return sweep, {trial["learning_rate"]: trial for trial in trials}, reference
+
+
+def test_replaying_the_gpu_batch_1_curves_judges_the_rates_not_the_batches():
+    recorded = json.loads(GPU_SWEEP.read_text())
+    assert recorded["learning_rate"] is None and recorded["trials"][0]["spikes"] == 10  # the old verdict on 1e-4
+    sweep, trials, reference = _replay(recorded)
+    assert sorted(trials) == [1e-4, 2e-4, 5e-4, 1e-3] and all(trial["paired"] for trial in trials.values())
+    assert len(reference) == 60
+
+    # (a) Outlier steps are not lasting rises: 1e-4 drew losses of 9.7, 15.6 and 13.1 at steps 14-16 (the others
+    # 7.6-9.8); 1e-3 one of 13.4 at warm-up step 4, above the first loss.
+    assert trials[1e-4]["curve"]["loss"][14] > 15 and trials[1e-3]["curve"]["loss"][3] > 13
+    assert trials[1e-4]["spikes"] == 0 and trials[1e-4]["largest_rise"] < sweep.spike_nats
+    assert not trials[1e-3]["diverged"] and trials[1e-3]["spikes"] == 0
+    # One more outlier (5 nats at step 40) in any trial changes neither its verdict nor its largest rise much.
+    for rate in trials:
+        bumped = json.loads(GPU_SWEEP.read_text())
+        trial = next(t for t in bumped["trials"] if t["learning_rate"] == rate)
+        trial["curve"]["loss"][39] += 5.0
+        again = _replay(bumped)[1][rate]
+        assert again["stable"] == trials[rate]["stable"] and again["spikes"] == 0
+        assert again["largest_rise"] == pytest.approx(trials[rate]["largest_rise"], abs=0.1)
+
+    # (b) After step 30 the four curves move together (each correlates > 0.9 with the per-step median): the
+    # batch drawn, not the rate, moves one step's loss. Curves that agree get the same verdict.
+    for trial in trials.values():
+        assert statistics.correlation(trial["curve"]["loss"][30:], reference[30:]) > 0.9
+    assert {trial["stable"] for trial in trials.values()} == {True}
+
+    # (c) The pick: at least 1e-4, below the smallest rate with a lasting rise (none here, up to the largest rate
+    # run, 1e-3), and the largest rate with every smaller one stable, over the margin.
+    pick = pick_learning_rate(list(trials.values()), sweep.margin)
+    rising = [rate for rate, trial in trials.items() if trial["spikes"]]
+    assert pick["learning_rate"] >= 1e-4 and pick["learning_rate"] < min(rising, default=math.inf)
+    assert pick["largest_stable_learning_rate"] == max(trials)
+    assert pick["learning_rate"] == pytest.approx(max(trials) / sweep.margin)
+    # Per-step judgement still ranks the rates: the smaller ones ended ahead of the larger ones on the same batches.
+    behind = [trials[rate]["final_vs_reference"] for rate in sorted(trials)]
+    assert behind == sorted(behind) and behind[0] < 0 < behind[-1]
+
+
+def _synthetic_trials(levels, difficulty, seed=0):
+    """Trials whose loss at each step is their own level plus the batch's shared difficulty, as at batch 1, plus
+    0.2 nats (RMS) of their own: the same batch is not equally hard for every model."""
+    rng = random.Random(1000 + seed)
+    return [{"learning_rate": rate, "skipped": False, "error": None,
+             "curve": {"step": list(range(1, len(level) + 1)),
+                       "loss": [lv + d + (rng.gauss(0.0, 0.2) if step else 0.0)
+                                for step, (lv, d) in enumerate(zip(level, difficulty))],
+                       "grad_norm": [1.0] * len(level)}}
+            for rate, level in levels.items()]
+
+
+def _difficulty(steps=60, seed=0):
+    """Batch-to-batch movement of 0.6 nats (RMS), shared by every trial (the same batches in the same order),
+    growing from none over the first 10 steps: an untrained model's loss is about ln V on any batch."""
+    rng = random.Random(seed)
+    return [rng.gauss(0.0, 0.6) * min(1.0, step / 10) for step in range(steps)]
+
+
+def _level(steps=60, speed=1.0, floor=7.0):
+    return [floor + 4.0 * math.exp(-speed * step / 12) for step in range(steps)]
+
+
+def _judge(levels, difficulty, warmup=10, seed=0):
+    sweep = SweepArguments(learning_rates=list(levels), sweep_steps=len(difficulty), sweep_warmup_steps=warmup)
+    trials, reference = lr_finder.judge_trials(_synthetic_trials(levels, difficulty, seed), sweep)
+    return {trial["learning_rate"]: trial for trial in trials}, reference
+
+
+def test_a_rate_whose_loss_rises_steadily_above_the_others_is_unstable():
+    difficulty = _difficulty()
+    diverging = _level(speed=1.5)
+    for step in range(25, 60):  # from step 25 on its loss climbs 0.04 nats a step while the others still fall
+        diverging[step] = diverging[24] + 0.04 * (step - 24)
+    levels = {1e-4: _level(speed=0.8), 3e-4: _level(speed=1.0), 1e-3: _level(speed=1.2), 3e-3: diverging}
+    trials, reference = _judge(levels, difficulty)
+    assert reference is not None
+    assert [trials[rate]["stable"] for rate in sorted(trials)] == [True, True, True, False]
+    assert trials[3e-3]["spikes"] > 0 and trials[3e-3]["largest_rise"] > 1.0
+    pick = pick_learning_rate(list(trials.values()), margin=2)
+    assert pick["first_unstable_learning_rate"] == 3e-3 and pick["learning_rate"] == pytest.approx(5e-4)
+
+
+def test_shared_hard_batches_make_no_rate_unstable_but_would_on_its_own():
+    difficulty = _difficulty(seed=1)
+    for step in range(40, 47):  # seven hard batches in a row, 1.5 nats harder for every rate
+        difficulty[step] += 1.5
+    levels = {1e-4: _level(speed=0.8), 3e-4: _level(speed=1.0), 1e-3: _level(speed=1.2)}
+    trials, _ = _judge(levels, difficulty)
+    assert all(trial["stable"] and trial["spikes"] == 0 for trial in trials.values())
+    # Judged alone (fewer than three comparable trials), the same curve shows a lasting rise: the batches.
+    alone, reference = _judge({1e-4: levels[1e-4], 3e-4: levels[3e-4]}, difficulty)
+    assert reference is None and not alone[1e-4]["paired"]
+    assert alone[1e-4]["spikes"] > 0 and not alone[1e-4]["stable"]
+
+
+def test_a_small_rate_that_falls_more_slowly_than_the_others_is_not_unstable():
+    difficulty = _difficulty(seed=2)
+    slow = [11.0 - 0.025 * step for step in range(60)]  # after warm-up it falls 1.25 nats, the others 1.7-2.2
+    levels = {1e-5: slow, 1e-4: _level(speed=0.6), 3e-4: _level(speed=0.8), 1e-3: _level(speed=1.0)}
+    trials, _ = _judge(levels, difficulty)
+    assert trials[1e-5]["final_vs_reference"] > 0.5  # it ends well behind the others ...
+    assert trials[1e-5]["stable"] and trials[1e-5]["spikes"] == 0  # ... but its own loss keeps falling
+    assert all(trial["stable"] for trial in trials.values())
+
+
+def test_divergence_is_judged_per_trial_so_larger_rates_can_be_skipped_before_they_run():
+    difficulty = _difficulty(seed=3)
+    level = _level()
+    losses = [lv + d for lv, d in zip(level, difficulty)]
+    collapsed = losses[:30] + [loss + 5.0 for loss in losses[30:]]  # back above the first loss from step 30
+    alone = _summary(collapsed, warmup=10)
+    reference = [lv + d for lv, d in zip(_level(speed=1.2), difficulty)]
+    paired = _summary(collapsed, warmup=10, reference=reference)
+    assert alone["diverged"] and paired["diverged"] and not paired["stable"]
+    assert "loss rose over 0.5 nats above the first step's" in paired["unstable_reasons"]
+    # The summary written for the sweep records how it was judged.
+    sweep = SweepArguments(learning_rates=[1e-4], sweep_steps=60, sweep_warmup_steps=10)
+    judged, _ = lr_finder.judge_trials([{"learning_rate": 1e-4, "skipped": True, "stable": False,
+                                         "unstable_reasons": ["skipped: 5e-05 diverged"]}], sweep)
+    assert judged[0]["skipped"] and "paired" not in judged[0]

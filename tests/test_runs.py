@@ -183,6 +183,43 @@ def test_bad_arguments_fail_before_anything_is_written(tiny_data_dir, tmp_path):
     assert not out.exists()
 
 
+def test_checks_needing_the_model_config_run_before_the_corpus_is_prepared(tmp_path, monkeypatch):
+    """Without --data_dir the embedded corpus is prepared on first use: a depth beyond the preset's mean_recurrence,
+    known from the preset and --config_overrides alone, is refused before that preparation writes anything."""
+    from trainer_ext.training import pretrain as pretrain_module
+
+    data, out = tmp_path / "data", tmp_path / "run"
+    monkeypatch.setattr(pretrain_module, "DEFAULT_DATA_DIR", str(data))
+    args = ["--output_dir", str(out), "--max_steps", "2", "--use_cpu", "true"]
+    with pytest.raises(ValueError, match=r"--backprop_depth=99 is larger than the model's mean_recurrence \(\d+\)"):
+        pretrain(*parse_pretrain_args([*args, "--backprop_depth", "99"]))
+    with pytest.raises(ValueError, match=r"--backprop_depth=3 is larger than the model's mean_recurrence \(2\)"):
+        pretrain(*parse_pretrain_args([*args, "--backprop_depth", "3", "--config_overrides", "mean_recurrence=2"]))
+    assert not data.exists() and not out.exists()
+
+
+def test_a_finished_run_and_a_bad_teacher_are_refused_before_the_corpus_is_prepared(tiny_data_dir, tmp_path,
+                                                                                   monkeypatch):
+    from trainer_ext.training import pretrain as pretrain_module
+
+    out = tmp_path / "run"
+    run(tiny_data_dir, out, "--max_steps", "2")
+    before = listing(out)
+    teacher = tmp_path / "teacher"  # a model's weights and config, without its tokenizer files
+    teacher.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (teacher / name).write_bytes((out / "checkpoint-2" / name).read_bytes())
+    data = tmp_path / "data"
+    monkeypatch.setattr(pretrain_module, "DEFAULT_DATA_DIR", str(data))
+    no_data = ["--use_cpu", "true", "--eval_strategy", "no"]
+    with pytest.raises(ValueError, match=r"finished run at step 2.*--max_steps 2.*nothing left to train"):
+        pretrain(*parse_pretrain_args(["--output_dir", str(out), "--max_steps", "2", *no_data]))
+    with pytest.raises(ValueError, match=rf"--teacher_model_name_or_path {teacher} has no tokenizer files"):
+        pretrain(*parse_pretrain_args(["--output_dir", str(tmp_path / "new"), "--max_steps", "2", *no_data,
+                                       "--teacher_model_name_or_path", str(teacher)]))
+    assert not data.exists() and not (tmp_path / "new").exists() and listing(out) == before
+
+
 # ----------------------------------------------------------------------------- --config_overrides
 
 

@@ -62,9 +62,10 @@ CYCLE_FIELDS = {
     "teacher_cache_dir": "--teacher_cache_model (a cache built for each cycle's shards)",
     "hub_strategy": "--push_to_hub (the pipeline pushes once per cycle)",
 }
-# Options that neither change data, models nor results: a rerun that differs only in these continues the run.
+# Options that neither change data, models nor results: a rerun that differs only in these continues the run
+# (--trust_remote_code included: a run stopped because a teacher needs its own code continues once it is given).
 NON_IDENTITY_ARGS = ("output_dir", "num_cycles", "overwrite", "push_to_hub", "hub_model_id", "hub_baseline_model_id",
-                     "hub_private_repo", "hub_token", "map_batch_size", "cache_dir")
+                     "hub_private_repo", "hub_token", "map_batch_size", "cache_dir", "trust_remote_code")
 # Training options that shape the whole run (steps per cycle, data order): recorded with the comparison's own,
 # where state files have always held them.
 RUN_TRAINING_ARGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "seed")

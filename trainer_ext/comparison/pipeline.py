@@ -225,6 +225,7 @@ class ComparisonRun:
         manifest = cache_teacher(CacheTeacherArguments(
             teacher_model_name_or_path=self.args.teacher_cache_model, data_dir=self.data_dir(cycle),
             output_dir=self.teacher_cache_dir(cycle), splits=["train"], device=self.args.device,
+            trust_remote_code=self.options.model.trust_remote_code,
             **{k: v for k, v in options.items() if v is not None}))
         self.state.mark_done(cycle, "cache_teacher", dir=self.teacher_cache_dir(cycle), topk=manifest["topk"],
                              teacher=manifest["teacher"])

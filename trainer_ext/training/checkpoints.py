@@ -106,6 +106,66 @@ def check_checkpoint(checkpoint: str, option: str = "--resume_from_checkpoint") 
                      "the last complete one in --output_dir, or leave it out to start afresh.")
 
 
+# Written by torch.save (a zip archive): the optimizer, scheduler, RNG states, training arguments, `.bin` weights.
+TORCH_FILE_SUFFIXES = (".pt", ".pth", ".bin")
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _torch_file_damage(file: str) -> str | None:
+    """Why the torch.save file `file` cannot be read, or None. Reads the zip directory at the file's end (a cut-short
+    file has none; torch's own error, "failed finding central directory", names no file), not the tensors."""
+    import zipfile
+
+    with open(file, "rb") as f:
+        head = f.read(len(_ZIP_MAGIC))
+    if not head:
+        return "it is empty"
+    if head != _ZIP_MAGIC:
+        return None  # the legacy (pre-zip) format: torch checks it while loading
+    try:
+        with zipfile.ZipFile(file) as archive:
+            size = os.path.getsize(file)
+            if any(info.header_offset + info.compress_size > size for info in archive.infolist()):
+                return "its records run past the end of the file"
+    except (zipfile.BadZipFile, OSError, ValueError) as err:
+        return f"no readable zip directory: {err}"
+    return None
+
+
+def check_resume_files(checkpoint: str, option: str = "--resume_from_checkpoint") -> None:
+    """Before resuming from `checkpoint`: every weights and training-state file in it reads, else a ValueError naming
+    the file and the fix. A truncated file (a kill or full disk during a copy, a save by other code) otherwise fails
+    inside the Trainer's loading with a library error that names no file, after the model is built."""
+    from safetensors import SafetensorError, safe_open
+
+    damaged = []
+    for name in sorted(os.listdir(checkpoint)):
+        file = os.path.join(checkpoint, name)
+        if not os.path.isfile(file):
+            continue
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(file, framework="pt"):
+                    pass
+            except SafetensorError as err:
+                damaged.append(f"{name} ({err})")
+        elif name.endswith(TORCH_FILE_SUFFIXES):
+            reason = _torch_file_damage(file)
+            if reason:
+                damaged.append(f"{name} ({reason})")
+    if not damaged:
+        return
+    parent = os.path.dirname(os.path.normpath(checkpoint))
+    earlier = [path for path in list_checkpoints(parent) if path != os.path.normpath(checkpoint) and is_complete(path)
+               and (checkpoint_step(path) or 0) < (checkpoint_step(checkpoint) or 0)]
+    instead = (f"`{option} {earlier[-1]}` (the last complete checkpoint before it)" if earlier
+               else f"`{option}` with an earlier checkpoint (there is none beside it)")
+    raise ValueError(f"Cannot resume from {checkpoint}: {'; '.join(damaged)} {'is' if len(damaged) == 1 else 'are'} "
+                     "truncated or corrupt (an interrupted copy or save leaves such a file). Delete "
+                     f"{checkpoint} (a rerun then resumes from the complete checkpoint before it), pass {instead}, "
+                     "or start afresh with --overwrite_output_dir.")
+
+
 def staging_dir(checkpoint: str) -> str:
     """Where the save of `checkpoint` (…/checkpoint-N) is written before it is renamed into place."""
     parent, name = os.path.split(os.path.normpath(checkpoint))
@@ -121,7 +181,8 @@ def publish(staged: str, checkpoint: str) -> None:
 
     A rename within one folder is atomic: readers see the old folder or the complete new one. A folder cannot be
     renamed over a non-empty one, so an existing `checkpoint` is first moved aside (for that instant the folder
-    is absent, never half-written) and deleted afterwards.
+    is absent, never half-written) and deleted afterwards. The folders are then dated for the rotation that
+    follows (`date_by_save_time`).
     """
     replaced = None
     if os.path.exists(checkpoint):
@@ -131,6 +192,20 @@ def publish(staged: str, checkpoint: str) -> None:
     os.replace(staged, checkpoint)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
+    date_by_save_time(os.path.dirname(checkpoint))
+
+
+def date_by_save_time(run_dir: str) -> None:
+    """Date every `checkpoint-N` folder in `run_dir` by its `trainer_state.json` (folders without one: the epoch).
+
+    The Trainer's rotation (`rotate_checkpoints(use_mtime=True)`) deletes the folders of the oldest modification
+    time first. Deleting files from a folder makes it new: a rotation killed midway leaves a half-deleted folder
+    that the next rotation would keep as the newest while deleting complete ones. Dated by their save, half-deleted
+    and incomplete folders go first."""
+    for path in list_checkpoints(run_dir):
+        state = os.path.join(path, TRAINER_STATE_NAME)
+        saved = os.path.getmtime(state) if os.path.isfile(state) else 0
+        os.utime(path, (saved, saved))
 
 
 # -- opening a model or tokenizer folder: library errors turned into ones that name the file and the fix

@@ -7,9 +7,14 @@ so the sweep fits the memory budget of the run it prepares), at a constant rate 
 pick is the largest rate that was stable, with every smaller rate stable too, divided by `margin`: a long
 run at its threshold rate would ride the edge, and a short trial can miss slow instabilities.
 
-The sweep's files (lr_sweep.json / .md / .png) are written and read in trainer_ext/training/lr_sweep_file.py.
+At batch 1 the batch drawn moves one step's loss by more than a spike's size, and every trial draws the same
+batches in the same order: rates are therefore judged on their residuals against the per-step median loss of the
+trials (`judge_trials`), which takes each batch's difficulty out; trailing medians, not means, so that one outlier
+step is not a lasting rise. Divergence (an error, non-finite values, no progress, a collapse) is judged per trial.
 
-The summary and pick functions are pure (lists of floats in, dicts out) so they are tested on synthetic curves.
+The sweep's files (lr_sweep.json / .md / .png) are written and read in trainer_ext/training/lr_sweep_file.py.
+The summary, judgement and pick functions are pure (lists and dicts in, dicts out): they are tested on synthetic
+curves and on the curves of a GPU sweep.
 """
 
 from __future__ import annotations
@@ -38,8 +43,14 @@ LARGE_MODEL_SWEEP = {"learning_rates": list(DEFAULT_LEARNING_RATES), "sweep_step
 # Models under LARGE_MODEL_PARAMS train at a 3e-3 default: their grid brackets that rate instead, and a shorter
 # trial keeps the bare command (debug preset on a CPU) at about a minute.
 SMALL_MODEL_SWEEP = {"learning_rates": [3e-3, 1e-2, 3e-2, 1e-1], "sweep_steps": 24, "sweep_warmup_steps": 6}
-# Initial and final loss are means over at most this many steps: one step's loss is too noisy to compare.
+# Initial and final loss, and the trailing medians that judge a rise, span at most this many steps: one step's loss
+# at batch 1 moves by more than a spike's size with the batch drawn.
 LOSS_WINDOW = 10
+# A rise is measured over the lowest trailing median of the last this many windows: a spike or a divergence rises
+# within that span, while one curve drifting slowly against the others (a lead lost as they catch up) does not.
+RISE_WINDOWS = 2
+# Judging each rate against the per-step median of the trials needs at least this many comparable trials.
+MIN_PAIRED_TRIALS = 3
 # A trial stopped by an exception of these kinds is an unstable rate (e.g. the optimizer's stop after
 # repeated non-finite gradients); anything else is a bug or a setup error and ends the sweep.
 TRIAL_FAILURES = (RuntimeError, ArithmeticError)
@@ -55,17 +66,18 @@ class SweepArguments:
         default=None, metadata={"help": "Optimizer steps per trial, warm-up included (default: 60, small models 24)."})
     sweep_warmup_steps: int | None = field(
         default=None, metadata={"help": "Warm-up steps per trial; loss is judged after them (default 10, small 6)."})
-    spike_nats: float = field(
-        default=0.5, metadata={"help": "A spike: a loss after warm-up this many nats above the lowest loss so far."})
+    # A spike: a step after warm-up whose trailing median loss, against the other trials on the same batches, is
+    # this many nats above its lowest so far.
+    spike_nats: float = field(default=0.5, metadata={"help": "Nats of a lasting rise, paired with the other rates."})
     max_grad_norm_growth: float = field(
         default=10.0, metadata={"help": "Unstable when the median grad norm of a trial's last quarter exceeds this "
                                         "many times that of its first quarter."})
     margin: float = field(
         default=2.0, metadata={"help": "The pick: the largest rate stable with all smaller ones, divided by this."})
     skip_after_divergence: bool = field(
-        default=True, metadata={"help": "After a trial diverges (non-finite loss or grad norm, no progress, a loss "
-                                        "above the first, or a stop), record larger rates as skipped instead of "
-                                        "running them; they cannot be picked."})
+        default=True, metadata={"help": "After a trial diverges (non-finite loss or grad norm, no progress, a "
+                                        "trailing median loss above the first, or a stop), record larger rates as "
+                                        "skipped instead of running them; they cannot be picked."})
 
     def __post_init__(self):
         if self.learning_rates is not None:
@@ -117,23 +129,53 @@ def curve_from_log_history(log_history: Sequence[dict]) -> dict[str, list]:
     }
 
 
-def trailing_mean(losses: Sequence[float], window: int) -> list[float]:
-    """Mean of each loss and the `window - 1` before it (fewer at the start)."""
-    return [_mean(losses[max(0, i - window + 1):i + 1]) for i in range(len(losses))]
+def trailing_median(values: Sequence[float], window: int, start: int = 0) -> dict[int, float]:
+    """{index: median of values[index - window + 1 : index + 1]} for every full window that begins at or after
+    `start`. Non-finite values are left out of a window; a window with none finite is left out."""
+    medians = {}
+    for index in range(start + window - 1, len(values)):
+        finite = [v for v in values[index - window + 1:index + 1] if v is not None and math.isfinite(v)]
+        if finite:
+            medians[index] = statistics.median(finite)
+    return medians
 
 
-def count_spikes(losses: Sequence[float], warmup_steps: int, spike_nats: float, window: int = 1) -> int:
-    """Steps after warm-up whose loss, averaged over `window` steps, is more than `spike_nats` above the lowest
-    such average so far. One step's loss at a small batch moves by more than a spike's size (0.6 nats at batch 1 x
-    2048 on recurrent-3.3b), so the summary judges `window`-step means: a spike is a rise that lasts."""
-    spikes, running_min = 0, math.inf
-    for index, loss in enumerate(trailing_mean(losses, window) if window > 1 else losses):
-        if not math.isfinite(loss):
-            continue  # non-finite losses are counted as divergence, not as spikes
-        running_min = min(running_min, loss)
-        if index >= warmup_steps and loss > running_min + spike_nats:
+def lasting_rise(
+    losses: Sequence[float],
+    warmup_steps: int,
+    spike_nats: float,
+    window: int = 1,
+    reference: Sequence[float] | None = None,
+    smaller: Sequence[Sequence[float]] = (),
+) -> dict:
+    """Steps after warm-up at which the `window`-step trailing median of the losses is more than `spike_nats` above
+    its lowest value over the last RISE_WINDOWS x `window` steps (`spikes`), and the largest such rise in nats
+    (`largest_rise`). Windows lie wholly after warm-up; a median ignores one outlier step (which the stability guard
+    would skip in a real run), and a bounded look-back measures rises, not slow drifts of one curve against others.
+
+    With a `reference` (the per-step median loss of the trials, which drew the same batches), the medians are of
+    the residuals `loss - reference`: what the rate does, with the difficulty of each step's batch taken out. A
+    residual rise then counts only at steps where one of the `smaller` rates' curves (same steps) is ahead, with a
+    lower trailing median residual (the trial falls behind a more cautious rate), and where the rise exceeds the
+    fall of the reference's trailing median over the same steps (the trial's own loss rose): a rate that falls
+    more slowly than others, or loses an early lead as they catch up, is not unstable."""
+    def smoothed_residuals(curve):
+        residuals = curve if reference is None else [loss - ref for loss, ref in zip(curve, reference)]
+        return trailing_median(residuals, window, warmup_steps)
+
+    smoothed = smoothed_residuals(losses)
+    others = [smoothed_residuals(curve) for curve in smaller] if reference is not None else []
+    trend = {} if reference is None else trailing_median(reference, window, warmup_steps)
+    spikes, largest = 0, 0.0
+    for index, value in smoothed.items():
+        lowest = min((i for i in smoothed if index - RISE_WINDOWS * window <= i <= index), key=smoothed.get)
+        rise = value - smoothed[lowest]
+        largest = max(largest, rise)
+        behind = reference is None or any(other.get(index, math.inf) < value for other in others)
+        own_rise = rise + trend.get(index, 0.0) - trend.get(lowest, 0.0)
+        if rise > spike_nats and behind and own_rise > 0:
             spikes += 1
-    return spikes
+    return {"spikes": spikes, "largest_rise": largest}
 
 
 def grad_norm_growth(grad_norms: Sequence[float | None]) -> float | None:
@@ -157,33 +199,44 @@ def summarize_trial(
     spike_nats: float,
     max_grad_norm_growth: float,
     error: str | None = None,
+    reference: Sequence[float] | None = None,
+    smaller: Sequence[Sequence[float]] = (),
 ) -> dict:
     """What one trial says about its rate. Stable means: it ran all `planned_steps` without an error, no loss or
-    grad norm was non-finite, no spike after warm-up, the loss after warm-up fell (final < initial) and ended
-    below the very first loss, and the grad norm grew less than `max_grad_norm_growth` times (last quarter of
-    the trial against its first quarter, medians).
+    grad norm was non-finite, no lasting rise after warm-up (`lasting_rise`: against `reference` and the `smaller`
+    rates' loss curves when given, else on the trial's own losses), the loss after warm-up fell (final < initial)
+    and ended below the very first loss, and the grad norm grew less than `max_grad_norm_growth` times (last
+    quarter of the trial against its first quarter, medians).
 
-    `initial_loss` / `final_loss` are means of the first / last min(LOSS_WINDOW, quarter) steps after warm-up;
-    spikes and the rise over the first loss are judged on trailing means over as many steps.
-    `diverged`: stopped by an error, a non-finite loss or grad norm, no progress after warm-up (final >= initial),
-    or a loss more than `spike_nats` above the first one (whatever was learnt is gone: a collapsed model can
-    settle below its initial loss again, so a falling loss alone does not clear it).
+    `initial_loss` / `final_loss` are medians of the first / last `window` = min(LOSS_WINDOW, quarter) steps after
+    warm-up; rises are judged on `window`-step trailing medians. `final_vs_reference`: the median of the last
+    `window` residuals (how far behind or ahead of the other rates the trial ended; None without a reference).
+    `diverged` is judged on the trial alone, so that larger rates can be skipped before they run: stopped by an
+    error, a non-finite loss or grad norm, no progress after warm-up (final >= initial), or a trailing median after
+    warm-up more than `spike_nats` above the first loss (whatever was learnt is gone: a collapsed model can settle
+    below its initial loss again, so a falling loss alone does not clear it).
     """
     losses = [math.nan if loss is None else float(loss) for loss in losses]
     grad_norms = list(grad_norms)
+    if reference is not None:
+        assert len(reference) == len(losses), "a reference holds one loss per step of the trial"
     after = losses[warmup_steps:]
     window = max(1, min(LOSS_WINDOW, len(after) // 4))
-    initial = _mean(after[:window]) if after else math.nan
-    final = _mean(after[-window:]) if after else math.nan
+    initial, final = _median_of_finite(after[:window]), _median_of_finite(after[-window:])
     nonfinite_losses = sum(not math.isfinite(loss) for loss in losses)
     nonfinite_grad_norms = sum(g is not None and not math.isfinite(g) for g in grad_norms)
     finite = [loss for loss in losses if math.isfinite(loss)]
-    spikes = count_spikes(losses, warmup_steps, spike_nats, window)
+    rise = lasting_rise(losses, warmup_steps, spike_nats, window, reference, smaller)
+    spikes = rise["spikes"]
     # Over the whole trial, warm-up included: a blow-up that starts during warm-up counts too.
     growth = grad_norm_growth(grad_norms)
     fell = math.isfinite(final) and math.isfinite(initial) and final < initial
     below_start = bool(losses) and math.isfinite(final) and final < losses[0]
-    above_start = bool(finite) and any(loss > finite[0] + spike_nats for loss in trailing_mean(finite, window))
+    above_start = bool(finite) and any(
+        median > finite[0] + spike_nats for median in trailing_median(losses, window, warmup_steps).values())
+    behind = math.nan
+    if reference is not None and after:
+        behind = _median_of_finite([loss - ref for loss, ref in zip(losses, reference)][-window:])
 
     reasons = []
     if error is not None:
@@ -211,6 +264,10 @@ def summarize_trial(
         "final_loss": _finite_or_none(final),
         "loss_trend": _finite_or_none(final - initial),
         "grad_norm_ratio": _finite_or_none(growth),
+        "paired": reference is not None,
+        "window": window,
+        "final_vs_reference": _finite_or_none(behind),
+        "largest_rise": _finite_or_none(rise["largest_rise"]),
         "spikes": spikes,
         "nonfinite_losses": nonfinite_losses,
         "nonfinite_grad_norms": nonfinite_grad_norms,
@@ -219,6 +276,48 @@ def summarize_trial(
         "unstable_reasons": reasons,
         "error": error,
     }
+
+
+def comparable(trial: dict, planned_steps: int) -> bool:
+    """A trial that ran every planned step without an error and with finite losses: its losses can be compared
+    step by step with the other trials', which drew the same batches in the same order."""
+    losses = trial["curve"]["loss"] if not trial.get("skipped") else []
+    return (len(losses) == planned_steps and trial.get("error") is None
+            and all(loss is not None and math.isfinite(loss) for loss in losses))
+
+
+def reference_losses(trials: Sequence[dict], planned_steps: int) -> list[float] | None:
+    """The per-step median loss over the comparable trials (the difficulty of each step's batch, as every rate saw
+    it); None with fewer than MIN_PAIRED_TRIALS of them, where a median would follow one trial's own moves."""
+    curves = [trial["curve"]["loss"] for trial in trials if comparable(trial, planned_steps)]
+    if len(curves) < MIN_PAIRED_TRIALS:
+        return None
+    return [statistics.median(step_losses) for step_losses in zip(*curves)]
+
+
+def judge_trials(trials: Sequence[dict], sweep: SweepArguments) -> tuple[list[dict], list[float] | None]:
+    """Every trial that ran, summarised against the other trials (`reference_losses`) where it is comparable, else
+    on its own; skipped trials are returned as they are. Returns (the trials in ascending rate order, the
+    reference or None).
+
+    At batch 1 the batch drawn moves one step's loss by more than a spike's size, and every trial draws the same
+    batches: the rise that judges a rate is measured on its residuals, which the shared batches do not move."""
+    reference = reference_losses(trials, sweep.sweep_steps)
+    judged, smaller = [], []  # smaller: the comparable curves of the rates below, in ascending order
+    for trial in sorted(trials, key=lambda trial: trial["learning_rate"]):
+        if trial.get("skipped"):
+            judged.append(dict(trial))
+            continue
+        paired = reference is not None and comparable(trial, sweep.sweep_steps)
+        summary = summarize_trial(
+            trial["curve"]["loss"], trial["curve"]["grad_norm"], planned_steps=sweep.sweep_steps,
+            warmup_steps=sweep.sweep_warmup_steps, spike_nats=sweep.spike_nats,
+            max_grad_norm_growth=sweep.max_grad_norm_growth, error=trial.get("error"),
+            reference=reference if paired else None, smaller=list(smaller) if paired else ())
+        judged.append({**trial, **summary})
+        if paired:
+            smaller.append(trial["curve"]["loss"])
+    return judged, reference
 
 
 def pick_learning_rate(trials: Sequence[dict], margin: float) -> dict:
@@ -245,8 +344,9 @@ def pick_learning_rate(trials: Sequence[dict], margin: float) -> dict:
     }
 
 
-def _mean(values: Sequence[float]) -> float:
-    return math.fsum(values) / len(values)
+def _median_of_finite(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.median(finite) if finite else math.nan
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -324,7 +424,8 @@ def run_sweep(
     trainer_kwargs: dict | None = None,
     info: dict | None = None,
 ) -> dict:
-    """Run the trials in ascending rate order, summarise each, pick a rate; returns the lr_sweep.json record.
+    """Run the trials in ascending rate order, judge them (`judge_trials`), pick a rate; returns the lr_sweep.json
+    record. Divergence is judged after each trial on its own (to skip larger rates); the rest once all have run.
 
     `make_model` must return the same initial weights each call (seed it): the trials then differ only in rate.
     `trainer_kwargs` go to each RecurrentTrainer (processing_class, teacher, ...). Writes nothing.
@@ -351,24 +452,37 @@ def run_sweep(
                  "curve": {key: [_finite_or_none(v) if isinstance(v, float) else v for v in values]
                            for key, values in curve.items()}}
         trials.append(trial)
-        logger.info("[%d/%d] %s", index, total, _progress_line(trial))
+        logger.info("[%d/%d] lr %.3g: loss %s -> %s, %s [%.0fs]", index, total, rate,
+                    format_optional(trial["initial_loss"]), format_optional(trial["final_loss"]),
+                    f"DIVERGED ({', '.join(trial['unstable_reasons'])})" if trial["diverged"] else "no divergence",
+                    trial["seconds"])
         if trial["diverged"] and diverged_at is None:
             diverged_at = rate
+    trials, reference = judge_trials(trials, sweep)
+    compared = sum(bool(trial.get("paired")) for trial in trials)
+    logger.info("Verdicts (%s):", f"residuals against the per-step median of {compared} trials" if reference
+                else "each trial on its own: fewer than %d comparable trials" % MIN_PAIRED_TRIALS)
+    for trial in trials:
+        if not trial.get("skipped"):
+            logger.info("  %s", _progress_line(trial))
     return {
         "format_version": FORMAT_VERSION,
         **(info or {}),
         "sweep": dataclasses.asdict(sweep),
         "trials": trials,
+        "reference_loss": reference,
         **pick_learning_rate(trials, sweep.margin),
     }
 
 
 def _progress_line(trial: dict) -> str:
     verdict = "stable" if trial["stable"] else f"UNSTABLE ({', '.join(trial['unstable_reasons'])})"
+    behind = trial.get("final_vs_reference")
     return (f"lr {trial['learning_rate']:.3g}: loss {format_optional(trial['initial_loss'])} -> "
-            f"{format_optional(trial['final_loss'])}, "
-            f"{trial['spikes']} spikes, grad-norm ratio {format_optional(trial['grad_norm_ratio'], '.2f')}, {verdict} "
-            f"[{trial['seconds']:.0f}s]")
+            f"{format_optional(trial['final_loss'])}"
+            + ("" if behind is None else f" ({behind:+.3f} against the others)")
+            + f", largest rise {format_optional(trial['largest_rise'], '.2f')}, grad-norm ratio "
+            f"{format_optional(trial['grad_norm_ratio'], '.2f')}: {verdict}")
 
 
 def find_learning_rate(make_model, training_args, train_dataset, sweep: SweepArguments,

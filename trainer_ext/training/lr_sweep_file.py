@@ -10,7 +10,10 @@ from trainer_ext.data.shards import load_manifest
 from trainer_ext.files import atomic_open, write_json, write_text
 
 SWEEP_FILE, REPORT_FILE, PLOT_FILE = "lr_sweep.json", "lr_sweep.md", "lr_sweep.png"
-FORMAT_VERSION = 1
+# 2: rates judged on residuals against the per-step median of the trials (`reference_loss`, per trial `paired`,
+# `final_vs_reference`, `largest_rise`); initial / final losses and rises are medians. Version 1 files were
+# judged on raw batch losses, so their picks are not read.
+FORMAT_VERSION = 2
 
 
 def format_optional(value, spec: str = ".3f") -> str:
@@ -34,21 +37,34 @@ def format_report(result: dict) -> str:
         f"Model {result.get('model', '?')} ({_fmt_params(result.get('num_parameters'))}), seq_len "
         f"{result.get('seq_len', '?')}, batch {result.get('per_device_train_batch_size', '?')} per device, "
         f"{sweep['sweep_steps']} steps per trial ({sweep['sweep_warmup_steps']} warm-up, then constant).",
-        f"Initial / final loss: means of the first / last steps after warm-up. Spike: a loss "
-        f"{sweep['spike_nats']} nats above the lowest so far. Grad-norm ratio: median of the last quarter of the "
-        f"trial / median of its first quarter (unstable from {sweep['max_grad_norm_growth']:g}).",
+        f"Initial / final loss: medians of the first / last {_window_text(result)} steps after warm-up. "
+        + (f"Each rate is judged on its residuals: its loss minus the per-step median loss of the {_paired(result)} "
+           "trials that ran every step (they drew the same batches in the same order, so this takes out each "
+           "batch's difficulty). vs others: the median residual over the last steps (negative: ahead). "
+           if result.get("reference_loss") else
+           "Too few trials ran every step to compare them step by step, so each rate is judged on its own losses "
+           "(noisier at batch 1). ")
+        + f"Spike: a step after warm-up at which the trailing median is more than {sweep['spike_nats']} nats above "
+        "its lowest over the last two windows (against the others, only where a smaller rate is ahead and the rise "
+        "exceeds the others' fall meanwhile: a slower fall is not instability); largest rise: the largest such "
+        "rise. Divergence (an error, non-finite values, no fall after warm-up, a trailing median above the first "
+        "loss) is judged per trial; larger rates are skipped after it. "
+        f"Grad-norm ratio: median of the last quarter of the trial / median of its first quarter (unstable from "
+        f"{sweep['max_grad_norm_growth']:g}).",
         "",
-        "| lr | initial loss | final loss | spikes | grad-norm ratio | stable |",
-        "| ---: | ---: | ---: | ---: | ---: | --- |",
+        "| lr | initial loss | final loss | vs others | largest rise | spikes | grad-norm ratio | stable |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for trial in result["trials"]:
         if trial.get("skipped"):
-            lines.append(f"| {trial['learning_rate']:g} | - | - | - | - | {trial['unstable_reasons'][0]} |")
+            lines.append(f"| {trial['learning_rate']:g} | - | - | - | - | - | - | {trial['unstable_reasons'][0]} |")
             continue
         verdict = "yes" if trial["stable"] else f"no: {', '.join(trial['unstable_reasons'])}"
-        lines.append(f"| {trial['learning_rate']:g} | {format_optional(trial['initial_loss'])} "
-                     f"| {format_optional(trial['final_loss'])} "
-                     f"| {trial['spikes']} | {format_optional(trial['grad_norm_ratio'], '.2f')} | {verdict} |")
+        cells = [f"{trial['learning_rate']:g}", format_optional(trial["initial_loss"]),
+                 format_optional(trial["final_loss"]), format_optional(trial["final_vs_reference"], "+.3f"),
+                 format_optional(trial["largest_rise"], ".2f"), str(trial["spikes"]),
+                 format_optional(trial["grad_norm_ratio"], ".2f"), verdict]
+        lines.append(f"| {' | '.join(cells)} |")
     lines.append("")
     if result["learning_rate"] is None:
         lines.append("No rate was stable from the smallest up: try smaller rates with `--learning_rates`.")
@@ -68,18 +84,36 @@ def format_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _window_text(result: dict) -> str:
+    windows = {trial["window"] for trial in result["trials"] if "window" in trial}
+    return "/".join(str(window) for window in sorted(windows)) or "?"
+
+
+def _paired(result: dict) -> int:
+    return sum(bool(trial.get("paired")) for trial in result["trials"])
+
+
 def _fmt_params(num_parameters) -> str:
     return "? parameters" if num_parameters is None else f"{num_parameters / 1e6:.1f}M parameters"
 
 
 def plot_sweep(result: dict, path: str) -> str:
-    """Loss and grad norm per step, one line per rate; unstable rates dashed, the warm-up end marked."""
+    """Loss and grad norm per step, one line per rate, and (when the trials were compared) each rate's loss minus
+    the per-step median of the trials, the residuals the rates were judged on; unstable rates dashed, the warm-up
+    end marked."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(11.0, 4.0), layout="constrained")
+    reference = result.get("reference_loss")
+    panels = 3 if reference else 2
+    figure = Figure(figsize=(5.5 * panels, 4.0), layout="constrained")
     FigureCanvasAgg(figure)
-    loss_ax, grad_ax = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    loss_ax, grad_ax = figure.add_subplot(1, panels, 1), figure.add_subplot(1, panels, 2)
+    axes = [(loss_ax, "training loss (nats/token)"), (grad_ax, "gradient norm")]
+    if reference:
+        residual_ax = figure.add_subplot(1, panels, 3)
+        residual_ax.axhline(0.0, color="gray", linewidth=0.8)
+        axes.append((residual_ax, "loss - per-step median of the trials"))
     ran = [trial for trial in result["trials"] if not trial.get("skipped")]
     for index, trial in enumerate(ran):
         curve = trial["curve"]
@@ -87,6 +121,9 @@ def plot_sweep(result: dict, path: str) -> str:
                  "label": f"{trial['learning_rate']:g}" + ("" if trial["stable"] else " (unstable)")}
         loss_ax.plot(*_points(curve["step"], curve["loss"]), **style)
         grad_ax.plot(*_points(curve["step"], curve["grad_norm"]), **style)
+        if reference and trial.get("paired"):
+            residuals = [None if loss is None else loss - ref for loss, ref in zip(curve["loss"], reference)]
+            residual_ax.plot(*_points(curve["step"], residuals), **{**style, "linewidth": 0.8, "alpha": 0.7})
     # A diverged trial's loss would squash the others: the axis ends a little above the highest first loss.
     starts = [trial["start_loss"] for trial in ran if trial.get("start_loss") is not None]
     lows = [v for trial in ran for v in trial["curve"]["loss"] if v is not None]
@@ -94,7 +131,7 @@ def plot_sweep(result: dict, path: str) -> str:
         loss_ax.set_ylim(min(lows) - 0.1, max(starts) + 0.5)
     if any(v is not None and v > 0 for trial in ran for v in trial["curve"]["grad_norm"]):
         grad_ax.set_yscale("log")
-    for ax, label in ((loss_ax, "training loss (nats/token)"), (grad_ax, "gradient norm")):
+    for ax, label in axes:
         ax.axvline(result["sweep"]["sweep_warmup_steps"], color="gray", linewidth=0.8, linestyle=":")
         ax.set_xlabel("step")
         ax.set_ylabel(label)

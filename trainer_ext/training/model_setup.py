@@ -4,6 +4,7 @@
 import dataclasses
 import difflib
 import json
+import os
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
@@ -84,6 +85,19 @@ def check_depth_arguments(training_args, config) -> None:
                          "through the last k of the sampled steps), or unset for the config's default.")
 
 
+def config_before_data(model_args: ModelArguments):
+    """The model's config as far as it is known before the data is prepared, for the checks that need it: the
+    preset with its --config_overrides (the vocabulary comes from the data's tokenizer later), or the config.json of
+    a local --model_name_or_path; None for a hub id (read once the model is downloaded). Reads, writes nothing."""
+    path = model_args.model_name_or_path
+    if path:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            return None
+        return AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
+    overrides = check_overrides(parse_overrides(model_args.config_overrides), model_args.preset)
+    return presets.get(model_args.preset, **{key: value for key, value in overrides.items() if key != "vocab_size"})
+
+
 def build_config(model_args: ModelArguments, tokenizer, tokenizer_size: int | None = None):
     """The config of a fresh --preset model (None with --model_name_or_path, whose checkpoint has one)."""
     if model_args.model_name_or_path:
@@ -131,15 +145,21 @@ def load_data_tokenizer(data_dir: str):
         "the data was prepared with into it (tokenizer.save_pretrained(data_dir)), or prepare the data again.")
 
 
-def load_teacher(name_or_path: str, student_tokenizer, device: torch.device, quantization: str = "none",
-                 trust_remote_code: bool = False):
-    """A frozen teacher in eval mode (bf16 on CUDA), checked to share the student's tokenizer before loading."""
+def check_teacher_tokenizer(name_or_path: str, student_tokenizer=None, trust_remote_code: bool = False) -> None:
+    """The teacher's tokenizer loads (else an error naming the folder and the fix) and, given the data's
+    `student_tokenizer`, is the same one."""
     teacher_tokenizer = load_tokenizer(
         name_or_path, "--teacher_model_name_or_path", TEACHER_TOKENIZER_FIX, trust_remote_code=trust_remote_code)
-    if tokenizer_hash(teacher_tokenizer) != tokenizer_hash(student_tokenizer):
+    if student_tokenizer is not None and tokenizer_hash(teacher_tokenizer) != tokenizer_hash(student_tokenizer):
         raise ValueError(
             f"Teacher {name_or_path!r} uses a different tokenizer (hash {tokenizer_hash(teacher_tokenizer)}) than the "
             f"student's data (hash {tokenizer_hash(student_tokenizer)}); distillation needs one shared vocabulary.")
+
+
+def load_teacher(name_or_path: str, student_tokenizer, device: torch.device, quantization: str = "none",
+                 trust_remote_code: bool = False):
+    """A frozen teacher in eval mode (bf16 on CUDA), checked to share the student's tokenizer before loading."""
+    check_teacher_tokenizer(name_or_path, student_tokenizer, trust_remote_code)
     return load_frozen_teacher(name_or_path, device, resolve_dtype("auto", device), quantization,
                                trust_remote_code=trust_remote_code)
 

@@ -29,7 +29,7 @@ from trainer_ext.training.arguments import (
     RecurrentTrainingArguments,
     resolve_schedule_defaults,
 )
-from trainer_ext.training.checkpoints import FINAL_DIR, check_model_dir
+from trainer_ext.training.checkpoints import FINAL_DIR, check_model_dir, check_resume_files
 from trainer_ext.training.distributed import check_processes_coordinated
 from trainer_ext.training.lr_sweep_file import read_sweep_choice
 from trainer_ext.training.model_setup import (
@@ -37,6 +37,8 @@ from trainer_ext.training.model_setup import (
     build_model,
     check_depth_arguments,
     check_overrides,
+    check_teacher_tokenizer,
+    config_before_data,
     load_data_tokenizer,
     load_teacher_for,
     parse_overrides,
@@ -69,20 +71,35 @@ def check_pretrain_arguments(model_args: ModelArguments, data_args: DataArgument
                              training_args: RecurrentTrainingArguments) -> None:
     """Every check the arguments allow before any work (data preparation, model initialisation); writes nothing.
 
-    The processes of a launch (a group, not each one alone), the config overrides against the preset, the model
-    and teacher folders, one teacher source, the learning-rate sweep file, and the output directory (resume,
-    refuse, or start afresh; see `output_dir.resolve_checkpoint`)."""
+    The processes of a launch (a group, not each one alone), the config overrides against the preset, the training
+    depths against the model's config, the model and teacher folders (and the teacher's tokenizer against the
+    data's, where the data is prepared), one teacher source, the learning-rate sweep file, and the output directory
+    (resume, refuse, or start afresh; see `output_dir.resolve_checkpoint`), down to the files of the checkpoint a
+    resume would read."""
     check_processes_coordinated(training_args.distributed_state)
     check_overrides(parse_overrides(model_args.config_overrides), model_args.preset, model_args.model_name_or_path)
+    config = config_before_data(model_args)
+    if config is not None:  # else a hub id: checked once its config is downloaded
+        check_depth_arguments(training_args, config)
     for option, path in (("--model_name_or_path", model_args.model_name_or_path),
                          ("--teacher_model_name_or_path", model_args.teacher_model_name_or_path)):
         if path:  # a run folder or truncated weights, found now rather than after the student is built
             check_model_dir(path, option)
     if data_args.teacher_cache_dir and model_args.teacher_model_name_or_path:
         raise ValueError("Pass either --teacher_model_name_or_path (online) or --teacher_cache_dir (offline).")
+    teacher = model_args.teacher_model_name_or_path
+    if teacher and os.path.isdir(teacher):  # a hub id's tokenizer is downloaded with the teacher
+        data_dir = data_args.data_dir
+        prepared = data_dir and os.path.isfile(os.path.join(data_dir, "manifest.json"))
+        check_teacher_tokenizer(teacher, load_data_tokenizer(data_dir) if prepared else None,
+                                model_args.trust_remote_code)
     if training_args.learning_rate_from:
         read_sweep_choice(training_args.learning_rate_from)
-    resolve_checkpoint(training_args)
+    checkpoint = resolve_checkpoint(training_args)
+    if checkpoint is not None:
+        check_resume_files(checkpoint)
+        if training_args.resume_from_checkpoint is None and training_args.max_steps is not None:
+            check_steps_left(checkpoint, training_args)  # a finished run; else checked once the schedule is known
 
 
 def ensure_data(data_dir: str | None) -> str:
@@ -124,8 +141,6 @@ def pretrain(model_args: ModelArguments, data_args: DataArguments, training_args
     data_dir = ensure_data(data_args.data_dir)
     tokenizer = load_data_tokenizer(data_dir)
     config = build_config(model_args, tokenizer)
-    if config is not None:  # before the model is initialised (minutes at 7B)
-        check_depth_arguments(training_args, config)
     model = build_model(model_args, len(tokenizer), tokenizer, training_args.device, config=config)
     if config is None:
         check_depth_arguments(training_args, model.config)
