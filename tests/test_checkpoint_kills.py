@@ -128,7 +128,8 @@ def test_a_save_killed_at_any_file_operation_is_never_resumed_and_a_rerun_resume
         if self.state.global_step != 6:
             return save(self, model, trial)
         shutil.copytree(out, before_save, ignore=shutil.ignore_patterns("README.md"))
-        checkpoint_4 = digest(out / "checkpoint-4")
+        checkpoint_4, whole = digest(out / "checkpoint-4"), {name: digest(out / name) for name in ("checkpoint-2",
+                                                                                              "checkpoint-4")}
         for kill_at in range(1, 200):
             shutil.rmtree(out)
             shutil.copytree(before_save, out)
@@ -143,6 +144,9 @@ def test_a_save_killed_at_any_file_operation_is_never_resumed_and_a_rerun_resume
                 assert os.path.basename(picked) in ("checkpoint-4", "checkpoint-6"), killed
                 assert not missing_files(picked)
                 check_resume_files(picked)
+                for folder in sorted(out.glob("checkpoint-*")):  # none half-deleted, which an explicit resume could take
+                    if folder.name in whole:
+                        assert digest(folder) == whole[folder.name], (killed, folder.name)
                 left = kept[os.path.basename(picked)] = tmp_path / f"left-by-{os.path.basename(picked)}"
                 shutil.rmtree(left, ignore_errors=True)  # the last kill of each outcome leaves the most behind
                 shutil.copytree(out, left)

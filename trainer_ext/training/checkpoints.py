@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 from transformers.utils import (
     ADAPTER_SAFE_WEIGHTS_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -166,6 +166,9 @@ def check_resume_files(checkpoint: str, option: str = "--resume_from_checkpoint"
                      "or start afresh with --overwrite_output_dir.")
 
 
+_DELETED_SUFFIX = ".deleted"
+
+
 def staging_dir(checkpoint: str) -> str:
     """Where the save of `checkpoint` (…/checkpoint-N) is written before it is renamed into place."""
     parent, name = os.path.split(os.path.normpath(checkpoint))
@@ -198,7 +201,7 @@ def publish(staged: str, checkpoint: str) -> None:
 def date_by_save_time(run_dir: str) -> None:
     """Date every `checkpoint-N` folder in `run_dir` by its `trainer_state.json` (folders without one: the epoch).
 
-    The Trainer's rotation (`rotate_checkpoints(use_mtime=True)`) deletes the folders of the oldest modification
+    The rotation (`rotate_checkpoints`, as transformers') deletes the folders of the oldest modification
     time first. Deleting files from a folder makes it new: a rotation killed midway leaves a half-deleted folder
     that the next rotation would keep as the newest while deleting complete ones. Dated by their save, half-deleted
     and incomplete folders go first."""
@@ -206,6 +209,30 @@ def date_by_save_time(run_dir: str) -> None:
         state = os.path.join(path, TRAINER_STATE_NAME)
         saved = os.path.getmtime(state) if os.path.isfile(state) else 0
         os.utime(path, (saved, saved))
+
+
+def rotate_checkpoints(run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None = None) -> list[str]:
+    """Keep at most `save_total_limit` checkpoints in `run_dir` (oldest saves go first; the newest and the best are
+    kept), as transformers' rotation does, but each deletion is atomic: the folder is first renamed out of the
+    `checkpoint-N` names (to a staging name, which resume detection and the output-dir rules pass over), then its
+    files are removed. A kill midway leaves no half-deleted `checkpoint-N` that `--resume_from_checkpoint` could
+    take. Leftovers of earlier killed deletions are removed first. Returns the checkpoints deleted."""
+    for name in os.listdir(run_dir):
+        if name.startswith(STAGING_PREFIX) and name.endswith(_DELETED_SUFFIX):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+    if not save_total_limit or save_total_limit <= 0:
+        return []
+    checkpoints = sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR, use_mtime=True)
+    protected = {checkpoints[-1]} if checkpoints else set()
+    if best_model_checkpoint is not None:
+        protected.add(os.path.normpath(best_model_checkpoint))
+    excess = len(checkpoints) - max(save_total_limit, len(protected))
+    doomed = [path for path in checkpoints if os.path.normpath(path) not in protected][:max(excess, 0)]
+    for checkpoint in doomed:
+        aside = staging_dir(checkpoint) + _DELETED_SUFFIX
+        os.replace(checkpoint, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    return doomed
 
 
 # -- opening a model or tokenizer folder: library errors turned into ones that name the file and the fix

@@ -10,7 +10,7 @@ import time
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_recurrent import DepthSampler, flops_per_token
 from hf_recurrent.presets import is_recurrent
@@ -18,7 +18,13 @@ from hf_recurrent.presets import is_recurrent
 from trainer_ext.distill.losses import OnlineTeacher, TopKTeacher, chunked_lm_loss
 from trainer_ext.training.arguments import TARGETS, fill_unset_schedule, resolve_momentum
 from trainer_ext.training.callbacks import STABILITY_STATE_KEY, PhaseTimingCallback, TrainingHooksCallback
-from trainer_ext.training.checkpoints import TRAINER_STATE_NAME, last_complete_checkpoint, publish, staging_dir
+from trainer_ext.training.checkpoints import (
+    TRAINER_STATE_NAME,
+    last_complete_checkpoint,
+    publish,
+    rotate_checkpoints,
+    staging_dir,
+)
 from trainer_ext.training.distributed import check_optimizer_supports, saved_as_pretrained_class
 from trainer_ext.training.optimizer import create_optimizer
 from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError, write_interventions
@@ -148,8 +154,7 @@ class RecurrentTrainer(Trainer):
         if self.args.should_save:
             publish(staged, checkpoint)
             os.rmdir(staging_root)
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
         if self._deferred_push:
             super()._push_from_checkpoint(checkpoint)
