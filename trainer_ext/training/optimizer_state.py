@@ -1,0 +1,109 @@
+"""Extra optimizer state of each optimizer configuration, from a model's real parameter shapes.
+
+"Extra" is what training holds beyond the bf16 weights and the gradients: an fp32 master copy of each weight
+(the mixed-precision reference keeps one; LowMemoryAdafactor updates bf16 weights in place and keeps none), the
+first moment, the second moment and per-tensor step counters. A configuration is given by its name (see
+``OPTIMIZER_STATES``) or as an ``OptimizerState``. Shapes come from a model built on the meta device, so a
+7B-class figure costs no memory and counts exactly the tensors the optimizer would see (tied weights once).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+__all__ = ["OPTIMIZER_STATES", "OptimizerState", "optimizer_state_bytes", "optimizer_state_gib", "state_gib_for_preset"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """Bytes the optimizer stores, per element of a parameter or per parameter tensor.
+
+    master_weight_bytes: an fp32 copy of each weight (0: the bf16 weights are updated in place).
+    first_moment_bytes: momentum, per element (0: no first moment).
+    factored_second_moment: matrices (ndim >= 2) keep row and column statistics over the last two dimensions
+        (LowMemoryAdafactor and Adafactor); 1-D tensors always keep a full second moment.
+    second_moment_bytes: per stored second-moment value.
+    step_bytes: a device step counter per tensor (LowMemoryAdafactor keeps an fp32 scalar; torch AdamW keeps its
+        step on the host unless fused or capturable, so it costs the GPU nothing).
+    """
+
+    master_weight_bytes: int
+    first_moment_bytes: int
+    factored_second_moment: bool
+    second_moment_bytes: int = 4
+    step_bytes: int = 0
+
+    def tensor_bytes(self, shape: torch.Size | tuple[int, ...]) -> int:
+        """Extra state held for one parameter of this shape (an empty tensor gets none)."""
+        numel = math.prod(shape)
+        if numel == 0:
+            return 0
+        if self.factored_second_moment and len(shape) >= 2:
+            leading = math.prod(shape[:-2])
+            second_moment_values = leading * shape[-2] + leading * shape[-1]  # row + column statistics
+        else:
+            second_moment_values = numel
+        return (numel * (self.master_weight_bytes + self.first_moment_bytes)
+                + second_moment_values * self.second_moment_bytes + self.step_bytes)
+
+
+# The configurations the optimizer-quality benchmark compares. LowMemoryAdafactor's statistics and step counter
+# are fp32 and its momentum has the weight's dtype (bf16: the weights it trains are bf16).
+OPTIMIZER_STATES: dict[str, OptimizerState] = {
+    # torch AdamW with fp32 master weights: the quality reference.
+    "adamw_fp32": OptimizerState(master_weight_bytes=4, first_moment_bytes=4, factored_second_moment=False),
+    # HF Adafactor (no first moment) needs fp32 weights: it upcasts bf16 weights with p.float() every step.
+    "hf_adafactor": OptimizerState(master_weight_bytes=4, first_moment_bytes=0, factored_second_moment=True),
+    # LowMemoryAdafactor as the defaults run it from 5B parameters up: no momentum.
+    "low_memory": OptimizerState(master_weight_bytes=0, first_moment_bytes=0, factored_second_moment=True,
+                                 step_bytes=4),
+    # LowMemoryAdafactor with its bf16 momentum (the default below 5B parameters).
+    "low_memory_momentum": OptimizerState(master_weight_bytes=0, first_moment_bytes=2, factored_second_moment=True,
+                                          step_bytes=4),
+}
+
+
+def _parameter_shapes(model_or_config: nn.Module | PretrainedConfig) -> list[torch.Size]:
+    if isinstance(model_or_config, nn.Module):
+        model = model_or_config
+    elif isinstance(model_or_config, PretrainedConfig):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(model_or_config))
+    else:
+        raise ValueError(f"Expected a model or a transformers config, got {type(model_or_config).__name__}.")
+    return [p.shape for p in model.parameters() if p.requires_grad]  # shared (tied) tensors are listed once
+
+
+def _resolve(optimizer: str | OptimizerState) -> OptimizerState:
+    if isinstance(optimizer, OptimizerState):
+        return optimizer
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r} is not a known configuration; choose one of "
+                         f"{sorted(OPTIMIZER_STATES)} or pass an OptimizerState.")
+    return OPTIMIZER_STATES[optimizer]
+
+
+def optimizer_state_bytes(model_or_config: nn.Module | PretrainedConfig, optimizer: str | OptimizerState) -> int:
+    """Extra optimizer state in bytes for the trainable parameters of a model (or of a config's model)."""
+    state = _resolve(optimizer)
+    return sum(state.tensor_bytes(shape) for shape in _parameter_shapes(model_or_config))
+
+
+def optimizer_state_gib(model_or_config: nn.Module | PretrainedConfig, optimizer: str | OptimizerState) -> float:
+    """``optimizer_state_bytes`` in GiB (2**30 bytes)."""
+    return optimizer_state_bytes(model_or_config, optimizer) / GIB
+
+
+def state_gib_for_preset(optimizer: str | OptimizerState, preset: str = "recurrent-7b") -> float:
+    """Extra optimizer state of a named preset (vocabulary as in the preset) in GiB, e.g. ``state_gib_recurrent_7b``."""
+    from hf_recurrent import presets
+
+    return optimizer_state_gib(presets.get(preset), optimizer)
