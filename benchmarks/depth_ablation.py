@@ -49,6 +49,7 @@ def train(arm: str, args, out_dir: str) -> float:
         "--lr_scheduler_type", "cosine", "--eval_strategy", "no", "--save_strategy", "no",
         "--logging_steps", "25", "--disable_tqdm", "true", "--max_eval_samples", "64", "--seed", str(args.seed),
         "--report_to", "none", *(["--config_overrides", overrides] if overrides else []), *extra,
+        "--overwrite_output_dir", "true",  # only unfinished arms are trained; train.log is already in out_dir
     ]
     os.makedirs(out_dir, exist_ok=True)
     start = time.perf_counter()
