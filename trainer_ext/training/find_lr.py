@@ -19,10 +19,9 @@ from trainer_ext.training.arguments import (
     ModelArguments,
     RecurrentTrainingArguments,
 )
-from trainer_ext.training.distributed import check_processes_coordinated
 from trainer_ext.training.lr_finder import SweepArguments, find_learning_rate, resolve_sweep_defaults
 from trainer_ext.training.model_setup import build_model, load_data_tokenizer, load_teacher_for, meta_model
-from trainer_ext.training.pretrain import ensure_data, parse_args_with_defaults
+from trainer_ext.training.pretrain import check_model_arguments, ensure_data, parse_args_with_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +41,10 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
     """Run the sweep, write its files; returns the lr_sweep.json record (`learning_rate` None: no stable rate).
 
     Fills the sweep fields left None (`lr_finder.resolve_sweep_defaults`, from the model's size), in place."""
-    check_processes_coordinated(training_args.distributed_state)
+    check_model_arguments(model_args, data_args, training_args)
     replaced = [name for name in REPLACED_WHEN_SET if getattr(training_args, name) is not None]
     if replaced:
         logger.info("Replaced by each trial's schedule (see --sweep_steps, --learning_rates): %s", replaced)
-    if data_args.teacher_cache_dir and model_args.teacher_model_name_or_path:
-        raise ValueError("Pass either --teacher_model_name_or_path (online) or --teacher_cache_dir (offline).")
 
     data_dir = ensure_data(data_args.data_dir)
     tokenizer = load_data_tokenizer(data_dir)

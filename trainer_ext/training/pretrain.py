@@ -67,15 +67,14 @@ def parse_pretrain_args(argv=None) -> tuple[ModelArguments, DataArguments, Recur
     return tuple(parse_args_with_defaults((ModelArguments, DataArguments, RecurrentTrainingArguments), argv))
 
 
-def check_pretrain_arguments(model_args: ModelArguments, data_args: DataArguments,
-                             training_args: RecurrentTrainingArguments) -> None:
-    """Every check the arguments allow before any work (data preparation, model initialisation); writes nothing.
+def check_model_arguments(model_args: ModelArguments, data_args: DataArguments,
+                          training_args: RecurrentTrainingArguments) -> None:
+    """The checks of what a run trains and on what, before any work; writes nothing. Shared by pretraining and the
+    learning-rate threshold test.
 
     The processes of a launch (a group, not each one alone), the config overrides against the preset, the training
     depths against the model's config, the model and teacher folders (and the teacher's tokenizer against the
-    data's, where the data is prepared), one teacher source, the learning-rate sweep file, and the output directory
-    (resume, refuse, or start afresh; see `output_dir.resolve_checkpoint`), down to the files of the checkpoint a
-    resume would read."""
+    data's, where the data is prepared), one teacher source."""
     check_processes_coordinated(training_args.distributed_state)
     check_overrides(parse_overrides(model_args.config_overrides), model_args.preset, model_args.model_name_or_path)
     config = config_before_data(model_args)
@@ -93,6 +92,15 @@ def check_pretrain_arguments(model_args: ModelArguments, data_args: DataArgument
         prepared = data_dir and os.path.isfile(os.path.join(data_dir, "manifest.json"))
         check_teacher_tokenizer(teacher, load_data_tokenizer(data_dir) if prepared else None,
                                 model_args.trust_remote_code)
+
+
+def check_pretrain_arguments(model_args: ModelArguments, data_args: DataArguments,
+                             training_args: RecurrentTrainingArguments) -> None:
+    """Every check the arguments allow before any work (data preparation, model initialisation); writes nothing.
+
+    `check_model_arguments`, the learning-rate sweep file, and the output directory (resume, refuse, or start
+    afresh; see `output_dir.resolve_checkpoint`), down to the files of the checkpoint a resume would read."""
+    check_model_arguments(model_args, data_args, training_args)
     if training_args.learning_rate_from:
         read_sweep_choice(training_args.learning_rate_from)
     checkpoint = resolve_checkpoint(training_args)
