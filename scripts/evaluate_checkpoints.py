@@ -20,7 +20,7 @@ from trainer_ext.training.pretrain import parse_args_with_defaults
 
 def parse_args(argv=None) -> EvaluateArguments:
     """The arguments of a command line (sys.argv without `argv`) or of one .json / .yaml file."""
-    (args,) = parse_args_with_defaults((EvaluateArguments,), argv, command_line_defaults=())
+    (args,) = parse_args_with_defaults((EvaluateArguments,), argv, command_line_defaults={})
     return args
 
 

@@ -19,27 +19,26 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-import torch
 from transformers import HfArgumentParser
 
 from hf_recurrent import presets
 from trainer_ext.data.prepare import PrepareDataArguments
 from trainer_ext.distill.teacher import QUANTIZATIONS
-from trainer_ext.training.arguments import DataArguments, ModelArguments, RecurrentTrainingArguments
+from trainer_ext.training.arguments import (
+    COMMAND_LINE_DEFAULTS,
+    DataArguments,
+    ModelArguments,
+    RecurrentTrainingArguments,
+)
 
-# Training defaults of the comparison (the command line overrides them). As hf-recurrent-pretrain's: seed 0, no
-# reporting integrations, data loading in the main process. Its own: weights continue across cycles but optimizer
+# Training defaults of the comparison (the command line overrides them): hf-recurrent-pretrain's (seed 0, no reporting
+# integrations, data loading in the main process, ...), and its own: weights continue across cycles but optimizer
 # state does not, so a constant rate after a short per-cycle warmup (CYCLE_WARMUP_STEPS, where --warmup_steps is
 # left unset); no mid-cycle evaluation (the pipeline evaluates after each cycle); a resumable checkpoint now and
 # then; one progress display (the pipeline's) instead of the Trainer's.
 COMPARE_TRAINING_DEFAULTS = {
+    **COMMAND_LINE_DEFAULTS,
     "output_dir": os.path.join("outputs", "compare"),
-    "per_device_train_batch_size": 8,
-    "per_device_eval_batch_size": 16,
-    "seed": 0,
-    "report_to": "none",
-    "dataloader_num_workers": 0,
-    "dataloader_pin_memory": torch.cuda.is_available(),
     "lr_scheduler_type": "constant_with_warmup",
     "eval_strategy": "no",
     "save_steps": 1000,

@@ -47,21 +47,22 @@ SMALL_MODEL_SCHEDULE = {"learning_rate": 3e-3, "warmup_steps": 30, "max_steps": 
 LARGE_MODEL_EPOCHS = 1.0
 SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "max_steps", "num_train_epochs")
 
-# What a bare command runs with besides the schedule; the command line is appended, so anything on it wins.
-COMMAND_LINE_DEFAULTS = [
-    "--output_dir", os.path.join("outputs", "run_pretrain"),
-    "--per_device_train_batch_size", "8",
-    "--per_device_eval_batch_size", "16",
-    "--lr_scheduler_type", "cosine",
-    "--logging_steps", "20",
-    "--eval_strategy", "steps",
-    "--eval_steps", "120",
-    "--save_steps", "120",
-    "--save_total_limit", "2",
-    "--report_to", "none",
-    "--dataloader_num_workers", "0",
-    "--seed", "0",
-] + ([] if torch.cuda.is_available() else ["--dataloader_pin_memory", "false"])
+# What a bare command runs with besides the schedule: parser defaults, so anything on the command line wins.
+COMMAND_LINE_DEFAULTS = {
+    "output_dir": os.path.join("outputs", "run_pretrain"),
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 16,
+    "lr_scheduler_type": "cosine",
+    "logging_steps": 20,
+    "eval_strategy": "steps",
+    "eval_steps": 120,
+    "save_steps": 120,
+    "save_total_limit": 2,
+    "report_to": "none",
+    "dataloader_num_workers": 0,
+    "seed": 0,
+    "dataloader_pin_memory": torch.cuda.is_available(),
+}
 
 
 def resolve_momentum(momentum: float | None, num_params: int) -> float | None:

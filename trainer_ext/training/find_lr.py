@@ -25,7 +25,7 @@ from trainer_ext.training.pretrain import check_model_arguments, ensure_data, pa
 
 logger = logging.getLogger(__name__)
 
-FIND_LR_DEFAULTS = COMMAND_LINE_DEFAULTS + ["--output_dir", os.path.join("outputs", "find_lr")]
+FIND_LR_DEFAULTS = {**COMMAND_LINE_DEFAULTS, "output_dir": os.path.join("outputs", "find_lr")}
 # Schedule fields of a training run that the trials replace; given anyway, they are named in the log.
 REPLACED_WHEN_SET = ("learning_rate", "learning_rate_from", "warmup_steps", "max_steps", "num_train_epochs")
 

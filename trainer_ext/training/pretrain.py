@@ -53,13 +53,14 @@ DEFAULT_DATA_DIR = DEFAULT_OUTPUT_DIR
 
 
 def parse_args_with_defaults(dataclass_types: tuple, argv=None, command_line_defaults=COMMAND_LINE_DEFAULTS):
-    """The dataclasses of a command line, after `command_line_defaults` (anything on the command line wins, as
-    argparse keeps the last value), or of a single .json/.yaml file argument (the dataclasses' own defaults)."""
+    """The dataclasses of a command line, with `command_line_defaults` ({field: value}) in place of the dataclasses'
+    own defaults, or of a single .json/.yaml file argument (the dataclasses' own defaults)."""
     parser = HfArgumentParser(dataclass_types)
     argv = sys.argv[1:] if argv is None else list(argv)
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         return parser.parse_yaml_file(argv[0]) if argv[0].endswith("ml") else parser.parse_json_file(argv[0])
-    return parser.parse_args_into_dataclasses(args=list(command_line_defaults) + argv)
+    parser.set_defaults(**command_line_defaults)
+    return parser.parse_args_into_dataclasses(args=argv)
 
 
 def parse_pretrain_args(argv=None) -> tuple[ModelArguments, DataArguments, RecurrentTrainingArguments]:
