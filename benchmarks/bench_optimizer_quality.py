@@ -2,7 +2,7 @@
 fp32 master weights and HF Adafactor (fp32 weights), through the same run_pretrain path, over several seeds.
 
     python -m benchmarks.bench_optimizer_quality --data_dir DIR --preset transformer-125m --steps 300 \
-        --runs adamw_fp32 hf_adafactor low_memory low_memory_momentum --learning_rates 1e-3 2e-3 --seeds 0 1 2
+        --runs adamw_fp32 low_memory low_memory_momentum low_memory_7b --learning_rates 1e-3 2e-3 --seeds 0 1 2
 
 Each run is one configuration at one learning rate and one seed (the seed sets the initial weights, the data order
 and the stochastic-rounding bits); every run trains the same number of steps on the same batch shape, so the same
@@ -26,11 +26,15 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from trainer_ext.data.shards import read_manifest
+from trainer_ext.training.optimizer import SUBSPACE_MOMENTUM_FRACTION
 from trainer_ext.training.optimizer_state import state_gib_for_preset
 
 RUNS = {
     "low_memory": ["--dtype", "bfloat16", "--optimizer", "low_memory", "--optimizer_momentum", "0"],
-    "low_memory_momentum": ["--dtype", "bfloat16", "--optimizer", "low_memory", "--optimizer_momentum", "0.9"],
+    "low_memory_momentum": ["--dtype", "bfloat16", "--optimizer", "low_memory", "--optimizer_momentum", "0.9",
+                            "--optimizer_momentum_rank_fraction", "1"],
+    "low_memory_7b": ["--dtype", "bfloat16", "--optimizer", "low_memory", "--optimizer_momentum", "0.9",
+                      "--optimizer_momentum_rank_fraction", str(SUBSPACE_MOMENTUM_FRACTION)],
     "adamw_fp32": ["--dtype", "float32", "--optimizer", "hf", "--optim", "adamw_torch", "--max_grad_norm", "1.0"],
     "hf_adafactor": ["--dtype", "float32", "--optimizer", "hf", "--optim", "adafactor", "--max_grad_norm", "1.0"],
 }

@@ -80,11 +80,13 @@ def test_bf16_momentum_state_is_bf16_and_counted():
 # ----------------------------------------------------------------------------- math
 
 
-def _reference_run(params, grads_per_step, clips, lr, weight_decay, beta1, beta2, eps):
-    """The documented formulas, written independently, in float64."""
+def _reference_run(params, grads_per_step, clips, lr, weight_decay, beta1, beta2, eps, projectors=None):
+    """The documented formulas, written independently, in float64. ``projectors[t][i]``: the subspace basis of
+    parameter i at step t (None: full momentum)."""
     params = [p.detach().double().clone() for p in params]
     second = [None] * len(params)
     momentum = [torch.zeros_like(p) for p in params]
+    previous = [None] * len(params)
     for t, grads in enumerate(grads_per_step, start=1):
         for i, (p, g, clip) in enumerate(zip(params, grads, clips)):
             g = g.double()
@@ -100,7 +102,18 @@ def _reference_run(params, grads_per_step, clips, lr, weight_decay, beta1, beta2
                 second[i] = v_hat
             update = g / (v_hat / (1 - beta2**t)).sqrt()
             update = update / max(1.0, update.square().mean().sqrt().item() / clip)
-            if beta1 is not None:
+            basis = projectors[t - 1][i] if projectors else None
+            if beta1 is not None and basis is not None:
+                basis = basis.double()
+                if previous[i] is None:
+                    momentum[i] = torch.zeros(p.shape[0], basis.shape[1]).double()
+                else:  # carried into the new basis
+                    momentum[i] = momentum[i] @ previous[i].T @ basis
+                previous[i] = basis
+                projected = update @ basis
+                momentum[i] = beta1 * momentum[i] + (1 - beta1) * projected
+                update = update + (momentum[i] / (1 - beta1**t) - projected) @ basis.T
+            elif beta1 is not None:
                 momentum[i] = beta1 * momentum[i] + (1 - beta1) * update
                 update = momentum[i] / (1 - beta1**t)
             p.mul_(1 - lr * weight_decay).sub_(lr * update)
@@ -127,6 +140,56 @@ def test_fp32_steps_match_reference(max_chunk_numel, beta1):
         optimizer.step()
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.detach().double(), e, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_chunk_numel", [2**24, 30])
+def test_subspace_momentum_matches_reference(max_chunk_numel):
+    # Bases are refreshed at steps 0, 3 and 6; between refreshes they stay; momentum moves into each new basis.
+    torch.manual_seed(0)
+    shapes = [(12, 10), (10,), (9, 16)]
+    params = [nn.Parameter(torch.randn(s)) for s in shapes]
+    initial = [p.detach().clone() for p in params]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(7)]
+    hyper = dict(lr=0.01, weight_decay=0.1, beta2=0.99, eps=1e-30)
+    optimizer = LowMemoryAdafactor(params, momentum=0.9, momentum_rank_fraction=0.25, projection_interval=3,
+                                   max_chunk_numel=max_chunk_numel, compile=False, **hyper)
+    projectors = []
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        optimizer.step()
+        projectors.append([optimizer.state[p].get("projector", None) for p in params])
+        projectors[-1] = [None if b is None else b.clone() for b in projectors[-1]]
+    assert [tuple(b.shape) for b in projectors[0] if b is not None] == [(10, 3), (16, 3)]  # r = ceil(min(R, C) / 4)
+    assert optimizer.state[params[0]]["momentum"].shape == (12, 3) and projectors[0][1] is None  # 1-D: full momentum
+    for t in (1, 2, 4, 5):
+        assert torch.equal(projectors[t][0], projectors[t - 1][0]) == (t % 3 != 0)
+    assert not torch.equal(projectors[3][0], projectors[2][0])
+    for basis in projectors[6]:
+        if basis is not None:
+            torch.testing.assert_close(basis.T @ basis, torch.eye(3), atol=1e-5, rtol=0)
+    expected = _reference_run(initial, grads, [1.0] * 3, beta1=0.9, projectors=projectors, **hyper)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.detach().double(), e, rtol=1e-5, atol=1e-5)
+
+
+def test_subspace_basis_spans_a_low_rank_gradient_and_survives_non_finite_ones():
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.zeros(40, 24))
+    optimizer = LowMemoryAdafactor([weight], lr=0.01, momentum=0.9, momentum_rank_fraction=0.125,
+                                   projection_interval=1, compile=False)
+    low_rank = torch.randn(40, 3) @ torch.randn(3, 24)  # rank 3 = ceil(24 / 8)
+    weight.grad = low_rank.clone()
+    optimizer.step()
+    basis = optimizer.state[weight]["projector"]
+    torch.testing.assert_close(low_rank @ basis @ basis.T, low_rank, atol=1e-4, rtol=1e-4)  # the row space, exactly
+    before = (weight.detach().clone(), basis.clone(), optimizer.state[weight]["momentum"].clone())
+    weight.grad = torch.full_like(low_rank, float("nan"))
+    optimizer.step()
+    state = optimizer.state[weight]
+    assert optimizer.last_step_skips == 1
+    for kept, now in zip(before, (weight.detach(), state["projector"], state["momentum"])):
+        assert torch.equal(kept, now)
 
 
 def test_adafactor_beta2_schedule_is_unbiased_without_correction():
@@ -176,9 +239,10 @@ def test_bf16_weights_move_by_updates_smaller_than_a_bf16_step():
 # ----------------------------------------------------------------------------- in backward
 
 
-def test_in_backward_equals_classic_with_scheduler():
+@pytest.mark.parametrize("subspace", [None, dict(momentum_rank_fraction=0.25, projection_interval=2)])
+def test_in_backward_equals_classic_with_scheduler(subspace):
     classic_model, backward_model = _mlp(), _mlp()
-    options = dict(lr=0.01, weight_decay=0.1, momentum=0.9)
+    options = dict(lr=0.01, weight_decay=0.1, momentum=0.9, **(subspace or {}))
     classic = create_optimizer(classic_model, in_backward=False, **options)
     in_backward = create_optimizer(backward_model, in_backward=True, **options)
     assert [g["weight_decay"] for g in classic.param_groups] == [0.1, 0.0]  # biases are not decayed
@@ -275,9 +339,12 @@ def test_nan_gradient_skips_only_that_tensor(in_backward):
 # ----------------------------------------------------------------------------- checkpoints
 
 
+@pytest.mark.parametrize("subspace", [None, dict(momentum_rank_fraction=0.25, projection_interval=2)])
 @pytest.mark.parametrize("in_backward", [False, True])
-def test_state_dict_round_trip_gives_identical_training(in_backward, one_thread):
-    options = dict(lr=0.01, weight_decay=0.1, momentum=0.9, in_backward=in_backward, max_chunk_numel=100)
+def test_state_dict_round_trip_gives_identical_training(in_backward, subspace, one_thread):
+    # With subspace momentum the bases are refreshed at steps 0, 2 and 4: one before and one after the resume.
+    options = dict(lr=0.01, weight_decay=0.1, momentum=0.9, in_backward=in_backward, max_chunk_numel=100,
+                   **(subspace or {}))
     batches = _batches(6, dtype=torch.bfloat16)
     schedule = lambda step: 1.0 / (1 + step)  # noqa: E731
 
@@ -345,6 +412,10 @@ def test_invalid_arguments_are_value_errors():
         LowMemoryAdafactor([weight], beta2=1.0)
     with pytest.raises(ValueError, match="momentum"):
         LowMemoryAdafactor([weight], momentum=1.5)
+    with pytest.raises(ValueError, match="momentum_rank_fraction"):
+        LowMemoryAdafactor([weight], momentum=0.9, momentum_rank_fraction=1.0)
+    with pytest.raises(ValueError, match="projection_interval"):
+        LowMemoryAdafactor([weight], momentum=0.9, momentum_rank_fraction=0.5, projection_interval=0)
     with pytest.raises(ValueError, match="torch.bfloat16 or torch.float32"):
         LowMemoryAdafactor([nn.Parameter(torch.zeros(2, dtype=torch.float16))])
 
@@ -358,15 +429,18 @@ def test_compiled_update_matches_eager_on_gpu():
     shapes = [(256, 96), (2, 64, 48), (96,)]
     grads = [[torch.randn(s, device="cuda") for s in shapes] for _ in range(3)]
     results = []
-    for compile_, chunk in [(False, 2**24), (True, 2**24), (True, 1000)]:
+    runs = [(compile_, chunk, fraction) for fraction in (None, 0.25)
+            for compile_, chunk in [(False, 2**24), (True, 2**24), (True, 1000)]]
+    for compile_, chunk, fraction in runs:
         params = [nn.Parameter(torch.ones(s, device="cuda")) for s in shapes]
         optimizer = LowMemoryAdafactor(params, lr=0.01, momentum=0.9, weight_decay=0.1, compile=compile_,
-                                       max_chunk_numel=chunk)
+                                       max_chunk_numel=chunk, momentum_rank_fraction=fraction,
+                                       projection_interval=2)
         for step_grads in grads:
             for p, g in zip(params, step_grads):
                 p.grad = g.clone()
             optimizer.step()
         results.append(params)
-    for compiled in results[1:]:
-        for a, b in zip(results[0], compiled):
+    for reference, compiled in [(0, 1), (0, 2), (3, 4), (3, 5)]:
+        for a, b in zip(results[reference], results[compiled]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

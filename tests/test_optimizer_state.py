@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_recurrent import presets
 from hf_recurrent.cost import parameter_counts
-from trainer_ext.training.optimizer import LowMemoryAdafactor
+from trainer_ext.training.optimizer import SUBSPACE_MOMENTUM_FRACTION, LowMemoryAdafactor
 from trainer_ext.training.optimizer_state import (
     OPTIMIZER_STATES,
     OptimizerState,
@@ -45,10 +45,12 @@ def test_debug_preset_matches_a_hand_count_over_the_tensors():
         assert optimizer_state_bytes(presets.get("debug"), name) == optimizer_state_bytes(model, name)
 
 
-@pytest.mark.parametrize("name, momentum", [("low_memory", None), ("low_memory_momentum", 0.9)])
-def test_low_memory_figures_equal_the_optimizers_real_state(name, momentum):
+@pytest.mark.parametrize("name, momentum, fraction", [("low_memory", None, None), ("low_memory_momentum", 0.9, None),
+                                                      ("low_memory_7b", 0.9, SUBSPACE_MOMENTUM_FRACTION)])
+def test_low_memory_figures_equal_the_optimizers_real_state(name, momentum, fraction):
     model = _debug_model(torch.bfloat16)
-    optimizer = LowMemoryAdafactor(model.parameters(), lr=1e-3, momentum=momentum, compile=False)
+    optimizer = LowMemoryAdafactor(model.parameters(), lr=1e-3, momentum=momentum, momentum_rank_fraction=fraction,
+                                   compile=False)
     _step_with_zero_gradients(model, optimizer)
     assert optimizer.state_bytes() == optimizer_state_bytes(model, name)
 
@@ -70,6 +72,8 @@ def test_recurrent_7b_figures():
     assert momentum_gb == pytest.approx(13.8, rel=0.01)
     assert state_gib_for_preset("low_memory") < 0.05  # factored statistics: megabytes
     assert state_gib_for_preset("adamw_fp32") == pytest.approx(12 * num_params / 2**30)
+    # The 7B-class configuration: subspace momentum (bf16, 1/16 of the rank) and its fp32 bases, under 2 GiB.
+    assert 1.0 < state_gib_for_preset("low_memory_7b") <= 2.0
 
 
 def test_unknown_configuration_and_custom_state():

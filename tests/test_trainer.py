@@ -78,14 +78,21 @@ def test_resume_reproduces_the_uninterrupted_loss_sequence(tiny_data_dir, tmp_pa
 
 
 def test_momentum_defaults_by_model_size_and_can_be_turned_off(tiny_data_dir, tmp_path):
-    assert resolve_momentum(None, 3_400_000_000) == 0.9  # recurrent-3.3b: +6.7 GB fits a 24 GB card
-    assert resolve_momentum(None, 6_900_000_000) is None  # recurrent-7b: +13.8 GB does not
-    assert resolve_momentum(0.0, 1_000) is None and resolve_momentum(0.95, 7_000_000_000) == 0.95
-    for momentum, has_momentum in ((None, True), (0.0, False)):  # the debug model is small: on by default
-        trainer = make_trainer(tiny_data_dir, tmp_path / str(momentum), max_steps=1, optimizer_momentum=momentum)
+    assert resolve_momentum(None, None, 3_400_000_000) == (0.9, None)  # recurrent-3.3b: full, +6.7 GB fits 24 GB
+    assert resolve_momentum(None, None, 6_900_000_000) == (0.9, 1 / 16)  # recurrent-7b: subspace (low_memory_7b)
+    assert resolve_momentum(0.0, 0.5, 1_000) == (None, None)
+    assert resolve_momentum(0.95, 1.0, 7_000_000_000) == (0.95, None)  # 1 = full momentum at any size
+    assert resolve_momentum(None, 0.25, 1_000) == (0.9, 0.25)
+    for momentum, fraction in ((None, None), (0.0, None), (None, 0.25)):  # the debug model is small: full by default
+        trainer = make_trainer(tiny_data_dir, tmp_path / f"{momentum}_{fraction}", max_steps=1,
+                               optimizer_momentum=momentum, optimizer_momentum_rank_fraction=fraction)
         trainer.train()
-        states = list(trainer.optimizer.state.values())
-        assert states and all(("momentum" in state) == has_momentum for state in states)
+        matrices = [(p, s) for p, s in trainer.optimizer.state.items() if p.ndim == 2]
+        assert matrices
+        for p, state in matrices:
+            assert ("momentum" in state) == (momentum is None) and ("projector" in state) == (fraction is not None)
+            if fraction is not None:  # (R, r) with r = ceil(f * min(R, C))
+                assert state["momentum"].shape == (p.shape[0], math.ceil(fraction * min(p.shape)))
 
 
 def test_stock_optimizer_is_selectable(tiny_data_dir, tmp_path):

@@ -18,7 +18,7 @@ from transformers import TrainingArguments
 
 from hf_recurrent import presets
 from trainer_ext.distill.losses import DIVERGENCES
-from trainer_ext.training.optimizer import check_gradient_accumulation
+from trainer_ext.training.optimizer import SUBSPACE_MOMENTUM_FRACTION, check_gradient_accumulation
 from trainer_ext.training.stability import check_settings
 
 logger = logging.getLogger(__name__)
@@ -32,10 +32,11 @@ _CHECKPOINTING = (
     else "gradient_checkpointing"
 )
 
-# The low-memory optimizer's bf16 momentum costs 2 bytes per parameter. It is on by default below this size
-# (recurrent-3.3b: +6.7 GB, still fits a 24 GB card) and off from it up (recurrent-7b would need +13.8 GB): at 121M
-# parameters it brought the held-out loss from 8.6% to 0.6% behind AdamW, and on small recurrent models in bf16 it
-# made the difference between a stalled and a healthy run (BENCHMARKS.md).
+# The low-memory optimizer's bf16 momentum costs 2 bytes per parameter: at 121M parameters it brought the held-out
+# loss from 8.6% to 0.6% behind AdamW, and on small recurrent models in bf16 it made the difference between a stalled
+# and a healthy run (BENCHMARKS.md). Full momentum is the default below this size (recurrent-3.3b: +6.7 GB, still
+# fits a 24 GB card); from it up (recurrent-7b would need +13.8 GB) the default is subspace momentum, `low_memory_7b`
+# (1.7 GiB for recurrent-7b).
 AUTO_MOMENTUM, AUTO_MOMENTUM_MAX_PARAMS = 0.9, 5e9
 
 # Models of LARGE_MODEL_PARAMS or more get LARGE_MODEL_SCHEDULE where the user left a field unset, smaller ones
@@ -65,11 +66,17 @@ COMMAND_LINE_DEFAULTS = {
 }
 
 
-def resolve_momentum(momentum: float | None, num_params: int) -> float | None:
-    """The optimizer's beta1: the argument if given (0 = off), else the size-based default."""
+def resolve_momentum(momentum: float | None, rank_fraction: float | None,
+                     num_params: int) -> tuple[float | None, float | None]:
+    """The optimizer's (beta1, momentum_rank_fraction): beta1 is the argument if given (0 = off), else 0.9; the
+    fraction is the argument if given (1 = full momentum), else full below AUTO_MOMENTUM_MAX_PARAMS parameters and
+    SUBSPACE_MOMENTUM_FRACTION from there up."""
+    momentum = AUTO_MOMENTUM if momentum is None else momentum or None
     if momentum is None:
-        return AUTO_MOMENTUM if num_params < AUTO_MOMENTUM_MAX_PARAMS else None
-    return momentum or None
+        return None, None
+    if rank_fraction is None:
+        rank_fraction = 1.0 if num_params < AUTO_MOMENTUM_MAX_PARAMS else SUBSPACE_MOMENTUM_FRACTION
+    return momentum, (rank_fraction if rank_fraction < 1 else None)
 
 
 @dataclass
@@ -141,8 +148,12 @@ class RecurrentTrainingArguments(TrainingArguments):
     optimizer_in_backward: bool = field(
         default=True, metadata={"help": "Update each tensor as soon as its gradient exists (gradient release)."})
     optimizer_momentum: float | None = field(
-        default=None, metadata={"help": "beta1 of a bf16 first moment (2 bytes per parameter); 0 turns it off. Default: "
-                                        "0.9 for models under 5B parameters, off from 5B up (see resolve_momentum)."})
+        default=None, metadata={"help": "beta1 of the low-memory optimizer's bf16 first moment; 0 turns it off. "
+                                        "Default 0.9 (see resolve_momentum)."})
+    optimizer_momentum_rank_fraction: float | None = field(
+        default=None, metadata={"help": "Momentum of each weight matrix kept in a subspace of this fraction of its rank "
+                                        "(about this fraction of full momentum's 2 bytes per parameter); 1 = full "
+                                        "momentum. Default: 1 under 5B parameters, 1/16 from 5B up (low_memory_7b)."})
     optimizer_clip_threshold: float = field(default=1.0, metadata={"help": "Per-tensor update RMS clip."})
     profile_steps: int = field(default=30, metadata={"help": "Synchronized phase timing for the first N steps."})
     peak_flops: float | None = field(
@@ -257,7 +268,11 @@ class RecurrentTrainingArguments(TrainingArguments):
         check("optimizer_momentum",
               self.optimizer_momentum is None or (is_number(self.optimizer_momentum)
                                                   and 0 <= self.optimizer_momentum < 1),
-              "in [0, 1) (0 turns momentum off), or unset for the size-based default")
+              "in [0, 1) (0 turns momentum off), or unset for the default 0.9")
+        check("optimizer_momentum_rank_fraction",
+              self.optimizer_momentum_rank_fraction is None
+              or (is_number(self.optimizer_momentum_rank_fraction) and 0 < self.optimizer_momentum_rank_fraction <= 1),
+              "in (0, 1] (1 = full momentum), or unset for the size-based default")
         check("optimizer_clip_threshold",
               is_number(self.optimizer_clip_threshold) and self.optimizer_clip_threshold > 0, "a number > 0")
         check("peak_flops", self.peak_flops is None or (is_number(self.peak_flops) and self.peak_flops > 0),

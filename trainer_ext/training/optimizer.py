@@ -36,12 +36,14 @@ from trainer_ext.training.optimizer_kernels import (
     has_triton,
     hyper_values,
     mix32,
+    range_finder,
     row_chunks,
     to_device,
     unfactored_update,
 )
 
-__all__ = ["LowMemoryAdafactor", "check_gradient_accumulation", "create_optimizer"]
+__all__ = ["LowMemoryAdafactor", "check_gradient_accumulation", "create_optimizer", "subspace_rank",
+           "SUBSPACE_MOMENTUM_FRACTION"]
 
 # Tensors larger than this many elements are updated in row chunks of at most this size, so that fp32
 # temporaries are bounded by 256 MiB (2**26 * 4 bytes) instead of the size of the weight. Eager mode makes
@@ -54,7 +56,16 @@ DEFAULT_MAX_CHUNK_NUMEL = 2**26
 
 _STATE_DICT_KEY = "low_memory_adafactor"
 
+# The subspace momentum of the 7B-class configuration (`low_memory_7b`): 1/16 of full momentum's memory, which keeps
+# recurrent-7b's extra optimizer state under 2 GiB (trainer_ext/training/optimizer_state.py counts it).
+SUBSPACE_MOMENTUM_FRACTION = 1 / 16
+
 # ----------------------------------------------------------------------------- the optimizer
+
+
+def subspace_rank(shape: torch.Size | tuple[int, int], fraction: float) -> int:
+    """Rank r of a (R, C) matrix's momentum subspace: ceil(fraction * min(R, C)), at least 1."""
+    return max(1, math.ceil(fraction * min(shape[-2:])))
 
 
 def check_gradient_accumulation(gradient_accumulation_steps: int, in_backward: bool = True) -> None:
@@ -83,12 +94,24 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         u      <- m / (1 - momentum**t)                         then bias-corrected as in Adam
         w      <- w * (1 - lr * weight_decay) - lr * u          rounded stochastically if w is bf16
 
+    Subspace momentum (``momentum_rank_fraction`` f): a (R, C) matrix keeps its first moment only in a rank-r
+    subspace of its rows' space, r = ceil(f * min(R, C)), spanned by the orthonormal columns of P (C, r):
+        m      <- momentum * m + (1 - momentum) * u P           m is (R, r): f of the memory of full momentum
+        u      <- u + (m / (1 - momentum**t) - u P) P^T         momentum inside the subspace, u as it is outside
+    P is refreshed every ``projection_interval`` steps from the gradient's dominant right singular subspace
+    (one step of randomized subspace iteration) and m is carried into the new basis, m <- m P_old^T P_new.
+    Gradients of language models are close to low rank, so most of what momentum averages lies in that subspace
+    (GaLore's observation), while the update stays full rank. 1-D tensors keep full momentum (they are small).
+
     Args:
         params: parameters or parameter groups (bf16 or fp32, contiguous).
         lr: learning rate (plain; no relative step sizes). Schedulers drive ``param_groups[i]["lr"]``.
         weight_decay: decoupled weight decay, multiplied by lr.
         momentum: beta1 of an optional first moment stored in the weight's dtype (bf16 for bf16
             weights); None (default) keeps no first moment.
+        momentum_rank_fraction: None (default) for full momentum, or f in (0, 1) for subspace momentum of
+            matrices (see above): their momentum costs about f of full momentum, plus an fp32 basis (C, r).
+        projection_interval: steps between refreshes of the subspace bases.
         beta2: second-moment decay; with ``beta2_decay`` the cap of the schedule.
         beta2_decay: None for a constant beta2 with bias correction, or c for Adafactor's schedule
             beta2_t = min(beta2, 1 - t**-c) (c = 0.8 in the paper).
@@ -115,6 +138,8 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         *,
         weight_decay: float = 0.0,
         momentum: float | None = None,
+        momentum_rank_fraction: float | None = None,
+        projection_interval: int = 200,
         beta2: float = 0.999,
         beta2_decay: float | None = None,
         eps: float = 1e-30,
@@ -124,8 +149,9 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         compile: bool | None = None,
         seed: int = 0,
     ):
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2,
-                        beta2_decay=beta2_decay, eps=eps, clip_threshold=clip_threshold)
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                        momentum_rank_fraction=momentum_rank_fraction, projection_interval=projection_interval,
+                        beta2=beta2, beta2_decay=beta2_decay, eps=eps, clip_threshold=clip_threshold)
         # Set before super().__init__, which calls add_param_group for each group.
         self.in_backward = False
         self._hook_handles: list = []
@@ -301,8 +327,11 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
                 state["col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32, device=p.device)
             else:
                 state["second_moment"] = torch.zeros_like(p, dtype=torch.float32)
+        subspace = group["momentum"] is not None and group["momentum_rank_fraction"] is not None and p.ndim == 2
         if group["momentum"] is not None and "momentum" not in state:
-            state["momentum"] = torch.zeros_like(p)
+            rank = subspace_rank(p.shape, group["momentum_rank_fraction"]) if subspace else None
+            state["momentum"] = torch.zeros(p.shape[0], rank, dtype=p.dtype, device=p.device) if subspace \
+                else torch.zeros_like(p)
         momentum = state["momentum"] if group["momentum"] is not None else None
 
         hyper = self._hyper(group, p.device)
@@ -320,16 +349,40 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             return
         shape3 = (-1, *p.shape[-2:])
         views = (param.view(shape3), grad.reshape(shape3), state["row"].view(shape3[:2]),
-                 state["col"].view(-1, p.shape[-1]), None if momentum is None else momentum.view(shape3))
+                 state["col"].view(-1, p.shape[-1]),
+                 None if momentum is None else momentum.view(-1, *momentum.shape[-2:]))
         num_slices, rows, cols = views[0].shape
         chunks = row_chunks(num_slices, rows, cols, self.max_chunk_numel)
-        args = (*views, state["step"], self._keys(index, p.device, len(chunks)), hyper, totals)
+        keys = self._keys(index, p.device, len(chunks))
+        projector = self._projector(state, views[1], chunks, keys[0], group) if subspace else None
+        args = (*views, state["step"], keys, hyper, totals, projector)
         if not compiled:
             factored_update(*args, chunks=chunks, kernels=EAGER_KERNELS, beta2_decay=beta2_decay)
         elif len(chunks) == 1:
             compiled_kernels()[1](*args, beta2_decay=beta2_decay)
         else:
             factored_update(*args, chunks=chunks, kernels=compiled_kernels()[0], beta2_decay=beta2_decay)
+
+    def _projector(self, state: dict, grad: torch.Tensor, chunks, key: torch.Tensor, group: dict) -> torch.Tensor:
+        """The subspace basis P (C, r) of a matrix's momentum, refreshed every ``projection_interval`` steps.
+
+        At a refresh the momentum moves into the new basis (m <- m P_old^T P_new). Decided on the host from the
+        optimizer's step count, computed on the device with no sync: a non-finite gradient keeps the old basis
+        (the first basis then falls back to the first r unit vectors).
+        """
+        previous = state.get("projector")
+        if previous is not None and self._num_steps % group["projection_interval"]:
+            return previous
+        momentum = state["momentum"]
+        basis = range_finder(grad, chunks, momentum.shape[-1], key, self._num_steps)
+        ok = torch.isfinite(basis).all()
+        if previous is None:
+            previous = torch.eye(*basis.shape, dtype=basis.dtype, device=basis.device)
+        else:
+            moved = momentum.float() @ (previous.T @ basis)
+            momentum.copy_(torch.where(ok, moved, momentum.float()))
+        state["projector"] = torch.where(ok, basis, previous)
+        return state["projector"]
 
     def _hyper(self, group: dict, device: torch.device) -> torch.Tensor:
         """The group's hyperparameters as one device tensor, rebuilt only when one of them changes."""
@@ -404,6 +457,10 @@ def _validate_group(group: dict, check_params: bool = True) -> None:
     check("lr", group["lr"] >= 0.0, ">= 0")
     check("weight_decay", group["weight_decay"] >= 0.0, ">= 0")
     check("momentum", group["momentum"] is None or 0.0 <= group["momentum"] < 1.0, "None or in [0, 1)")
+    check("momentum_rank_fraction", group["momentum_rank_fraction"] is None
+          or 0.0 < group["momentum_rank_fraction"] < 1.0, "None (full momentum) or in (0, 1)")
+    check("projection_interval", isinstance(group["projection_interval"], int) and group["projection_interval"] >= 1,
+          "an integer >= 1")
     check("beta2_decay", group["beta2_decay"] is None or group["beta2_decay"] > 0.0, "None or > 0")
     if group["beta2_decay"] is None:
         check("beta2", 0.0 <= group["beta2"] < 1.0, "in [0, 1) (or in (0, 1] with beta2_decay)")

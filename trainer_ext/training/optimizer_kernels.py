@@ -28,8 +28,8 @@ def hyper_values(group: dict) -> tuple[float, ...]:
     return (group["lr"], group["weight_decay"], group["momentum"] or 0.0, group["beta2"],
             group["beta2_decay"] or 0.0, group["eps"], group["clip_threshold"])
 
-# Salts that give weights and momentum independent random streams.
-_WEIGHT_SALT, _MOMENTUM_SALT = 0x1B873593, 0x68E31DA4
+# Salts that give weights, momentum and subspace bases independent random streams.
+_WEIGHT_SALT, _MOMENTUM_SALT, _PROJECTOR_SALT = 0x1B873593, 0x68E31DA4, 0x2545F491
 
 
 # ----------------------------------------------------------------------------- random bits and rounding
@@ -110,14 +110,22 @@ def _clip_scale(update_sq: torch.Tensor, numel: int, hyper: torch.Tensor) -> tor
 
 
 def _apply_update(param: torch.Tensor, update: torch.Tensor, momentum: torch.Tensor | None,
-                  ok: torch.Tensor, step: torch.Tensor, key: torch.Tensor, hyper: torch.Tensor) -> None:
-    """Momentum (optional), decoupled weight decay, and the in-place weight write."""
+                  ok: torch.Tensor, step: torch.Tensor, key: torch.Tensor, hyper: torch.Tensor,
+                  projector: torch.Tensor | None = None) -> None:
+    """Momentum (optional), decoupled weight decay, and the in-place weight write.
+
+    With a ``projector`` P (C, r) of orthonormal columns, ``momentum`` (..., R, r) is the first moment of the
+    update's part in the subspace P spans, u P; that part of the update is replaced by its bias-corrected momentum
+    and the rest, u - u P P^T, passes through as it is (subspace momentum, see LowMemoryAdafactor).
+    """
     if momentum is not None:
         # ``step`` already counts this update (when ok), so the first one divides by 1 - beta1.
         beta1 = hyper[_BETA1]
-        update = beta1 * momentum.float() + (1.0 - beta1) * update
-        _store(momentum, update, ok, key, step, _MOMENTUM_SALT)
-        update = update / (1.0 - beta1.pow(torch.clamp(step, min=1.0)))
+        projected = update if projector is None else update @ projector
+        averaged = beta1 * momentum.float() + (1.0 - beta1) * projected
+        _store(momentum, averaged, ok, key, step, _MOMENTUM_SALT)
+        corrected = averaged / (1.0 - beta1.pow(torch.clamp(step, min=1.0)))
+        update = corrected if projector is None else update + (corrected - projected) @ projector.T
     lr = hyper[_LR]
     new_param = param.float() * (1.0 - lr * hyper[_WEIGHT_DECAY]) - lr * update
     _store(param, new_param, ok, key, step, _WEIGHT_SALT)
@@ -159,10 +167,10 @@ def _factored_update_sq(grad: torch.Tensor, row_factor: torch.Tensor, col_factor
 
 
 def _factored_apply(param, grad, momentum, row_factor, col_factor, update_sq, numel: int, ok, step, key,
-                    hyper) -> None:
+                    hyper, projector=None) -> None:
     scale = _clip_scale(update_sq, numel, hyper)
     update = grad.float() * row_factor.unsqueeze(-1) * (col_factor.unsqueeze(-2) * scale)
-    _apply_update(param, update, momentum, ok, step, key, hyper)
+    _apply_update(param, update, momentum, ok, step, key, hyper, projector)
 
 
 class _Kernels(NamedTuple):
@@ -176,9 +184,10 @@ EAGER_KERNELS = _Kernels(_grad_stats, _update_factors, _factored_update_sq, _fac
 _WHOLE = ((slice(None), slice(None)),)
 
 
-def factored_update(param, grad, row, col, momentum, step, keys, hyper, totals, *,
+def factored_update(param, grad, row, col, momentum, step, keys, hyper, totals, projector=None, *,
                      chunks, kernels: _Kernels, beta2_decay: bool) -> None:
-    """One tensor's factored update. param, grad, momentum: (B, R, C); row: (B, R); col: (B, C).
+    """One tensor's factored update. param, grad: (B, R, C); row: (B, R); col: (B, C); momentum: (B, R, C), or
+    (B, R, r) in the subspace of ``projector`` (C, r).
 
     ``chunks`` index (B, R) and cover it; three passes over them, because the column statistics and the
     update RMS each need the whole tensor before anything can be written.
@@ -196,13 +205,31 @@ def factored_update(param, grad, row, col, momentum, step, keys, hyper, totals, 
         kernels.update_sq(grad[rows], row_factor[rows], col_factor[rows[0]], update_sq)
     for i, rows in enumerate(chunks):
         kernels.apply(param[rows], grad[rows], None if momentum is None else momentum[rows], row_factor[rows],
-                      col_factor[rows[0]], update_sq, grad.numel(), ok, step, keys[i], hyper)
+                      col_factor[rows[0]], update_sq, grad.numel(), ok, step, keys[i], hyper, projector)
 
 
-def _factored_update_whole(param, grad, row, col, momentum, step, keys, hyper, totals, *, beta2_decay):
+def _factored_update_whole(param, grad, row, col, momentum, step, keys, hyper, totals, projector=None, *,
+                           beta2_decay):
     """The whole tensor as one chunk: compiled as a single graph, so it fuses into a few kernels."""
-    factored_update(param, grad, row, col, momentum, step, keys, hyper, totals,
+    factored_update(param, grad, row, col, momentum, step, keys, hyper, totals, projector,
                      chunks=_WHOLE, kernels=EAGER_KERNELS, beta2_decay=beta2_decay)
+
+
+def range_finder(grad: torch.Tensor, chunks, rank: int, key: torch.Tensor, refresh: int) -> torch.Tensor:
+    """An orthonormal basis (C, rank) of the dominant right singular subspace of ``grad`` (B, R, C).
+
+    One step of randomized subspace iteration: Y = G^T (G Omega) with a pseudo-random Omega (C, rank) drawn from
+    the counter hash of (key, refresh), then QR. Row chunks keep the fp32 temporaries small. Not finite (a
+    non-finite gradient): the caller keeps its previous basis.
+    """
+    columns = grad.shape[-1]
+    bits = _random_bits(torch.Size((columns, rank)), key, torch.tensor(refresh, device=key.device), _PROJECTOR_SALT)
+    omega = (bits & 0xFFFF).float() / 32768.0 - 1.0
+    basis = torch.zeros(columns, rank, dtype=torch.float32, device=grad.device)
+    for rows in chunks:
+        block = grad[rows].float().reshape(-1, columns)
+        basis += block.T @ (block @ omega)
+    return torch.linalg.qr(basis).Q
 
 
 def unfactored_update(param, grad, second_moment, momentum, step, keys, hyper, totals, *,

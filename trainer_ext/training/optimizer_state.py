@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from trainer_ext.training.optimizer import SUBSPACE_MOMENTUM_FRACTION, subspace_rank
+
 __all__ = ["OPTIMIZER_STATES", "OptimizerState", "optimizer_state_bytes", "optimizer_state_gib", "state_gib_for_preset"]
 
 GIB = 2**30
@@ -33,6 +35,8 @@ class OptimizerState:
     second_moment_bytes: per stored second-moment value.
     step_bytes: a device step counter per tensor (LowMemoryAdafactor keeps an fp32 scalar; torch AdamW keeps its
         step on the host unless fused or capturable, so it costs the GPU nothing).
+    momentum_rank_fraction: subspace momentum (LowMemoryAdafactor): a 2-D (R, C) weight keeps its first moment as
+        (R, r), r = subspace_rank, plus an fp32 basis (C, r); other tensors keep full momentum.
     """
 
     master_weight_bytes: int
@@ -40,6 +44,7 @@ class OptimizerState:
     factored_second_moment: bool
     second_moment_bytes: int = 4
     step_bytes: int = 0
+    momentum_rank_fraction: float | None = None
 
     def tensor_bytes(self, shape: torch.Size | tuple[int, ...]) -> int:
         """Extra state held for one parameter of this shape (an empty tensor gets none)."""
@@ -51,7 +56,11 @@ class OptimizerState:
             second_moment_values = leading * shape[-2] + leading * shape[-1]  # row + column statistics
         else:
             second_moment_values = numel
-        return (numel * (self.master_weight_bytes + self.first_moment_bytes)
+        first_moment = numel * self.first_moment_bytes
+        if self.first_moment_bytes and self.momentum_rank_fraction is not None and len(shape) == 2:
+            rank = subspace_rank(shape, self.momentum_rank_fraction)
+            first_moment = shape[0] * rank * self.first_moment_bytes + shape[1] * rank * 4  # momentum + fp32 basis
+        return (numel * self.master_weight_bytes + first_moment
                 + second_moment_values * self.second_moment_bytes + self.step_bytes)
 
 
@@ -68,6 +77,9 @@ OPTIMIZER_STATES: dict[str, OptimizerState] = {
     # LowMemoryAdafactor with its bf16 momentum (the default below 5B parameters).
     "low_memory_momentum": OptimizerState(master_weight_bytes=0, first_moment_bytes=2, factored_second_moment=True,
                                           step_bytes=4),
+    # LowMemoryAdafactor with bf16 subspace momentum (the default from 5B parameters up).
+    "low_memory_7b": OptimizerState(master_weight_bytes=0, first_moment_bytes=2, factored_second_moment=True,
+                                    step_bytes=4, momentum_rank_fraction=SUBSPACE_MOMENTUM_FRACTION),
 }
 
 

@@ -99,14 +99,18 @@ class RecurrentTrainer(Trainer):
             return super().create_optimizer(model)
         if self.optimizer is None:
             num_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            momentum = resolve_momentum(self.args.optimizer_momentum, num_params)
-            logger.info("LowMemoryAdafactor: momentum %s for %.0fM trainable parameters", momentum, num_params / 1e6)
+            momentum, rank_fraction = resolve_momentum(self.args.optimizer_momentum,
+                                                       self.args.optimizer_momentum_rank_fraction, num_params)
+            logger.info("LowMemoryAdafactor: momentum %s (%s) for %.0fM trainable parameters", momentum,
+                        "off" if momentum is None else "full" if rank_fraction is None
+                        else f"subspace, rank fraction {rank_fraction:g}", num_params / 1e6)
             self.optimizer = create_optimizer(
                 self.model,
                 lr=self.args.learning_rate,
                 weight_decay=self.args.weight_decay,
                 in_backward=self.args.optimizer_in_backward,
                 momentum=momentum,
+                momentum_rank_fraction=rank_fraction,
                 gradient_accumulation_steps=self.args.gradient_accumulation_steps,
                 clip_threshold=self.args.optimizer_clip_threshold,
                 seed=self.args.seed,
