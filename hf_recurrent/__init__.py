@@ -1,12 +1,14 @@
 """Recurrent-depth causal language models for Hugging Face transformers.
 
 Importing this package registers the model with the Auto classes. Beside the model: `presets` (named shapes),
-`depth` (the training depth sampler) and `cost` (FLOPs per token, parameter counts, unrolled layers).
+`depth` (the training depth sampler), `cost` (FLOPs per token, parameter counts, unrolled layers) and `static_cache`
+(a static KV cache with the slots of a depth, for compiled decoding).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from . import presets
+from .cache_recurrent_depth import static_cache
 from .configuration_recurrent_depth import RecurrentDepthConfig
 from .depth import DepthSampler
 from .cost import flops_per_token
@@ -32,4 +34,5 @@ __all__ = [
     "RecurrentDepthPreTrainedModel",
     "flops_per_token",
     "presets",
+    "static_cache",
 ]

@@ -11,6 +11,7 @@ from transformers.configuration_utils import PreTrainedConfig
 INJECTION_MODES = ("concat", "add")
 STATE_INITS = ("zeros", "normal")
 KV_CACHE_MODES = ("per_step", "shared")
+EXIT_CRITERIA = ("state",)  # adaptive depth (adaptive_depth.py)
 DEPTH_DISTRIBUTIONS = ("fixed", "poisson_lognormal")
 BLOCK_NORMS = ("pre", "sandwich")
 INIT_SCHEMES = ("normal", "scaled")
@@ -56,6 +57,9 @@ class RecurrentDepthConfig(PreTrainedConfig):
             their gradients 100x), 1.0 otherwise.
         kv_cache_mode: `per_step` (one cache slot per step and core layer, exact) or `shared` (one slot per core
             layer written by the last step; memory independent of depth, an approximation for n > 1).
+        exit_threshold: adaptive per-token depth at inference (`adaptive_depth`): a token stops iterating once its
+            state changes by less than this, relative, in one step (None: a fixed depth, the default; 0 never exits).
+            A `forward` / `generate` keyword overrides it. `exit_criterion`: how change is measured (`state`).
     """
 
     model_type = "recurrent_depth"
@@ -98,6 +102,8 @@ class RecurrentDepthConfig(PreTrainedConfig):
     state_init_std: float = 1.0
     state_init_seed: int = 0
     kv_cache_mode: str = "per_step"
+    exit_threshold: float | int | None = None
+    exit_criterion: str = "state"
     block_norm: str = "pre"
     init_scheme: str = "normal"
     embedding_scale: float | None = None
@@ -175,6 +181,9 @@ class RecurrentDepthConfig(PreTrainedConfig):
         _check_choice("injection", self.injection, INJECTION_MODES)
         _check_choice("state_init", self.state_init, STATE_INITS)
         _check_choice("kv_cache_mode", self.kv_cache_mode, KV_CACHE_MODES)
+        _check_choice("exit_criterion", self.exit_criterion, EXIT_CRITERIA)
+        if self.exit_threshold is not None and not self.exit_threshold >= 0:
+            raise ValueError(f"RecurrentDepthConfig.exit_threshold={self.exit_threshold!r} must be >= 0 (or None).")
         _check_choice("depth_distribution", self.depth_distribution, DEPTH_DISTRIBUTIONS)
         _check_choice("block_norm", self.block_norm, BLOCK_NORMS)
         _check_choice("init_scheme", self.init_scheme, INIT_SCHEMES)

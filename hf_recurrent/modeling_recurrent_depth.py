@@ -9,8 +9,10 @@ The depth n of a call is, first match wins: the `num_steps` keyword of `forward`
 generation config (`generate(generation_config=GenerationConfig(num_steps=n))`, or the checkpoint's
 generation_config.json); the config's `num_steps` (`from_pretrained(path, num_steps=n)`); `config.mean_recurrence`.
 
-This file is self-contained on purpose: `save_pretrained` copies it next to the weights, so a checkpoint loads
-with `trust_remote_code=True` where this package is not installed.
+This file and the modules it imports relatively (the configuration, `cache_recurrent_depth`: the KV cache slots and
+static caches, `adaptive_depth`: per-token early exit) import nothing else of this package on purpose:
+`save_pretrained` copies them next to the weights, so a checkpoint loads with `trust_remote_code=True` where this
+package is not installed.
 """
 
 import math
@@ -20,12 +22,11 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationConfig, GenerationMixin
-from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -37,8 +38,14 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils import can_return_tuple
 
 try:
+    from .adaptive_depth import DepthExit, RecurrentDepthCausalLMOutput, RecurrentDepthModelOutput, check_exit
+    from .cache_recurrent_depth import (add_static_slots, attend_cache, cache_slot, ensure_cache_slots, is_static,
+                                        num_cache_slots)
     from .configuration_recurrent_depth import RecurrentDepthConfig
-except ImportError:  # loaded as a flat module by `trust_remote_code`
+except ImportError:  # loaded as flat modules by `trust_remote_code`
+    from adaptive_depth import DepthExit, RecurrentDepthCausalLMOutput, RecurrentDepthModelOutput, check_exit
+    from cache_recurrent_depth import (add_static_slots, attend_cache, cache_slot, ensure_cache_slots, is_static,
+                                       num_cache_slots)
     from configuration_recurrent_depth import RecurrentDepthConfig
 
 # transformers >= 5.24 calls the cache argument and output field `cache`; 5.17 calls them `past_key_values`.
@@ -134,12 +141,7 @@ class RecurrentDepthAttention(nn.Module):
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
 
         if cache is not None:
-            slot = cache.layers[cache_slot]
-            if not read_only_cache:
-                key, value = cache.update(key, value, cache_slot)
-            elif slot.is_initialized and slot.keys.numel() > 0:
-                key = torch.cat([slot.keys, key], dim=-2)
-                value = torch.cat([slot.values, value], dim=-2)
+            key, value = attend_cache(cache, cache_slot, key, value, read_only_cache)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -200,7 +202,8 @@ class RecurrentDepthPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_compile_fullgraph = False  # the depth loop and its cache slots change with `num_steps`
+    # A forward at a fixed depth traces as one graph (the depth is a Python int: a new depth compiles anew).
+    _can_compile_fullgraph = True
 
     def _init_weights(self, module):
         config = self.config
@@ -274,14 +277,8 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         self.embed_tokens = value
 
     def _cache_slot(self, section: str, index: int, step: int = 0) -> int:
-        """Cache layout: prelude layers, coda layers, then core layers (one copy per step in `per_step` mode)."""
-        config = self.config
-        if section == "prelude":
-            return index
-        if section == "coda":
-            return config.n_prelude_layers + index
-        per_step = config.kv_cache_mode == "per_step"
-        return config.n_prelude_layers + config.n_coda_layers + (step if per_step else 0) * config.n_core_layers + index
+        """Cache layout: prelude, coda, then core layers, one copy per step in `per_step` mode (`cache_slot`)."""
+        return cache_slot(self.config, section, index, step)
 
     def inject(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         if self.config.injection == "concat":
@@ -302,10 +299,14 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         cache: Cache | None = None,
+        exit_threshold: float | None = None,
+        exit_criterion: str | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> RecurrentDepthModelOutput:
         """`num_steps`: depth n (default `config.default_num_steps`). `backprop_depth` k: in training, only the last
         k steps build a graph; the first n - k run under `no_grad` (default `config.backprop_depth`, None = all).
+        `exit_threshold` / `exit_criterion` (default: the config's): adaptive depth, at most n steps per token, the
+        steps used returned as `num_steps_used` (B, T) (`adaptive_depth`); None: every token runs n steps.
         `return_dict=False` gives a tuple (None fields left out)."""
         config = self.config
         if (input_ids is None) == (inputs_embeds is None):
@@ -313,6 +314,8 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         num_steps = config.default_num_steps if num_steps is None else int(num_steps)
         if num_steps < 1:
             raise ValueError(f"num_steps={num_steps} must be >= 1.")
+        exit_threshold = config.exit_threshold if exit_threshold is None else exit_threshold
+        check_exit(exit_threshold, exit_criterion or config.exit_criterion)
         backprop_depth = config.backprop_depth if backprop_depth is None else int(backprop_depth)
         if backprop_depth is not None and backprop_depth < 1:
             raise ValueError(f"backprop_depth={backprop_depth} must be >= 1 (or None for all steps).")
@@ -342,7 +345,7 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         if position_ids is None:
             position_ids = _positions_from_mask(attention_mask, inputs_embeds, past_seen)
         if cache is not None:
-            _ensure_cache_slots(cache, self._cache_slot("core", config.n_core_layers - 1, num_steps - 1) + 1)
+            ensure_cache_slots(cache, config, num_steps)
 
         mask = create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
@@ -365,18 +368,25 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
 
         state = initial_state(config, position_ids.expand(hidden.shape[0], -1), embedded.dtype)
         shared_cache = config.kv_cache_mode == "shared"
+        depth_exit = None if exit_threshold is None else DepthExit(exit_threshold, state.shape[:2], state.device)
+        # `recompute_core_steps` (None: each core layer's own flag decides): the steps, counted from the first one
+        # that builds a graph, whose core layers are checkpointed; it sets the core layers' flag at every step.
+        recompute = getattr(self, "recompute_core_steps", None)
         for step in range(num_steps):
             grad_context = torch.no_grad() if step < no_grad_steps else nullcontext()
             with grad_context:
                 hidden = self.inject(state, embedded)
                 for i, layer in enumerate(self.core):
+                    if recompute is not None:
+                        layer.gradient_checkpointing = step - no_grad_steps in recompute
                     hidden = layer(
                         hidden,
                         cache_slot=self._cache_slot("core", i, step),
                         read_only_cache=shared_cache and step < num_steps - 1,
                         **layer_kwargs,
                     )
-                state = self.state_norm(hidden)
+                new_state = self.state_norm(hidden)
+                state = new_state if depth_exit is None else depth_exit.step(state, new_state)
             record(state)
 
         hidden = state
@@ -386,38 +396,24 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         hidden = self.norm(hidden)
         if hidden_states is not None:
             hidden_states[-1] = hidden  # as Llama: the last entry is after the final norm
-        return BaseModelOutputWithPast(
+        return RecurrentDepthModelOutput(
             last_hidden_state=hidden,
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
             attentions=tuple(attentions) if attentions is not None else None,
+            num_steps_used=None if depth_exit is None else depth_exit.steps_used,
             **{CACHE_FIELD: cache},
         )
 
 
-def _positions_from_mask(attention_mask: torch.Tensor | None, inputs_embeds: torch.Tensor, past_seen: int):
-    """Positions that skip left padding, so a padded sequence sees the same rotary phases as unpadded."""
+def _positions_from_mask(attention_mask: torch.Tensor | None, inputs_embeds: torch.Tensor,
+                         past_seen: int | torch.Tensor):
+    """Positions that skip left padding, so a padded sequence sees the same rotary phases as unpadded.
+    `past_seen` is a tensor for a static cache: added, not passed to `arange`, so no host sync."""
     seq = inputs_embeds.shape[1]
     if attention_mask is None or attention_mask.dim() != 2:
-        return torch.arange(past_seen, past_seen + seq, device=inputs_embeds.device).unsqueeze(0)
+        return (torch.arange(seq, device=inputs_embeds.device) + past_seen).unsqueeze(0)
     positions = attention_mask.long().cumsum(-1) - 1
     return positions.clamp(min=0)[:, -seq:]
-
-
-def _unsupported_cache(what: str) -> ValueError:
-    return ValueError(
-        f"RecurrentDepth models need a DynamicCache, not {what}: the core block needs a cache slot per (step, core "
-        "layer), added at run time for the depth of the call (kv_cache_mode=\"per_step\"), or reads slots without "
-        "writing them (\"shared\"), which a fixed-size cache does not support. Leave cache_implementation unset (or "
-        "\"dynamic\") and pass no cache or a DynamicCache."
-    )
-
-
-def _ensure_cache_slots(cache: Cache, num_slots: int) -> None:
-    """`generate` builds one cache slot per unique layer; `per_step` mode needs one per (step, core layer)."""
-    if not isinstance(cache, DynamicCache):
-        raise _unsupported_cache(f"a {type(cache).__name__}")
-    while len(cache.layers) < num_slots:
-        cache.layers.append(DynamicLayer())
 
 
 class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
@@ -452,12 +448,19 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
         a passed config, which wins over the checkpoint's.
         """
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
-        if generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS:
-            raise _unsupported_cache(f"cache_implementation={generation_config.cache_implementation!r}")
         num_steps = getattr(generation_config, "num_steps", None)
         if num_steps is not None and model_kwargs.get("num_steps") is None:
             model_kwargs["num_steps"] = num_steps
         return generation_config, model_kwargs
+
+    def _prepare_static_cache(self, *args, **kwargs):
+        """`generate(..., cache_implementation="static")`: transformers' static cache, grown to the slots of the
+        call's depth (`num_steps` is in `model_kwargs` by now)."""
+        cache = super()._prepare_static_cache(*args, **kwargs)
+        if is_static(cache):
+            num_steps = (kwargs.get("model_kwargs") or {}).get("num_steps")
+            add_static_slots(cache, num_cache_slots(self.config, num_steps or self.config.default_num_steps))
+        return cache
 
     def save_pretrained(self, *args, **kwargs):
         """Also keeps a `num_steps` set on `model.generation_config` across save and load.
@@ -477,16 +480,18 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
         use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0, num_steps: int | None = None,
         backprop_depth: int | None = None, output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None, cache: Cache | None = None, **kwargs,
-    ) -> CausalLMOutputWithPast:
+        output_hidden_states: bool | None = None, cache: Cache | None = None, exit_threshold: float | None = None,
+        exit_criterion: str | None = None, **kwargs,
+    ) -> RecurrentDepthCausalLMOutput:
         """As `RecurrentDepthModel.forward` (outputs laid out as its docstring says), plus the LM head and, given
-        `labels`, the loss. `return_dict=False` gives a tuple: (loss, logits, cache, hidden_states, attentions), each
-        present only when computed."""
+        `labels`, the loss. `return_dict=False` gives a tuple: (loss, logits, cache, hidden_states, attentions,
+        num_steps_used), each present only when computed."""
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
             num_steps=num_steps, backprop_depth=backprop_depth, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True, **kwargs,
+            output_hidden_states=output_hidden_states, exit_threshold=exit_threshold, exit_criterion=exit_criterion,
+            return_dict=True, **kwargs,
         )
         hidden = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -494,11 +499,12 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        return RecurrentDepthCausalLMOutput(
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            num_steps_used=outputs.num_steps_used,
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
 

@@ -5,7 +5,9 @@
 
 (or `python scripts/evaluate_checkpoints.py ...`). A recurrent-depth checkpoint is evaluated at every `--depths`
 value, a fixed-depth baseline (e.g. LlamaForCausalLM) at its one depth; for recurrent checkpoints the cost of the
-`shared` KV cache against the exact `per_step` cache is measured too (`--cache_cost_samples 0` skips it). Writes
+`shared` KV cache against the exact `per_step` cache is measured too (`--cache_cost_samples 0` skips it), and
+`--exit_thresholds 0.01 0.003` adds adaptive depth: mean core steps per token against the deepest `--depths` value and
+the CE difference to that fixed depth. Writes
 to `--output_dir`: results.json, results.md (metrics as rows, model / depth as columns) and the plots
 quality_vs_depth.png and speed_vs_depth.png. A single .json or .yaml argument is read as the arguments file.
 """

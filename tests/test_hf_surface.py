@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationConfig, StaticCache
+from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_recurrent  # noqa: F401  (registers the Auto classes)
@@ -262,18 +262,6 @@ def test_tensor_parallel_on_two_cpu_processes_matches_one(tmp_path):
         assert report["logits_diff"] < 1e-5 and report["generated_equal"], report
 
 
-def test_static_cache_is_refused_with_the_alternative():
-    model = tiny()
-    x = tokens(1, 5)
-    for call in (
-        lambda: model.generate(x, num_steps=2, cache_implementation="static", **GREEDY),
-        lambda: model(x, num_steps=2, **{CACHE_FIELD: StaticCache(config=model.config, max_cache_len=16)}),
-    ):
-        with pytest.raises(ValueError, match="DynamicCache") as error:
-            call()
-        assert "cache_implementation unset" in str(error.value)
-
-
 def test_per_step_cache_stays_exact_with_optional_outputs():
     model = tiny("eager", kv_cache_mode="per_step")
     x = tokens(1, 6)
@@ -385,6 +373,13 @@ def test_remote_code_takes_the_depth_from_from_pretrained_and_generation_config(
         out = model.generate(io["x"], generation_config=GenerationConfig(num_steps=3, max_new_tokens=6,
                              do_sample=False, pad_token_id=0), return_dict_in_generate=True, output_logits=True)
         torch.testing.assert_close(torch.stack(out.logits), io["generated"])
+        # The sibling modules shipped with the modeling code: the static cache slots, adaptive depth.
+        static = model.generate(io["x"], num_steps=3, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                cache_implementation="static", return_dict_in_generate=True, output_logits=True)
+        torch.testing.assert_close(torch.stack(static.logits), io["generated"], atol=1e-5, rtol=1e-4)
+        with torch.no_grad():
+            exited = model(io["x"], num_steps=3, exit_threshold=1e9)
+        assert bool((exited.num_steps_used == 1).all())
         print("REMOTE_OK")
         """
     )

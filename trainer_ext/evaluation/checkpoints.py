@@ -5,7 +5,9 @@
 
 A recurrent-depth checkpoint is evaluated at every `depths` value, a fixed-depth baseline (e.g.
 LlamaForCausalLM) at its one depth. For recurrent checkpoints it also measures what decoding with the `shared`
-KV cache costs against the exact `per_step` cache (`cache_cost_samples=0` skips it). Writes the report
+KV cache costs against the exact `per_step` cache (`cache_cost_samples=0` skips it), and with `exit_thresholds`
+what adaptive depth saves: mean core steps per token against the deepest of `depths` and the CE it costs there.
+Writes the report
 (`trainer_ext.evaluation.report`) and, when matplotlib is installed, quality_vs_depth.png and speed_vs_depth.png
 to `output_dir`.
 """
@@ -56,6 +58,10 @@ class EvaluateArguments:
                                       "the sample is prefilled)."})
     cache_cost_depths: list[int] | None = field(
         default=None, metadata={"help": "Depths of that comparison (default: each model's mean_recurrence)."})
+    exit_thresholds: list[float] | None = field(
+        default=None, metadata={"help": "Adaptive depth (hf_recurrent.adaptive_depth) thresholds for recurrent models: "
+                                      "each is evaluated at the deepest --depths value as the step cap, reporting "
+                                      "mean core steps per token and the CE difference to that fixed depth."})
     output_dir: str = field(default=os.path.join("outputs", "evaluate"), metadata={"help": "Where results go."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), bfloat16 or float32."})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
@@ -69,6 +75,8 @@ class EvaluateArguments:
                              "give one per checkpoint or none.")
         if not self.depths or any(d < 1 for d in self.depths):
             raise ValueError(f"--depths {self.depths}: give one or more integers >= 1.")
+        if self.exit_thresholds is not None and any(not t >= 0 for t in self.exit_thresholds):
+            raise ValueError(f"--exit_thresholds {self.exit_thresholds}: give numbers >= 0.")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype={self.dtype!r} is not allowed; choose one of {list(DTYPES)}.")
         for name in ("batch_size", "speed_batch_size", "prompt_len", "new_tokens", "speed_repeats",
@@ -117,9 +125,10 @@ def _speed_prompt(dataset, prompt_len: int) -> torch.Tensor:
 
 
 def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, device, dtype,
-                        unigram_ce: float | None = None) -> tuple[list, list]:
-    """Result records (one per depth) and KV cache comparisons for one checkpoint; `unigram_ce` (the held-out
-    tokens' frequency-only CE) is what a model that learned nothing from the context would score."""
+                        unigram_ce: float | None = None) -> tuple[list, list, list]:
+    """Result records (one per depth), KV cache comparisons and adaptive depth records for one checkpoint;
+    `unigram_ce` (the held-out tokens' frequency-only CE) is what a model that learned nothing from the context
+    would score."""
     model = load_checkpoint(checkpoint, dtype, device)
     dataset = _eval_data(args, checkpoint, model)
     recurrent = is_recurrent(model.config)
@@ -160,10 +169,29 @@ def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, de
             cost = cache_mode_cost(model, dataset, num_steps=num_steps, max_samples=args.cache_cost_samples,
                                    prefix_len=prefix_len, batch_size=args.batch_size)
             costs.append({"model": label, "checkpoint": checkpoint, **cost})
+    adaptive = adaptive_depth_records(args, model, dataset, records) if recurrent and args.exit_thresholds else []
+    for record in adaptive:
+        record.update(model=label, checkpoint=checkpoint)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return records, costs
+    return records, costs, adaptive
+
+
+def adaptive_depth_records(args: EvaluateArguments, model, dataset, records: list[dict]) -> list[dict]:
+    """Per exit threshold, at the deepest evaluated depth n_max as the cap: mean core steps per token and CE, against
+    the fixed-depth CE at n_max (from `records`)."""
+    n_max = max(args.depths)
+    fixed = next(r for r in records if r["num_steps"] == n_max)
+    rows = []
+    for threshold in args.exit_thresholds:
+        logger.info("adaptive depth: exit threshold %g, at most %d steps", threshold, n_max)
+        quality = evaluate_model(model, dataset, num_steps=n_max, batch_size=args.batch_size,
+                                 exit_threshold=threshold)
+        rows.append({"num_steps": n_max, "exit_threshold": threshold, "mean_steps_used": quality["mean_steps_used"],
+                     "ce": quality["ce"], "top1": quality["top1"], "ce_fixed_depth": fixed["ce"],
+                     "ce_increase": quality["ce"] - fixed["ce"], "tokens": quality["tokens"]})
+    return rows
 
 
 def evaluate_checkpoints(args: EvaluateArguments) -> dict:
@@ -177,11 +205,13 @@ def evaluate_checkpoints(args: EvaluateArguments) -> dict:
     heldout = ShardedTokenDataset(args.data_dir, args.split)
     num_samples = len(heldout) if args.max_samples is None else min(len(heldout), args.max_samples)
     unigram_ce = unigram_cross_entropy(torch.utils.data.Subset(heldout, range(num_samples)))
-    results, costs = [], []
+    results, costs, adaptive = [], [], []
     for checkpoint, label in zip(args.checkpoints, labels):
-        records, checkpoint_costs = evaluate_checkpoint(args, checkpoint, label, device, dtype, unigram_ce)
+        records, checkpoint_costs, checkpoint_adaptive = evaluate_checkpoint(args, checkpoint, label, device, dtype,
+                                                                             unigram_ce)
         results += records
         costs += checkpoint_costs
+        adaptive += checkpoint_adaptive
     report = {
         "data": {"data_dir": args.data_dir, "split": args.split, "samples": num_samples,
                  "frequency_only_ce": unigram_ce},
@@ -190,6 +220,7 @@ def evaluate_checkpoints(args: EvaluateArguments) -> dict:
         "args": asdict(args),
         "results": results,
         "cache_mode_cost": costs,
+        "adaptive_depth": adaptive,
         "plots": [],
     }
     if args.plots and importlib.util.find_spec("matplotlib") is None:

@@ -2,6 +2,7 @@
 comparison pipeline and the benchmarks share, and the warnings it supports.
 
     evaluate_model(model, dataset, num_steps=n)    -> {"ce", "perplexity", "top1", "top5", "tokens"}
+    evaluate_model(..., exit_threshold=t)          -> the same at adaptive depth (at most n), plus "mean_steps_used"
     unigram_cross_entropy(dataset)                 -> the CE of predicting every token from its frequency alone
     learning_warnings(label, {n: ce}, unigram_ce)  -> what those figures say about a model that did not learn
 
@@ -62,6 +63,7 @@ def evaluate_model(
     device: str | torch.device | None = None,
     chunk_size: int = 1024,
     progress: bool = True,
+    exit_threshold: float | None = None,
 ) -> dict:
     """Cross-entropy (nats/token), perplexity, top-1 / top-5 accuracy over `dataset`.
 
@@ -69,13 +71,20 @@ def evaluate_model(
     -100 ignored). `num_steps` is the depth of a recurrent model (default: its `config.default_num_steps`) and must be
     None for other models. Logits are never built for a whole batch: the final hidden states go through the
     LM head `chunk_size` positions at a time, so a 64k vocabulary costs chunk_size x V floats, not B x T x V.
-    `device`: where to run (the model is moved there); default: where the model is.
+    `device`: where to run (the model is moved there); default: where the model is. `exit_threshold`: adaptive
+    depth of a recurrent model (`hf_recurrent.adaptive_depth`, at most `num_steps` steps per token); the result then
+    also has "mean_steps_used", the core steps per evaluated token.
     """
     if batch_size < 1 or chunk_size < 1 or (max_batches is not None and max_batches < 1):
         raise ValueError(f"evaluate_model: batch_size={batch_size}, chunk_size={chunk_size} and "
                          f"max_batches={max_batches} must be >= 1 (max_batches may be None).")
     device = place(model, device)
     forward_kwargs = depth_kwargs(model, num_steps)
+    if exit_threshold is not None:
+        if not forward_kwargs:
+            raise ValueError(f"exit_threshold={exit_threshold} was given but {type(model).__name__} has a fixed depth.")
+        forward_kwargs["exit_threshold"] = exit_threshold
+    steps_used = []  # per batch: (sum of core steps, tokens) over the evaluated positions
     weight, bias = output_head(model)
     metric = load_metric("next_token")
 
@@ -94,10 +103,15 @@ def evaluate_model(
             hidden = outputs.last_hidden_state  # (B, T, C)
             keep = targets.reshape(-1) != IGNORE_INDEX
             rows, row_targets = hidden.reshape(-1, hidden.shape[-1])[keep], targets.reshape(-1)[keep]
+            if exit_threshold is not None:
+                steps_used.append((outputs.num_steps_used.reshape(-1)[keep].sum().item(), int(keep.sum())))
             for positions, logits in chunked_logits(rows, weight, bias, chunk_size):  # (chunk, V), model dtype
                 nll, rank = token_statistics(logits, row_targets[positions])
                 metric.add_batch(nll=nll.cpu().numpy(), rank=rank.cpu().numpy())
-    return metric.compute()
+    result = metric.compute()
+    if exit_threshold is not None:
+        result["mean_steps_used"] = sum(total for total, _ in steps_used) / max(sum(n for _, n in steps_used), 1)
+    return result
 
 
 def unigram_cross_entropy(dataset: Dataset) -> float:

@@ -1,7 +1,7 @@
 """The evaluation report: results.json (written and read here) and its Markdown rendering, results.md.
 
     report = {"data": {...}, "device", "dtype", "args", "results": [record per model and depth],
-              "cache_mode_cost": [...], "plots": [...]}
+              "cache_mode_cost": [...], "adaptive_depth": [...], "plots": [...]}
 
 A result record is {"model", "checkpoint", "kind": "recurrent"|"transformer", "num_steps", "layers", "ce",
 "perplexity", "top1", "top5", "tokens", "tokens_per_s_batch_<B>", ...}. `markdown_table` lays records out with
@@ -52,6 +52,16 @@ def cache_cost_table(costs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def adaptive_depth_table(rows: list[dict]) -> str:
+    lines = ["| model / threshold | max steps | mean steps used | CE | CE at max steps | difference |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        lines.append(
+            f"| {row['model']} / {row['exit_threshold']:g} | {row['num_steps']} | {row['mean_steps_used']:.2f} | "
+            f"{row['ce']:.4f} | {row['ce_fixed_depth']:.4f} | {row['ce_increase']:+.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 def _format(value, fmt: str) -> str:
     if value is None:
         return "-"
@@ -71,6 +81,10 @@ def render_report(report: dict) -> str:
         text += ("\n## KV cache modes\n\nTeacher-forced decoding, one token at a time after a prefilled prefix. "
                  "`per_step` is exact (equals the full forward); `shared` keeps one cache per core layer.\n\n")
         text += cache_cost_table(report["cache_mode_cost"])
+    if report.get("adaptive_depth"):  # reports written before the option have no such key
+        text += ("\n## Adaptive depth\n\nEach token stops iterating once its state changes by less than the threshold "
+                 "(relative) in one step, at most `max steps`; CE against the fixed depth `max steps`.\n\n")
+        text += adaptive_depth_table(report["adaptive_depth"])
     return text
 
 

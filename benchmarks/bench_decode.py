@@ -1,0 +1,221 @@
+"""Greedy decoding speed: our eager (dynamic cache) and static-cache + compiled decode paths against a Llama with the
+same unrolled layer count, compiled the same way.
+
+    python3 -m benchmarks.bench_decode --output $OUT/decode.json                       # recurrent-3.3b, GPU
+    python3 -m benchmarks.bench_decode --preset debug --device cpu --depths 2 --prompt_len 8 --new_tokens 8 \
+        --compile_backend eager --output /tmp/decode.json                              # a CPU check that it runs
+
+Random init (speed does not depend on the weights), `--dtype` (bf16 on CUDA), SDPA attention. For each depth n and
+batch size: tokens/s of `generate` with the dynamic cache (eager), with `cache_implementation="static"` and a compiled
+decode step (`CompileConfig(fullgraph=True, dynamic=False)`, inductor + CUDA graphs by default), and the same two for
+`LlamaForCausalLM` with prelude + n x core + coda layers of the same width, heads, MLP and vocabulary.
+`--exit_thresholds` adds eager runs with adaptive depth (at most n steps) and their mean core steps per token.
+Each figure: the median of `--repeats` timed calls after `--warmup` untimed ones (which compile), with the spread
+(max - min) / median. Measurements run most important first (depth, then batch size, in the order given); past
+`--time_budget_s` the rest are listed as skipped, so a run stays short on any machine.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import transformers
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+
+from hf_recurrent import RecurrentDepthForCausalLM, presets
+from hf_recurrent.cost import unrolled_layers
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="recurrent-3.3b", help="A recurrent preset of hf_recurrent.presets.")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bf16 on CUDA, fp32 on CPU).")
+    parser.add_argument("--depths", type=int, nargs="+", default=[12, 4])
+    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompt_len", type=int, default=128)
+    parser.add_argument("--new_tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="Timed calls per figure (the median counts).")
+    parser.add_argument("--warmup", type=int, default=2, help="Untimed calls first (compilation, CUDA graphs).")
+    parser.add_argument("--compile_backend", default="inductor")
+    parser.add_argument("--compile_mode", default="reduce-overhead", help="'none' for the backend's default.")
+    parser.add_argument("--exit_thresholds", type=float, nargs="*", default=[],
+                        help="Adaptive depth thresholds (state criterion) timed on the eager path.")
+    parser.add_argument("--no_llama", action="store_true", help="Skip the Llama peer.")
+    parser.add_argument("--time_budget_s", type=float, default=270.0,
+                        help="Stop starting new measurements after this many seconds.")
+    parser.add_argument("--output", default=None, help="Write the results as JSON here.")
+    args = parser.parse_args(argv)
+    if not presets.is_recurrent(presets.get(args.preset)):
+        parser.error(f"--preset {args.preset!r} is a Transformer preset; give a recurrent one.")
+    if args.repeats < 3:
+        parser.error("--repeats must be >= 3 (the median of at least three timed calls).")
+    return args
+
+
+def llama_peer(config, num_steps: int) -> LlamaConfig:
+    """A Llama of the recurrent model's width, heads, MLP and vocabulary, with its unrolled layer count at depth n."""
+    return LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, num_hidden_layers=unrolled_layers(config, num_steps),
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=False, pad_token_id=0)
+
+
+def build(model_class, config, device, dtype):
+    with torch.device(device):
+        model = model_class._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_generate(model, prompt, args, **kwargs) -> list[float]:
+    """Tokens/s of `repeats` timed greedy calls, after `warmup` untimed ones."""
+    kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+    rates = []
+    for index in range(args.warmup + args.repeats):
+        synchronize(args.device)
+        start = time.perf_counter()
+        out = model.generate(prompt, **kwargs)
+        synchronize(args.device)
+        elapsed = time.perf_counter() - start
+        new = out.shape[1] - prompt.shape[1]
+        if new != args.new_tokens:
+            raise RuntimeError(f"generate stopped after {new} of {args.new_tokens} tokens; no eos is expected here.")
+        if index >= args.warmup:
+            rates.append(prompt.shape[0] * new / elapsed)
+    return rates
+
+
+def compile_config(args) -> CompileConfig:
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=args.compile_backend,
+                           mode=None if args.compile_mode == "none" else args.compile_mode)
+    config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    return config
+
+
+class StepsRecorder:
+    """Mean core steps per decoded token of adaptive-depth calls, read from the model's `num_steps_used`."""
+
+    def __init__(self, model):
+        self.total = self.count = 0
+        self.handle = model.model.register_forward_hook(self.hook)
+
+    def hook(self, module, inputs, output):
+        used = getattr(output, "num_steps_used", None)
+        if used is not None and used.shape[1] == 1:  # decode steps, not the prefill
+            self.total += used.sum().item()
+            self.count += used.numel()
+
+    def mean(self) -> float | None:
+        self.handle.remove()
+        return self.total / self.count if self.count else None
+
+
+def measurements(args, config):
+    """(label, model kind, depth, batch, generate kwargs) in the order they run."""
+    paths = [("eager", {}), ("static+compile", {"cache_implementation": "static", "compile_config": compile_config(args)})]
+    for num_steps in args.depths:
+        for batch in args.batch_sizes:
+            for path, kwargs in paths:
+                yield path, "recurrent", num_steps, batch, {"num_steps": num_steps, **kwargs}
+            if not args.no_llama:
+                for path, kwargs in reversed(paths):
+                    yield path, "llama", num_steps, batch, kwargs
+            for threshold in args.exit_thresholds:
+                yield f"eager exit<{threshold:g}", "recurrent", num_steps, batch, {
+                    "num_steps": num_steps, "exit_threshold": threshold}
+
+
+def run(args) -> dict:
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
+                                                           else torch.float32)
+    config = presets.get(args.preset)
+    torch.manual_seed(0)
+    ours = build(RecurrentDepthForCausalLM, config, args.device, dtype)
+    llama, llama_steps = None, None
+    generator = torch.Generator().manual_seed(0)
+    prompts = {b: torch.randint(3, config.vocab_size, (b, args.prompt_len), generator=generator).to(args.device)
+               for b in args.batch_sizes}
+    results, skipped, started = [], [], time.perf_counter()
+    for path, kind, num_steps, batch, kwargs in measurements(args, config):
+        record = {"model": kind, "path": path, "num_steps": num_steps, "batch": batch,
+                  "layers": unrolled_layers(config, num_steps), "exit_threshold": kwargs.get("exit_threshold")}
+        if time.perf_counter() - started > args.time_budget_s:
+            skipped.append(record)
+            continue
+        if kind == "llama" and llama_steps != num_steps:
+            llama = None  # free the previous depth's peer first
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            llama, llama_steps = build(LlamaForCausalLM, llama_peer(config, num_steps), args.device, dtype), num_steps
+        model = ours if kind == "recurrent" else llama
+        recorder = StepsRecorder(model) if "exit_threshold" in kwargs else None
+        rates = time_generate(model, prompts[batch], args, **kwargs)
+        median = statistics.median(rates)
+        record.update(tokens_per_s=median, tokens_per_s_runs=rates, spread=(max(rates) - min(rates)) / median)
+        if recorder is not None:
+            record["mean_steps_used"] = recorder.mean()
+        results.append(record)
+        print(f"{kind:9s} {path:18s} n={num_steps:<3d} batch={batch:<3d} {median:10.1f} tokens/s "
+              f"(spread {record['spread']:.1%})", flush=True)
+    return {
+        "preset": args.preset, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "transformers": transformers.__version__,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats, "warmup": args.warmup,
+        "compile": {"backend": args.compile_backend, "mode": args.compile_mode, "fullgraph": True},
+        "results": results, "ratios": ratios(results), "skipped": skipped,
+    }
+
+
+def ratios(results: list[dict]) -> list[dict]:
+    """Per depth and batch: compiled over eager (ours), ours compiled over Llama compiled, ours eager over Llama eager."""
+    rate = {(r["model"], r["path"], r["num_steps"], r["batch"]): r["tokens_per_s"] for r in results}
+    rows = []
+    for num_steps, batch in sorted({(r["num_steps"], r["batch"]) for r in results}):
+        def ratio(a, b):
+            a, b = rate.get((*a, num_steps, batch)), rate.get((*b, num_steps, batch))
+            return a / b if a and b else None
+        rows.append({"num_steps": num_steps, "batch": batch,
+                     "compiled_over_eager": ratio(("recurrent", "static+compile"), ("recurrent", "eager")),
+                     "compiled_over_llama_compiled": ratio(("recurrent", "static+compile"), ("llama", "static+compile")),
+                     "eager_over_llama_eager": ratio(("recurrent", "eager"), ("llama", "eager"))})
+    return rows
+
+
+def render(report: dict) -> str:
+    lines = [f"{report['preset']} on {report['device']} ({report['dtype']}), prompt {report['prompt_len']}, "
+             f"{report['new_tokens']} new tokens, median of {report['repeats']}",
+             "| model | path | n | layers | batch | tokens/s | spread | mean steps |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in report["results"]:
+        steps = r.get("mean_steps_used")
+        lines.append(f"| {r['model']} | {r['path']} | {r['num_steps']} | {r['layers']} | {r['batch']} | "
+                     f"{r['tokens_per_s']:.1f} | {r['spread']:.1%} | {'-' if steps is None else f'{steps:.2f}'} |")
+    lines += ["", "| n | batch | compiled / eager | compiled / Llama compiled | eager / Llama eager |", "|---:|---:|---:|---:|---:|"]
+    fmt = lambda value: "-" if value is None else f"{value:.2f}x"  # noqa: E731
+    for r in report["ratios"]:
+        lines.append(f"| {r['num_steps']} | {r['batch']} | {fmt(r['compiled_over_eager'])} | "
+                     f"{fmt(r['compiled_over_llama_compiled'])} | {fmt(r['eager_over_llama_eager'])} |")
+    if report["skipped"]:
+        lines.append(f"\nskipped (time budget): {len(report['skipped'])} measurements")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    report = run(args)
+    print(render(report))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
