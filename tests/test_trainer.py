@@ -173,6 +173,16 @@ def test_torch_compile_compiles_each_layer_and_keeps_state_dict_keys(tiny_data_d
     assert not any(key.startswith("_orig_mod") or "._orig_mod" in key for key in trainer.model.state_dict())
 
 
+def test_a_compiled_run_logs_its_first_steps_apart_from_steady_state_throughput(tiny_data_dir, tmp_path):
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=4, logging_steps=1, torch_compile=True,
+                           torch_compile_backend="eager")
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [("tokens_per_second" in entry) for entry in logs] == [False, False, True, True]
+    assert [("compile_warmup_seconds" in entry) for entry in logs] == [False, True, False, False]
+    assert logs[1]["compile_warmup_seconds"] > 0
+
+
 def test_teacher_quantization_needs_cuda_and_a_known_mode(tiny_data_dir, tmp_path):
     _save_teacher(tiny_data_dir, tmp_path / "teacher")
     tokenizer = AutoTokenizer.from_pretrained(tiny_data_dir)

@@ -45,6 +45,8 @@ COMPARE_TRAINING_DEFAULTS = {
     "save_total_limit": 1,
     "logging_steps": 50,
     "disable_tqdm": True,
+    # Both models train on the same batches: no memory plan choosing a batch size per model.
+    "memory_plan": "none",
 }
 CYCLE_WARMUP_STEPS = 30
 # Set per cycle and model by the pipeline; setting them would break the cycle bookkeeping.

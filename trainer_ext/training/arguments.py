@@ -24,6 +24,9 @@ from trainer_ext.training.stability import check_settings
 logger = logging.getLogger(__name__)
 
 OPTIMIZERS = ("low_memory", "hf")
+MEMORY_PLANS = ("auto", "none")
+# The batch size per device where neither the command line nor a memory plan sets one (TrainingArguments' default).
+DEFAULT_BATCH_SIZE = 8
 # Batch key of the targets aligned with positions (target t belongs to input t); HF's loss functions use the
 # same name for labels that are already shifted.
 TARGETS = "shift_labels"
@@ -51,7 +54,6 @@ SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "max_steps", "num_train_epoc
 # What a bare command runs with besides the schedule: parser defaults, so anything on the command line wins.
 COMMAND_LINE_DEFAULTS = {
     "output_dir": os.path.join("outputs", "run_pretrain"),
-    "per_device_train_batch_size": 8,
     "per_device_eval_batch_size": 16,
     "lr_scheduler_type": "cosine",
     "logging_steps": 20,
@@ -186,9 +188,30 @@ class RecurrentTrainingArguments(TrainingArguments):
                                       "a learning rate. 0 turns the check off."})
     collapse_margin: float = field(
         default=0.05, metadata={"help": "Nats around ln(vocab_size) that count as uniform predictions."})
-    # Activation checkpointing on by default (transformers >= 5.24 renamed the flag; keep one, no warning).
-    __annotations__[_CHECKPOINTING] = bool
-    vars()[_CHECKPOINTING] = field(default=True, metadata={"help": "Recompute layer activations in backward."})
+    # Activation checkpointing on by default (transformers >= 5.24 renamed the flag; keep one, no warning). Unset
+    # (None) until __post_init__, like the batch size, so that the memory planner knows what the user gave.
+    __annotations__[_CHECKPOINTING] = bool | None
+    vars()[_CHECKPOINTING] = field(
+        default=None, metadata={"help": "Recompute layer activations in backward (default: on, or what "
+                                        "--memory_plan auto decides)."})
+    per_device_train_batch_size: int | None = field(
+        default=None, metadata={"help": f"Batch size per device (default: {DEFAULT_BATCH_SIZE}, or what "
+                                        "--memory_plan auto decides)."})
+    torch_compile: bool | None = field(
+        default=None, metadata={"help": "torch.compile each decoder layer (default: on with CUDA, where it measured "
+                                        "faster, off elsewhere); the first steps' compile time is logged apart "
+                                        "from the steady-state tokens/s."})
+    memory_plan: str | None = field(
+        default=None, metadata={"help": "auto: decide batch size and per-layer / per-step activation recompute "
+                                        "before training for --memory_cap_gib (hf-recurrent-plan-memory); none: "
+                                        "as given. Default: auto with CUDA, none elsewhere."})
+    memory_cap_gib: float | None = field(
+        default=None, metadata={"help": "Memory the plan may use, GiB (default: the CUDA device's total memory)."})
+    memory_margin_gib: float = field(
+        default=1.4, metadata={"help": "Kept free below the cap: the CUDA context and the estimate's error."})
+    memory_calibration: str | None = field(
+        default=None, metadata={"help": "The planner's calibration file (default: the package's, measured on an "
+                                        "H200; hf-recurrent-plan-memory --calibrate makes one for your card)."})
     # transformers 5 dropped `overwrite_output_dir` from TrainingArguments; `pretrain` still follows run_clm.py's
     # rule, so the flag lives here (the Trainer itself ignores it).
     if "overwrite_output_dir" not in TrainingArguments.__dataclass_fields__:
@@ -201,6 +224,7 @@ class RecurrentTrainingArguments(TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata={"help": "Drop batch keys forward does not take."})
 
     def __post_init__(self):
+        self._resolve_device_defaults()
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer={self.optimizer!r} is not allowed; choose one of {list(OPTIMIZERS)}.")
         if self.torch_compile_mode == "reduce-overhead" or self.torch_compile_mode == "max-autotune":
@@ -231,6 +255,36 @@ class RecurrentTrainingArguments(TrainingArguments):
             self.max_grad_norm = 0.0
         with self._unset_warmup_checked_as_zero():
             super().__post_init__()
+
+    def _resolve_device_defaults(self):
+        """Fields left None: batch size, checkpointing, torch.compile (on with CUDA) and the memory plan (auto with
+        CUDA). `explicit_memory_settings` keeps which of the first two were given: they win over a memory plan."""
+        explicit = {name for name, given in (("per_device_train_batch_size", self.per_device_train_batch_size),
+                                             ("activation_checkpointing", getattr(self, _CHECKPOINTING)),
+                                             ("activation_checkpointing", self.gradient_checkpointing))
+                    if given is not None}
+        if getattr(self, "explicit_memory_settings", None) is None:  # a copy of resolved arguments keeps the first
+            self.explicit_memory_settings = explicit
+        if self.per_device_train_batch_size is None:
+            self.per_device_train_batch_size = DEFAULT_BATCH_SIZE
+        if getattr(self, _CHECKPOINTING) is None:
+            setattr(self, _CHECKPOINTING, True if self.gradient_checkpointing is None else self.gradient_checkpointing)
+        cuda = torch.cuda.is_available() and not self.use_cpu
+        if self.torch_compile is None:
+            self.torch_compile = cuda or self.torch_compile_mode is not None or self.torch_compile_backend is not None
+        if self.memory_plan is None:
+            self.memory_plan = "auto" if cuda else "none"
+        if self.memory_plan not in MEMORY_PLANS:
+            raise ValueError(f"--memory_plan={self.memory_plan!r} is not allowed; choose one of {list(MEMORY_PLANS)}.")
+        if self.memory_cap_gib is not None and not self.memory_cap_gib > 0:
+            raise ValueError(f"--memory_cap_gib={self.memory_cap_gib!r} is not allowed; it must be > 0 (GiB), or "
+                             "unset for the CUDA device's total memory.")
+        if not self.memory_margin_gib >= 0:
+            raise ValueError(f"--memory_margin_gib={self.memory_margin_gib!r} is not allowed; it must be >= 0 (GiB).")
+        if self.memory_calibration is not None and not os.path.isfile(self.memory_calibration):
+            raise ValueError(f"--memory_calibration {self.memory_calibration} not found; make one with "
+                             "`hf-recurrent-plan-memory --calibrate probes.jsonl --calibration PATH`, or leave it "
+                             "unset for the package's.")
 
     @contextlib.contextmanager
     def _unset_warmup_checked_as_zero(self):

@@ -1,5 +1,6 @@
 """The callbacks `RecurrentTrainer` adds to the Trainer's loop: phase timing of the optimizer step, the stability
-guard's points outside `compute_loss`, and the start of the collapse / skipped-update bookkeeping."""
+guard's points outside `compute_loss`, the start of the collapse / skipped-update bookkeeping, and the timing of a
+compiled run's first steps."""
 
 from typing import TYPE_CHECKING
 
@@ -53,7 +54,11 @@ class TrainingHooksCallback(TrainerCallback):
             # Before the scheduler steps: it must never see (and build on) the guard's lowered rate.
             self.trainer._restore_scheduled_lr()
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer._count_warmup_step(starting=True)
+
     def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._count_warmup_step()
         if not args.stability_guard:
             return
         if control.should_save:

@@ -32,6 +32,7 @@ from trainer_ext.training.arguments import (
 from trainer_ext.training.checkpoints import FINAL_DIR, check_model_dir, check_resume_files
 from trainer_ext.training.distributed import check_processes_coordinated
 from trainer_ext.training.lr_sweep_file import read_sweep_choice
+from trainer_ext.training.memory_plan import apply_memory_plan
 from trainer_ext.training.model_setup import (
     build_config,
     build_model,
@@ -166,6 +167,10 @@ def pretrain(model_args: ModelArguments, data_args: DataArguments, training_args
     logger.info("Model %s: %.2fM unique parameters, %d train samples of %d tokens",
                 model_args.model_name_or_path or model_args.preset, params / 1e6, len(train_set), train_set.seq_len)
 
+    plan_callbacks = apply_memory_plan(
+        training_args, model.config, train_set.seq_len, next(model.parameters()).element_size(),
+        distill_topk=read_teacher_manifest(data_args.teacher_cache_dir)["topk"] if data_args.teacher_cache_dir else 0,
+        online_teacher=bool(model_args.teacher_model_name_or_path))
     teacher = load_teacher_for(model_args, tokenizer, training_args.device)
     manifest = read_manifest(data_dir)
     card = ModelCardInfo(
@@ -181,7 +186,7 @@ def pretrain(model_args: ModelArguments, data_args: DataArguments, training_args
                      or ModelCardCallback(card, tokens_per_step))
     trainer = RecurrentTrainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                                processing_class=tokenizer, teacher=teacher, teacher_vocab_limit=len(tokenizer),
-                               callbacks=[card_callback, *(callbacks or [])])
+                               callbacks=[card_callback, *plan_callbacks, *(callbacks or [])])
     if training_args.overwrite_output_dir and trainer.args.should_save:
         removed = clear_output_dir(training_args.output_dir)
         if removed:

@@ -33,6 +33,9 @@ from trainer_ext.training.telemetry import PhaseProfiler, device_peak_flops, mem
 logger = logging.getLogger(__name__)
 
 INTERVENTIONS_FILE = "stability_interventions.json"
+# Steps of a compiled run whose time (compilation and warm-up) is logged as `compile_warmup_seconds`, apart from the
+# steady-state tokens/s and MFU, which start after them.
+COMPILE_WARMUP_STEPS = 2
 
 
 def compile_decoder_layers(model, mode: str = "default", backend: str = "inductor") -> int:
@@ -84,6 +87,8 @@ class RecurrentTrainer(Trainer):
                         "finite_sum": 0.0, "finite": 0}
         self._window_start = time.perf_counter()
         self._profile_logged = False
+        self._warmup_steps_left = COMPILE_WARMUP_STEPS if compile_options is not None else 0
+        self._warmup = {"start": None, "seconds": None, "logged": False}
         self.stability = None
         if self.args.stability_guard:
             self.stability = StabilityGuard(**self.args.stability_settings())
@@ -373,9 +378,13 @@ class RecurrentTrainer(Trainer):
         collapsed = False
         if "loss" in logs and self._window["steps"]:
             window, elapsed = self._window, max(time.perf_counter() - self._window_start, 1e-9)
-            logs["tokens_per_second"] = round(window["tokens"] / elapsed, 1)
-            if self.peak_flops:
-                logs["mfu"] = round(window["flops"] / elapsed / self.peak_flops, 4)
+            if self._warmup_steps_left == 0 and window["tokens"]:  # steady state only
+                logs["tokens_per_second"] = round(window["tokens"] / elapsed, 1)
+                if self.peak_flops:
+                    logs["mfu"] = round(window["flops"] / elapsed / self.peak_flops, 4)
+            if self._warmup["seconds"] is not None and not self._warmup["logged"]:
+                logs["compile_warmup_seconds"] = round(self._warmup["seconds"], 2)
+                self._warmup["logged"] = True
             ce = float(window["ce"]) / window["steps"]
             logs["ce"] = round(ce, 4)
             kd = float(window["kd"]) / window["steps"]
@@ -408,6 +417,21 @@ class RecurrentTrainer(Trainer):
         super().log(logs, *args, **kwargs)
         if collapsed:  # after the log line, so that the losses that led here are on record
             self._stop_collapsed_training()
+
+    def _count_warmup_step(self, starting: bool = False):
+        """Times the first COMPILE_WARMUP_STEPS steps of a compiled run apart from the steady-state throughput."""
+        if self._warmup_steps_left <= 0:
+            return
+        if starting:
+            self._warmup["start"] = self._warmup["start"] or time.perf_counter()
+            return
+        self._warmup_steps_left -= 1
+        if self._warmup_steps_left == 0:
+            self._warmup["seconds"] = time.perf_counter() - self._warmup["start"]
+            logger.info("torch.compile: the first %d steps took %.1f s (compilation and warm-up); tokens/s and MFU "
+                        "count the steps after them", COMPILE_WARMUP_STEPS, self._warmup["seconds"])
+            self._window["tokens"], self._window["flops"] = 0, 0.0
+            self._window_start = time.perf_counter()
 
     # -- collapse and skipped updates: failures the loss alone does not make loud
 

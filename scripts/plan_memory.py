@@ -1,0 +1,74 @@
+"""Plan batch size and activation recompute for a memory cap, before training (no GPU needed):
+
+    hf-recurrent-plan-memory --preset recurrent-3.3b --cap_gib 24 --seq_len 2048 [--json]
+
+A mixed-integer program picks, for each batch size, which prelude / coda layers and unrolled core steps recompute
+their activations, minimising the calibrated step time under a calibrated peak reserved memory <= cap - margin; the
+batch size of highest predicted tokens/s wins. The calibration committed in the package was measured on an H200;
+re-calibrate on your own card from its probes:
+
+    python3 -m benchmarks.memory_probe --output probes.jsonl            # on the GPU, a few minutes
+    hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json
+    hf-recurrent-plan-memory --preset recurrent-3.3b --cap_gib 24 --calibration my_card.json
+"""
+
+import argparse
+import json
+import sys
+
+from trainer_ext.training.memory_estimator import write_calibration_from_probes
+from trainer_ext.training.memory_plan import DEFAULT_MARGIN_GIB, MAX_BATCH_SIZE, plan_for_preset
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", help="A recurrent preset, e.g. recurrent-3.3b.")
+    parser.add_argument("--cap_gib", type=float, default=24.0, help="Memory of the card, GiB (default 24).")
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--margin_gib", type=float, default=DEFAULT_MARGIN_GIB,
+                        help="Kept free below the cap: the CUDA context and the estimate's error.")
+    parser.add_argument("--max_batch_size", type=int, default=MAX_BATCH_SIZE)
+    parser.add_argument("--optimizer_momentum", type=float, default=None, help="0 plans without momentum.")
+    parser.add_argument("--optimizer_momentum_rank_fraction", type=float, default=None)
+    parser.add_argument("--torch_compile", choices=("auto", "true", "false"), default="auto",
+                        help="auto: on where the calibration measured it faster.")
+    parser.add_argument("--distill_topk", type=int, default=0, help="Top-k of a teacher cache in the batch.")
+    parser.add_argument("--calibration", default=None,
+                        help="Calibration file to use (default: the package's), or to write with --calibrate.")
+    parser.add_argument("--calibrate", metavar="PROBES", default=None,
+                        help="Fit a calibration from a probe file (benchmarks/memory_probe.py) and write it.")
+    parser.add_argument("--json", action="store_true", help="Print the plan as JSON.")
+    args = parser.parse_args(argv)
+    try:
+        if args.calibrate:
+            if not args.calibration:
+                raise ValueError("--calibrate needs --calibration PATH: where to write the fitted calibration.")
+            command = " ".join(["hf-recurrent-plan-memory", *(sys.argv[1:] if argv is None else argv)])
+            path = write_calibration_from_probes(args.calibrate, args.calibration, command=command)
+            print(f"Wrote {path}")
+            return 0
+        if not args.preset:
+            raise ValueError("--preset is required, e.g. --preset recurrent-3.3b.")
+        compiled = None if args.torch_compile == "auto" else args.torch_compile == "true"
+        plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, args.margin_gib,
+                               args.optimizer_momentum, args.optimizer_momentum_rank_fraction, compiled,
+                               args.distill_topk, args.max_batch_size)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0
+    print(f"{args.preset}, {args.seq_len} tokens per sequence, cap {args.cap_gib:g} GiB:")
+    print(f"  --per_device_train_batch_size {plan.per_device_train_batch_size}")
+    print(f"  {plan.recompute.describe()}")
+    print(f"  torch.compile {'on' if plan.torch_compile else 'off'}")
+    print(f"  predicted peak reserved {plan.predicted_peak_gib:.2f} GiB, "
+          f"{plan.predicted_tokens_per_second:,.0f} tokens/s ({plan.predicted_step_seconds:.3f} s per step)")
+    print(f"hf-recurrent-pretrain --preset {args.preset} --memory_plan auto --memory_cap_gib {args.cap_gib:g} "
+          "applies it (the default on CUDA).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

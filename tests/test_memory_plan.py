@@ -1,0 +1,256 @@
+"""The memory planner: the calibrated estimator, its fit, the mixed-integer program, the command line, and how
+`--memory_plan` / `--torch_compile` resolve and apply."""
+
+import copy
+import json
+import pathlib
+import re
+import types
+
+import pytest
+import torch
+
+from hf_recurrent import presets
+from trainer_ext.training.arguments import RecurrentTrainingArguments
+from trainer_ext.training.memory_estimator import (
+    GIB,
+    Calibration,
+    fit_calibration,
+    load_calibration,
+    read_probes,
+    residuals,
+    usable_probes,
+)
+from trainer_ext.training.memory_plan import (
+    MemoryPlanCallback,
+    NoPlanError,
+    apply_memory_plan,
+    plan_memory,
+    training_shape,
+)
+from trainer_ext.training.recompute import RecomputeCallback, RecomputeSet
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PROBES = REPO / "results" / "memory-probes" / "probes.jsonl"
+
+# A calibration with round numbers: 0.5 GiB constant, activation terms of a plausible size, a V x H transient.
+SYNTHETIC = Calibration(memory_coefficients=[0.5, 20.0, 4.0, 3.0, 6.0, 2.0, 12.0, 16.0], theta=0.6,
+                        time_coefficients=[0.01, 0.002, 0.0015, 0.0005, 0.003, 0.02], compile_factor=0.8, info={})
+
+
+def _shape(preset="recurrent-3.3b", momentum=None):
+    return training_shape(presets.get(preset), momentum)
+
+
+def test_a_huge_cap_recomputes_nothing_at_the_largest_batch():
+    plan = plan_memory(_shape(), 2048, 10_000, SYNTHETIC, batch_sizes=range(1, 9))
+    assert plan.per_device_train_batch_size == 8 and plan.recompute.empty
+    assert plan.torch_compile  # the calibration measured compile faster
+
+
+def test_a_tight_cap_recomputes_more_and_takes_a_smaller_batch():
+    shape = _shape()
+    roomy = plan_memory(shape, 2048, 60, SYNTHETIC, batch_sizes=range(1, 9))
+    tight = plan_memory(shape, 2048, 24, SYNTHETIC, batch_sizes=range(1, 9))
+    recomputed = lambda plan: len(plan.recompute.prelude) + len(plan.recompute.coda) + len(plan.recompute.core_steps)
+    assert recomputed(tight) > recomputed(roomy)
+    assert tight.per_device_train_batch_size <= roomy.per_device_train_batch_size
+    assert tight.predicted_tokens_per_second < roomy.predicted_tokens_per_second
+
+
+@pytest.mark.parametrize("cap", [20.0, 24.0, 32.0, 48.0])
+def test_the_plan_respects_cap_minus_margin_and_is_the_fastest_candidate(cap):
+    shape = _shape()
+    plan = plan_memory(shape, 2048, cap, SYNTHETIC, margin_gib=1.4, batch_sizes=range(1, 17))
+    assert plan.predicted_peak_gib <= cap - 1.4 + 1e-6
+    recomputed = len(plan.recompute.prelude) + len(plan.recompute.coda) + 2 * len(plan.recompute.core_steps)
+    peak = SYNTHETIC.peak_bytes(shape, plan.per_device_train_batch_size, 2048, recomputed) / GIB
+    assert peak == pytest.approx(plan.predicted_peak_gib)
+    # No other recompute count at the chosen batch is both within the budget and faster.
+    batch = plan.per_device_train_batch_size
+    for count in range(0, shape.graph_applications + 1):
+        if SYNTHETIC.peak_bytes(shape, batch, 2048, count) / GIB <= cap - 1.4:
+            assert SYNTHETIC.step_seconds(shape, batch, 2048, count, True) >= plan.predicted_step_seconds - 1e-9
+    assert max(c["predicted_tokens_per_second"] for c in plan.candidates) == pytest.approx(
+        plan.predicted_tokens_per_second, rel=1e-3)
+
+
+def test_a_cap_too_small_for_any_plan_names_the_smallest_peak_and_the_fix():
+    with pytest.raises(NoPlanError, match=r"smallest predicted peak reserved memory is \d+\.\d+ GiB.*Raise the cap"):
+        plan_memory(_shape("recurrent-7b"), 2048, 8, SYNTHETIC)
+
+
+def _synthetic_probes(calibration):
+    records = []
+    for preset in ("recurrent-125m", "recurrent-1b", "recurrent-3.3b", "recurrent-7b"):
+        config = presets.get(preset, depth_distribution="fixed")
+        for momentum in (None, 0.0):
+            shape = training_shape(config, momentum)
+            for batch, seq, name, topk in ((1, 2048, "all", 0), (2, 2048, "none", 0), (4, 1024, "prelude_coda", 0),
+                                           (8, 2048, "all", 0), (2, 4096, "core", 64), (16, 2048, "half_core", 0)):
+                chosen = RecomputeSet.named(name, config, shape.graph_steps)
+                count = len(chosen.prelude) + len(chosen.coda) + config.n_core_layers * len(chosen.core_steps)
+                seconds = calibration.step_seconds(shape, batch, seq, count)
+                records.append({
+                    "preset": preset, "status": "ok", "batch_size": batch, "seq_len": seq, "recompute": name,
+                    "recompute_set": chosen.to_dict(), "compile": False, "distill_topk": topk,
+                    "optimizer_state_bytes": shape.optimizer_state_bytes, "params": shape.params,
+                    "config": {k: getattr(config, k) for k in (
+                        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                        "vocab_size", "n_prelude_layers", "n_core_layers", "n_coda_layers", "mean_recurrence",
+                        "backprop_depth", "injection")},
+                    "peak_reserved_bytes": calibration.peak_bytes(shape, batch, seq, count, topk),
+                    "step_seconds": [seconds * 20, seconds, seconds, seconds]})
+    return records
+
+
+def test_the_fit_recovers_known_coefficients_from_synthetic_probes():
+    records = _synthetic_probes(SYNTHETIC)
+    fitted = fit_calibration(records + [{"status": "skipped"}], leave_one_out=False)
+    assert fitted.theta == pytest.approx(SYNTHETIC.theta)
+    assert fitted.memory_coefficients == pytest.approx(SYNTHETIC.memory_coefficients, rel=1e-3, abs=1e-6)
+    assert fitted.time_coefficients == pytest.approx(SYNTHETIC.time_coefficients, rel=1e-3, abs=1e-7)
+    assert fitted.info["probes"] == len(records) and fitted.info["probe_records"] == len(records) + 1
+    assert fitted.info["residuals"]["peak_max_relative_error"] < 1e-4
+
+
+def test_the_committed_calibration_reproduces_the_committed_probes_within_5_percent():
+    calibration = load_calibration()
+    probes = usable_probes(read_probes(str(PROBES)))
+    assert len(probes) == calibration.info["probes"] == 34
+    found = residuals(calibration, probes)
+    assert found["peak_max_relative_error"] <= 0.05
+    assert found["peak_max_relative_error"] == calibration.info["residuals"]["peak_max_relative_error"]
+    for key in ("device_name", "torch", "transformers", "date", "probe_command", "fit_command"):
+        assert calibration.info[key], key
+    assert "NVIDIA" in calibration.info["device_name"]
+
+
+def test_the_calibration_is_installed_with_the_package():
+    import trainer_ext.training
+
+    assert (pathlib.Path(trainer_ext.training.__file__).parent / "memory_calibration.json").is_file()
+
+
+def test_cli_prints_the_plan_as_json(capsys):
+    from trainer_ext.cli.plan_memory import main
+
+    assert main(["--preset", "recurrent-3.3b", "--cap_gib", "24", "--seq_len", "2048", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["preset"] == "recurrent-3.3b" and plan["per_device_train_batch_size"] >= 1
+    assert plan["predicted_peak_gib"] <= 24 - 1.4 and plan["predicted_tokens_per_second"] > 0
+    assert main(["--preset", "recurrent-7b", "--cap_gib", "24"]) == 0
+    assert "--per_device_train_batch_size" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "recurrent-3.3b", "--calibration", "missing.json"], "missing.json not found.*--calibrate"),
+    (["--preset", "nope"], "--preset 'nope' is not a preset"),
+    (["--preset", "transformer-3.3b"], "Transformer baseline"),
+    (["--preset", "recurrent-7b", "--cap_gib", "8"], "smallest predicted peak"),
+    (["--preset", "recurrent-7b", "--seq_len", "0"], "--seq_len=0"),
+    (["--calibrate", "missing.jsonl"], "--calibrate needs --calibration"),
+])
+def test_cli_errors_name_the_problem_and_exit_non_zero(argv, message, capsys, tmp_path, monkeypatch):
+    from trainer_ext.cli.plan_memory import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) != 0
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_cli_recalibrates_from_a_probe_file(tmp_path, capsys):
+    from trainer_ext.cli.plan_memory import main
+
+    out = tmp_path / "mine.json"
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["--calibrate", str(PROBES), "--calibration", str(out)]) == 0
+    assert load_calibration(str(out)).info["fit_command"].startswith("hf-recurrent-plan-memory --calibrate")
+    assert main(["--preset", "recurrent-3.3b", "--calibration", str(out), "--json"]) == 0
+    assert main(["--preset", "recurrent-3.3b", "--calibration", str(tmp_path / "bad.json")]) != 0
+    assert "not a memory calibration" in capsys.readouterr().err
+
+
+def test_defaults_resolve_to_no_plan_and_no_compile_on_cpu(tmp_path):
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), use_cpu=True)
+    assert args.memory_plan == "none" and args.torch_compile is False
+    assert args.per_device_train_batch_size == 8 and args.activation_checkpointing is True
+    assert args.explicit_memory_settings == set()
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                                      activation_checkpointing=False, memory_plan="auto")
+    assert args.explicit_memory_settings == {"per_device_train_batch_size", "activation_checkpointing"}
+    with pytest.raises(ValueError, match="--memory_plan='sometimes'"):
+        RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="sometimes")
+    with pytest.raises(ValueError, match="--memory_calibration missing.json not found"):
+        RecurrentTrainingArguments(output_dir=str(tmp_path), memory_calibration="missing.json")
+
+
+def test_memory_plan_none_leaves_the_arguments_unchanged(tmp_path):
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="none")
+    before = copy.deepcopy(args.to_dict())
+    assert apply_memory_plan(args, presets.get("recurrent-3.3b"), 2048, 2) == []
+    assert args.to_dict() == before
+
+
+def fake_24gb_cuda(monkeypatch, *args_list):
+    """CUDA seen by the planner only: the arguments' device is set up (on the CPU) first."""
+    for args in args_list:
+        assert args.world_size == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: types.SimpleNamespace(total_memory=24 * GIB))
+
+
+def test_memory_plan_auto_sets_batch_and_recompute_before_training(tmp_path, monkeypatch):
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True)
+    fake_24gb_cuda(monkeypatch, args)
+    callbacks = apply_memory_plan(args, presets.get("recurrent-3.3b"), 2048, 2)
+    recompute = next(c for c in callbacks if isinstance(c, RecomputeCallback)).recompute
+    plan = next(c for c in callbacks if isinstance(c, MemoryPlanCallback)).plan
+    assert args.per_device_train_batch_size == plan.per_device_train_batch_size > 1
+    assert args.activation_checkpointing is True and recompute == plan.recompute and not recompute.empty
+    assert plan.cap_gib == 24 and plan.predicted_peak_gib <= 24 - 1.4
+
+
+def test_an_explicit_batch_size_wins_over_the_plan(tmp_path, monkeypatch):
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", per_device_train_batch_size=1,
+                                      torch_compile=True)
+    small = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", memory_cap_gib=8)
+    fake_24gb_cuda(monkeypatch, args, small)
+    callbacks = apply_memory_plan(args, presets.get("recurrent-3.3b"), 2048, 2)
+    plan = next(c for c in callbacks if isinstance(c, MemoryPlanCallback)).plan
+    assert args.per_device_train_batch_size == 1 == plan.per_device_train_batch_size
+    # At batch 1 the plan can afford to keep more activations than at its own batch size.
+    assert len(plan.recompute.prelude) + len(plan.recompute.coda) < 14
+    with pytest.raises(ValueError, match="--memory_plan auto: No batch size fits.*--memory_plan none"):
+        apply_memory_plan(small, presets.get("recurrent-7b"), 2048, 2)
+
+
+def test_per_step_recompute_gives_the_loss_and_gradients_of_no_recompute():
+    torch.manual_seed(0)
+    config = presets.get("debug", depth_distribution="fixed")
+    config.backprop_depth = 3
+    model = __import__("transformers").AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+
+    def loss_and_grads(recompute):
+        model.zero_grad(set_to_none=True)
+        if recompute is None:
+            model.gradient_checkpointing_disable()
+            model.model.recompute_core_steps = None
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            recompute.apply(model)
+        loss = model(ids, labels=ids, num_steps=4).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    reference_loss, reference = loss_and_grads(None)
+    for chosen in (RecomputeSet(prelude=(0,), core_steps=(1,)), RecomputeSet(core_steps=(0, 2), coda=(0,)),
+                   RecomputeSet.named("all", config, 3)):
+        loss, grads = loss_and_grads(chosen)
+        assert torch.equal(loss, reference_loss)
+        assert grads.keys() == reference.keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
+    # The last set reached the depth loop's hook.
+    assert model.model.recompute_core_steps == frozenset({0, 1, 2})

@@ -1,0 +1,314 @@
+"""Peak reserved memory and step time of a training step, calibrated from measured probes.
+
+The estimate of one training configuration (a model shape, batch size, sequence length, the number of layer
+applications that recompute their activations, the optimizer state, a cached teacher's top-k):
+
+    peak = weights + optimizer state                                         (known: bytes per parameter, accountant)
+         + c . [1, N * kept * I, N * kept * H, N * recomputed * H, N * graph steps * adapter width, N * H,
+                N * top-k, max(theta * V * H, N * (H + I))]
+
+with N = batch * sequence tokens, H / I / V the hidden, MLP and vocabulary sizes, `kept` / `recomputed` the layer
+applications of the graph-building part of the loop that keep their activations / only their input. The last term is
+the larger of two transients: the head's update at the start of backward (about V x H) and one layer's workspace
+(about N x (H + I)); it is why the peak grows faster from batch 8 up. The coefficients c >= 0 and theta are fitted to
+the probes' peak reserved memory (`scipy.optimize.nnls`, theta by a grid search for the smallest maximum relative
+error); the features carry the model's shape, so every preset shares them.
+
+    step time = t . [1, N * training FLOPs / token, N * recompute FLOPs / token, training FLOPs / token,
+                     layer applications, parameters]          (x a fitted factor with torch.compile)
+
+FLOPs per token from `hf_recurrent.cost`'s per-layer count (forward, backward at twice the forward, a recomputed
+layer one more forward); the per-token and per-application terms are the launch-bound part of small batches.
+
+Every term is linear in the number of recomputed applications at a fixed batch size, which the planner's mixed-integer
+program relies on (`memory_plan.py`). `fit_calibration` turns probe records (`benchmarks/memory_probe.py`) into a
+calibration; `trainer_ext/training/memory_calibration.json` is the committed one.
+"""
+
+import datetime
+import json
+import os
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+GIB = 2**30
+CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_calibration.json")
+CALIBRATE_COMMAND = "hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json"
+PROBE_COMMAND = ("python3 -m benchmarks.memory_probe --presets recurrent-125m recurrent-1b recurrent-3.3b "
+                 "recurrent-7b --output probes.jsonl --max_seconds 330")
+MEMORY_FEATURES = ("constant", "kept_intermediate", "kept_hidden", "recomputed_hidden", "adapter", "unique_hidden",
+                   "distill_topk", "transient")
+TIME_FEATURES = ("constant", "training_flops", "recompute_flops", "flops_per_token", "layer_applications",
+                 "parameters")
+FORMAT_VERSION = 1
+_THETAS = tuple(round(0.01 * i, 2) for i in range(0, 801, 2))  # grid of the transient's V x H multiple
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know about a model and its optimizer."""
+
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    n_prelude_layers: int
+    n_core_layers: int
+    n_coda_layers: int
+    num_steps: int
+    graph_steps: int
+    adapter_width: int  # activations the input adapter keeps per token and graph step, in units of H
+    params: int
+    weight_bytes: int
+    optimizer_state_bytes: int
+
+    @classmethod
+    def from_config(cls, config, optimizer_state_bytes: int, params: int | None = None, bytes_per_param: int = 2):
+        from hf_recurrent.cost import parameter_counts
+        from trainer_ext.training.recompute import graph_steps
+
+        params = parameter_counts(config).unique if params is None else params
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.hidden_size, config.intermediate_size, config.vocab_size, config.num_attention_heads,
+                   config.num_key_value_heads, head_dim, config.n_prelude_layers, config.n_core_layers,
+                   config.n_coda_layers, config.mean_recurrence, graph_steps(config),
+                   3 if config.injection == "concat" else 1, params, params * bytes_per_param, optimizer_state_bytes)
+
+    @classmethod
+    def from_record(cls, record: dict):
+        from types import SimpleNamespace
+
+        return cls.from_config(SimpleNamespace(**record["config"]), record["optimizer_state_bytes"], record["params"])
+
+    @property
+    def graph_applications(self) -> int:
+        """Layer applications that build a graph: prelude, coda and the core layers of each graph step."""
+        return self.n_prelude_layers + self.n_coda_layers + self.n_core_layers * self.graph_steps
+
+    def layer_flops(self, seq_len: int) -> float:
+        """Forward FLOPs per token of one layer application (as `hf_recurrent.cost`)."""
+        q_dim, kv_dim = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return (2 * self.hidden_size * (2 * q_dim + 2 * kv_dim) + 6 * self.hidden_size * self.intermediate_size
+                + 2 * q_dim * (seq_len + 1))
+
+
+def memory_features(shape: ModelShape, batch_size: int, seq_len: int, recomputed: float, theta: float,
+                    distill_topk: int = 0) -> np.ndarray:
+    """The memory features (GiB units) of a configuration with `recomputed` layer applications recomputed."""
+    tokens, h, i = batch_size * seq_len, shape.hidden_size, shape.intermediate_size
+    kept = shape.graph_applications - recomputed
+    return np.array([GIB, tokens * kept * i, tokens * kept * h, tokens * recomputed * h,
+                     tokens * shape.graph_steps * shape.adapter_width * h, tokens * h, tokens * distill_topk,
+                     max(theta * shape.vocab_size * h, tokens * (h + i))], dtype=float) / GIB
+
+
+def time_features(shape: ModelShape, batch_size: int, seq_len: int, recomputed: float) -> np.ndarray:
+    """The step-time features of a configuration (FLOPs in units of 1e12, per-token FLOPs in units of 1e9)."""
+    tokens, layer = batch_size * seq_len, shape.layer_flops(seq_len)
+    adapter = 4 * shape.hidden_size ** 2 if shape.adapter_width == 3 else 0
+    no_grad_steps = shape.num_steps - shape.graph_steps
+    training = (3 * shape.graph_applications * layer + 3 * shape.graph_steps * adapter
+                + no_grad_steps * (shape.n_core_layers * layer + adapter) + 6 * shape.hidden_size * shape.vocab_size)
+    applications = shape.n_prelude_layers + shape.n_coda_layers + shape.n_core_layers * shape.num_steps
+    return np.array([1.0, tokens * training / 1e12, tokens * recomputed * layer / 1e12, training / 1e9,
+                     applications + recomputed, shape.params / 1e9], dtype=float)
+
+
+@dataclass
+class Calibration:
+    memory_coefficients: list[float]
+    theta: float
+    time_coefficients: list[float]
+    compile_factor: float
+    info: dict
+
+    def peak_bytes(self, shape: ModelShape, batch_size: int, seq_len: int, recomputed: float,
+                   distill_topk: int = 0) -> float:
+        """Predicted peak reserved memory in bytes."""
+        variable = memory_features(shape, batch_size, seq_len, recomputed, self.theta, distill_topk)
+        return shape.weight_bytes + shape.optimizer_state_bytes + float(variable @ self.memory_coefficients) * GIB
+
+    def step_seconds(self, shape: ModelShape, batch_size: int, seq_len: int, recomputed: float,
+                     compiled: bool = False) -> float:
+        """Predicted steady-state seconds of one optimizer step."""
+        seconds = float(time_features(shape, batch_size, seq_len, recomputed) @ self.time_coefficients)
+        return seconds * (self.compile_factor if compiled else 1.0)
+
+    @property
+    def compile_is_faster(self) -> bool:
+        return self.compile_factor < 1.0
+
+    def to_dict(self) -> dict:
+        return {"format_version": FORMAT_VERSION, **self.info,
+                "memory": {"features": list(MEMORY_FEATURES), "coefficients": self.memory_coefficients,
+                           "transient_theta": self.theta,
+                           "units": "GiB per feature unit; peak = weights + optimizer state + sum"},
+                "time": {"features": list(TIME_FEATURES), "coefficients": self.time_coefficients,
+                         "compile_factor": self.compile_factor}}
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "calibration") -> "Calibration":
+        try:
+            if data["format_version"] != FORMAT_VERSION:
+                raise ValueError(f"format_version {data['format_version']!r}, expected {FORMAT_VERSION}")
+            memory, time = data["memory"], data["time"]
+            if list(memory["features"]) != list(MEMORY_FEATURES) or list(time["features"]) != list(TIME_FEATURES):
+                raise ValueError("its features are not this version's")
+            info = {k: v for k, v in data.items() if k not in ("format_version", "memory", "time")}
+            return cls([float(c) for c in memory["coefficients"]], float(memory["transient_theta"]),
+                       [float(c) for c in time["coefficients"]], float(time["compile_factor"]), info)
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{source} is not a memory calibration of this version ({error}); make one with "
+                             f"`{CALIBRATE_COMMAND}` from probes of `{PROBE_COMMAND}`.") from error
+
+
+def load_calibration(path: str | None = None) -> Calibration:
+    """The calibration at `path` (default: the committed one), or ValueError naming the file and the fix."""
+    path = path or CALIBRATION_FILE
+    if not os.path.isfile(path):
+        raise ValueError(f"Memory calibration {path} not found; make one on your card with `{CALIBRATE_COMMAND}` "
+                         f"from probes of `{PROBE_COMMAND}`, or leave the calibration unset for the committed one.")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"Memory calibration {path} does not read as JSON ({error}); make it again with "
+                         f"`{CALIBRATE_COMMAND}`.") from error
+    return Calibration.from_dict(data, source=f"Memory calibration {path}")
+
+
+# -- fitting
+
+
+def read_probes(path: str) -> list[dict]:
+    """The probe records of a JSON-lines file, or ValueError naming the file."""
+    if not os.path.isfile(path):
+        raise ValueError(f"Probe file {path} not found; measure probes with `{PROBE_COMMAND}`.")
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path} line {number} is not JSON ({error}).") from error
+    return records
+
+
+def usable_probes(records: list[dict]) -> list[dict]:
+    """Records that ran (status ok) and carry memory figures (a CUDA probe)."""
+    return [r for r in records if r.get("status") == "ok" and r.get("peak_reserved_bytes")
+            and len(r.get("step_seconds", ())) >= 2]
+
+
+def probe_recomputed(record: dict) -> int:
+    """Layer applications a probe recomputed: one per prelude / coda layer, the core layers per core step."""
+    chosen = record["recompute_set"]
+    return len(chosen["prelude"]) + len(chosen["coda"]) + record["config"]["n_core_layers"] * len(chosen["core_steps"])
+
+
+def steady_step_seconds(record: dict) -> float:
+    """Median step time after the warm-up (compilation included): the first step, two when compiled."""
+    return statistics.median(record["step_seconds"][2 if record.get("compile") else 1:] or record["step_seconds"])
+
+
+def _fit_memory(shapes, probes, thetas=_THETAS):
+    from scipy.optimize import nnls
+
+    fixed = np.array([(s.weight_bytes + s.optimizer_state_bytes) / GIB for s in shapes])
+    measured = np.array([p["peak_reserved_bytes"] / GIB for p in probes])
+    best = None
+    for theta in thetas:
+        features = np.array([memory_features(s, p["batch_size"], p["seq_len"], probe_recomputed(p), theta,
+                                              p.get("distill_topk", 0)) for s, p in zip(shapes, probes)])
+        weights = 1 / measured  # relative error
+        coefficients, _ = nnls(features * weights[:, None], (measured - fixed) * weights)
+        error = np.abs(fixed + features @ coefficients - measured) / measured
+        if best is None or error.max() < best[0]:
+            best = (error.max(), theta, coefficients)
+    return best[2].tolist(), best[1]
+
+
+def _fit_time(shapes, probes):
+    from scipy.optimize import nnls
+
+    eager = [(s, p) for s, p in zip(shapes, probes) if not p.get("compile")]
+    features = np.array([time_features(s, p["batch_size"], p["seq_len"], probe_recomputed(p)) for s, p in eager])
+    measured = np.array([steady_step_seconds(p) for _, p in eager])
+    coefficients, _ = nnls(features / measured[:, None], np.ones(len(measured)))
+    compiled = [steady_step_seconds(p) / float(time_features(s, p["batch_size"], p["seq_len"],
+                                                             probe_recomputed(p)) @ coefficients)
+                for s, p in zip(shapes, probes) if p.get("compile")]
+    return coefficients.tolist(), (statistics.median(compiled) if compiled else 1.0)
+
+
+def fit_calibration(records: list[dict], probe_command: str | None = None, fit_command: str | None = None,
+                    source: str = "probes", leave_one_out: bool = True) -> Calibration:
+    """A calibration fitted to the usable probe records, with its residuals on them (and, with `leave_one_out`, the
+    peak error of each probe predicted by a fit without it)."""
+    probes = usable_probes(records)
+    if len(probes) < len(MEMORY_FEATURES):
+        raise ValueError(f"{source}: {len(probes)} usable probes (status ok, CUDA memory figures); a fit needs at "
+                         f"least {len(MEMORY_FEATURES)}. Measure more with `{PROBE_COMMAND}`.")
+    shapes = [ModelShape.from_record(p) for p in probes]
+    memory, theta = _fit_memory(shapes, probes)
+    time, compile_factor = _fit_time(shapes, probes)
+    first = probes[0]
+    info = {"device_name": first.get("device_name"), "device_total_bytes": first.get("device_total_bytes"),
+            "torch": first.get("torch"), "transformers": first.get("transformers"),
+            "date": datetime.date.today().isoformat(), "probe_command": probe_command or first.get("probe_command")
+            or PROBE_COMMAND, "fit_command": fit_command, "probes": len(probes), "probe_records": len(records),
+            "probes_per_preset": {}}
+    for p in probes:
+        info["probes_per_preset"][p["preset"]] = info["probes_per_preset"].get(p["preset"], 0) + 1
+    calibration = Calibration(memory, theta, time, compile_factor, info)
+    calibration.info["residuals"] = residuals(calibration, probes, leave_one_out)
+    return calibration
+
+
+def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool = False) -> dict:
+    """Relative errors of the predicted peak and step time on `probes` (signed, predicted / measured - 1)."""
+    rows, held_out = [], []
+    for index, p in enumerate(probes):
+        shape, recomputed = ModelShape.from_record(p), probe_recomputed(p)
+        peak = calibration.peak_bytes(shape, p["batch_size"], p["seq_len"], recomputed, p.get("distill_topk", 0))
+        seconds = calibration.step_seconds(shape, p["batch_size"], p["seq_len"], recomputed, bool(p.get("compile")))
+        rows.append({"preset": p["preset"], "batch_size": p["batch_size"], "seq_len": p["seq_len"],
+                     "recompute": p.get("recompute"), "compile": bool(p.get("compile")),
+                     "momentum": p.get("momentum"), "distill": bool(p.get("distill_topk")),
+                     "measured_peak_gib": round(p["peak_reserved_bytes"] / GIB, 3),
+                     "peak_error": round(peak / p["peak_reserved_bytes"] - 1, 4),
+                     "measured_step_seconds": round(steady_step_seconds(p), 4),
+                     "step_time_error": round(seconds / steady_step_seconds(p) - 1, 4)})
+        if leave_one_out:
+            others = probes[:index] + probes[index + 1:]
+            shapes = [ModelShape.from_record(o) for o in others]
+            memory, theta = _fit_memory(shapes, others, thetas=(calibration.theta,))
+            fit = Calibration(memory, theta, calibration.time_coefficients, 1.0, {})
+            held_out.append(abs(fit.peak_bytes(shape, p["batch_size"], p["seq_len"], recomputed,
+                                               p.get("distill_topk", 0)) / p["peak_reserved_bytes"] - 1))
+    peak = [abs(r["peak_error"]) for r in rows]
+    time = [abs(r["step_time_error"]) for r in rows]
+    summary = {"peak_max_relative_error": round(max(peak), 4),
+               "peak_mean_relative_error": round(statistics.mean(peak), 4),
+               "step_time_max_relative_error": round(max(time), 4),
+               "step_time_median_relative_error": round(statistics.median(time), 4)}
+    if held_out:
+        summary["peak_leave_one_out_max_relative_error"] = round(max(held_out), 4)
+    return {**summary, "per_probe": rows}
+
+
+def write_calibration_from_probes(probes_path: str, output: str | None = None, command: str | None = None,
+                                  probe_command: str | None = None) -> str:
+    """Fit the probes of `probes_path` and write the calibration to `output` (default: the package's file)."""
+    calibration = fit_calibration(read_probes(probes_path), probe_command=probe_command, fit_command=command,
+                                  source=probes_path)
+    output = output or CALIBRATION_FILE
+    with open(output, "w") as f:
+        json.dump(calibration.to_dict(), f, indent=1)
+        f.write("\n")
+    return output

@@ -1,0 +1,288 @@
+"""The memory planner: batch size and recompute set decided once, before training, for a memory cap.
+
+For each candidate batch size a mixed-integer program (`scipy.optimize.milp`, HiGHS) chooses which prelude layers,
+coda layers and graph-building core steps recompute their activations: one binary variable each, minimising the
+calibrated step time subject to the calibrated peak reserved memory <= cap - margin (`memory_estimator.py`; both are
+linear in the choice at a fixed batch size). The batch size with the highest predicted tokens per second wins.
+The plan is fixed for the run: nothing adapts during training.
+"""
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+from transformers import TrainerCallback
+
+from trainer_ext.training.memory_estimator import GIB, Calibration, ModelShape, load_calibration
+from trainer_ext.training.recompute import RecomputeCallback, RecomputeSet
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MARGIN_GIB = 1.4  # CUDA context and what the calibration misses: a plan peaks <= 22.6 GiB on a 24 GiB card
+MAX_BATCH_SIZE = 64
+PLAN_FILE = "memory_plan.json"
+MEASURE_AFTER_STEPS = 3  # the peak of the first steps (warm-up and compilation included) is compared with the plan
+
+
+class NoPlanError(ValueError):
+    """No batch size and recompute set fits the cap."""
+
+
+@dataclass
+class MemoryPlan:
+    seq_len: int
+    cap_gib: float
+    margin_gib: float
+    per_device_train_batch_size: int
+    recompute: RecomputeSet
+    torch_compile: bool
+    predicted_peak_gib: float
+    predicted_step_seconds: float
+    preset: str | None = None
+    calibration: str | None = None
+    candidates: list = field(default_factory=list)
+
+    @property
+    def predicted_tokens_per_second(self) -> float:
+        return self.per_device_train_batch_size * self.seq_len / self.predicted_step_seconds
+
+    def to_dict(self) -> dict:
+        return {"preset": self.preset, "seq_len": self.seq_len, "cap_gib": self.cap_gib, "margin_gib": self.margin_gib,
+                "per_device_train_batch_size": self.per_device_train_batch_size,
+                "recompute": self.recompute.to_dict(), "recompute_description": self.recompute.describe(),
+                "activation_checkpointing": not self.recompute.empty, "torch_compile": self.torch_compile,
+                "predicted_peak_gib": round(self.predicted_peak_gib, 3),
+                "predicted_step_seconds": round(self.predicted_step_seconds, 4),
+                "predicted_tokens_per_second": round(self.predicted_tokens_per_second, 1),
+                "calibration": self.calibration, "candidates": self.candidates}
+
+    def describe(self) -> str:
+        return (f"batch {self.per_device_train_batch_size} x {self.seq_len} tokens, {self.recompute.describe()}, "
+                f"torch.compile {'on' if self.torch_compile else 'off'}: predicted peak reserved "
+                f"{self.predicted_peak_gib:.2f} GiB (cap {self.cap_gib:g} - margin {self.margin_gib:g} GiB), "
+                f"{self.predicted_tokens_per_second:,.0f} tokens/s")
+
+
+def training_shape(config, momentum: float | None = None, rank_fraction: float | None = None,
+                   bytes_per_param: int = 2) -> ModelShape:
+    """The estimator's view of `config` trained with LowMemoryAdafactor (momentum resolved as training does)."""
+    from hf_recurrent.cost import parameter_counts
+    from trainer_ext.training.arguments import resolve_momentum
+    from trainer_ext.training.optimizer_state import OptimizerState, optimizer_state_bytes
+
+    params = parameter_counts(config).unique
+    momentum, rank_fraction = resolve_momentum(momentum, rank_fraction, params)
+    state = OptimizerState(master_weight_bytes=0, first_moment_bytes=2 if momentum else 0,
+                           factored_second_moment=True, step_bytes=4, momentum_rank_fraction=rank_fraction)
+    return ModelShape.from_config(config, optimizer_state_bytes(config, state), params, bytes_per_param)
+
+
+def _items(shape: ModelShape) -> list[tuple[str, int, int]]:
+    """(section, index, layer applications) of each recompute choice, in tie-break order: unique layers first,
+    then core steps from the last one."""
+    items = [("prelude", i, 1) for i in range(shape.n_prelude_layers)]
+    items += [("coda", i, 1) for i in range(shape.n_coda_layers)]
+    items += [("core_steps", s, shape.n_core_layers) for s in reversed(range(shape.graph_steps))]
+    return items
+
+
+def _set_of(items, chosen) -> RecomputeSet:
+    picked = {"prelude": [], "core_steps": [], "coda": []}
+    for (section, index, _), on in zip(items, chosen):
+        if on:
+            picked[section].append(index)
+    return RecomputeSet(*(tuple(sorted(picked[name])) for name in ("prelude", "core_steps", "coda")))
+
+
+def _recomputed(shape: ModelShape, recompute: RecomputeSet) -> int:
+    return len(recompute.prelude) + len(recompute.coda) + shape.n_core_layers * len(recompute.core_steps)
+
+
+def _solve(shape, calibration, batch, seq_len, budget_bytes, compiled, distill_topk):
+    """The fastest recompute set of this batch size under the budget (MILP), or None if none fits."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    peak0 = calibration.peak_bytes(shape, batch, seq_len, 0, distill_topk)
+    peak_per_app = calibration.peak_bytes(shape, batch, seq_len, 1, distill_topk) - peak0
+    time0 = calibration.step_seconds(shape, batch, seq_len, 0, compiled)
+    time_per_app = calibration.step_seconds(shape, batch, seq_len, 1, compiled) - time0
+    items = _items(shape)
+    if not items:
+        return (RecomputeSet(), peak0, time0) if peak0 <= budget_bytes else None
+    apps = np.array([n for _, _, n in items], dtype=float)
+    cost = apps * time_per_app + 1e-9 * np.arange(len(items))  # the index: a deterministic tie-break
+    memory = apps * peak_per_app / GIB
+    result = milp(cost, integrality=np.ones(len(items)), bounds=Bounds(0, 1),
+                  constraints=LinearConstraint(memory[None, :], -np.inf, (budget_bytes - peak0) / GIB + 1e-9))
+    if result.status != 0 or result.x is None:
+        return None
+    recompute = _set_of(items, np.round(result.x) > 0.5)
+    recomputed = _recomputed(shape, recompute)
+    return (recompute, calibration.peak_bytes(shape, batch, seq_len, recomputed, distill_topk),
+            calibration.step_seconds(shape, batch, seq_len, recomputed, compiled))
+
+
+def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Calibration,
+                margin_gib: float = DEFAULT_MARGIN_GIB, batch_sizes=None, recompute: RecomputeSet | None = None,
+                compiled: bool | None = None, distill_topk: int = 0, preset: str | None = None,
+                calibration_path: str | None = None) -> MemoryPlan:
+    """The plan of highest predicted throughput with a predicted peak <= cap - margin.
+
+    `batch_sizes`: the candidates (default 1..MAX_BATCH_SIZE); `recompute`: a fixed set (the MILP then only checks
+    it); `compiled`: torch.compile on or off (default: on where the calibration measured it faster)."""
+    compiled = calibration.compile_is_faster if compiled is None else compiled
+    budget = (cap_gib - margin_gib) * GIB
+    best, candidates, smallest = None, [], math.inf
+    for batch in batch_sizes or range(1, MAX_BATCH_SIZE + 1):
+        if recompute is None:
+            solved = _solve(shape, calibration, batch, seq_len, budget, compiled, distill_topk)
+            every = _recomputed(shape, RecomputeSet.named("all", _Sections(shape), shape.graph_steps))
+        else:
+            every = _recomputed(shape, recompute)
+            peak = calibration.peak_bytes(shape, batch, seq_len, every, distill_topk)
+            solved = (recompute, peak, calibration.step_seconds(shape, batch, seq_len, every, compiled)) \
+                if peak <= budget else None
+        smallest = min(smallest, calibration.peak_bytes(shape, batch, seq_len, every, distill_topk))
+        if solved is None:
+            if batch_sizes is None:
+                break  # the peak only grows with the batch
+            continue
+        chosen, peak, seconds = solved
+        candidates.append({"per_device_train_batch_size": batch, "recomputed_applications": _recomputed(shape, chosen),
+                           "predicted_peak_gib": round(peak / GIB, 3),
+                           "predicted_tokens_per_second": round(batch * seq_len / seconds, 1)})
+        if best is None or batch * seq_len / seconds > best[0] * seq_len / best[3]:
+            best = (batch, chosen, peak, seconds)
+    if best is None:
+        fixed = f" with {recompute.describe()}" if recompute is not None else " with every layer recomputed"
+        raise NoPlanError(
+            f"No batch size fits a cap of {cap_gib:g} GiB minus a margin of {margin_gib:g} GiB at sequence length "
+            f"{seq_len}: the smallest predicted peak reserved memory is {smallest / GIB:.2f} GiB (batch "
+            f"{min(batch_sizes or [1])}{fixed}). Raise the cap (--cap_gib / --memory_cap_gib), lower the margin, "
+            "shorten the sequence, or turn momentum off (--optimizer_momentum 0).")
+    batch, chosen, peak, seconds = best
+    return MemoryPlan(seq_len, cap_gib, margin_gib, batch, chosen, compiled, peak / GIB, seconds, preset,
+                      calibration_path, candidates)
+
+
+class _Sections:
+    """The layer counts `RecomputeSet.named` reads from a config."""
+
+    def __init__(self, shape: ModelShape):
+        self.n_prelude_layers, self.n_coda_layers = shape.n_prelude_layers, shape.n_coda_layers
+
+
+def plan_for_preset(preset: str, seq_len: int, cap_gib: float, calibration_path: str | None = None,
+                    margin_gib: float = DEFAULT_MARGIN_GIB, momentum: float | None = None,
+                    rank_fraction: float | None = None, compiled: bool | None = None, distill_topk: int = 0,
+                    max_batch_size: int = MAX_BATCH_SIZE) -> MemoryPlan:
+    """The plan of a named recurrent preset (its default vocabulary), checks first (ValueError naming the fix)."""
+    from hf_recurrent import presets
+
+    if preset not in presets.NAMES:
+        raise ValueError(f"--preset {preset!r} is not a preset; choose one of {list(presets.NAMES)}.")
+    config = presets.get(preset)
+    if not presets.is_recurrent(config):
+        raise ValueError(f"--preset {preset!r} is a Transformer baseline; the planner covers the recurrent presets.")
+    check_plan_numbers(seq_len, cap_gib, margin_gib, max_batch_size)
+    calibration = load_calibration(calibration_path)
+    shape = training_shape(config, momentum, rank_fraction)
+    return plan_memory(shape, seq_len, cap_gib, calibration, margin_gib, range(1, max_batch_size + 1),
+                       compiled=compiled, distill_topk=distill_topk, preset=preset, calibration_path=calibration_path)
+
+
+def check_plan_numbers(seq_len, cap_gib, margin_gib, max_batch_size=MAX_BATCH_SIZE, prefix="--") -> None:
+    for name, value, ok in (("seq_len", seq_len, seq_len >= 1), ("cap_gib", cap_gib, cap_gib > 0),
+                            ("margin_gib", margin_gib, margin_gib >= 0),
+                            ("max_batch_size", max_batch_size, max_batch_size >= 1)):
+        if not ok:
+            raise ValueError(f"{prefix}{name}={value!r} is not allowed; it must be > 0 (>= 0 for the margin).")
+
+
+# -- training: run_pretrain --memory_plan auto
+
+
+def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int, distill_topk: int = 0,
+                      online_teacher: bool = False):
+    """Apply `--memory_plan auto` to `training_args` in place, before the Trainer is built; returns the callbacks
+    that carry the plan out (the recompute set, the predicted against measured peak), empty when nothing applies."""
+    import torch
+
+    from hf_recurrent.presets import is_recurrent
+    from trainer_ext.training.arguments import _CHECKPOINTING
+
+    if training_args.memory_plan != "auto":
+        return []
+    reason = (not is_recurrent(config) and "the model is not recurrent-depth"
+              or training_args.optimizer != "low_memory" and "--optimizer hf is not calibrated"
+              or training_args.world_size > 1 and "several processes"
+              or online_teacher and "an online teacher's memory is not modelled"
+              or not torch.cuda.is_available() and "no CUDA device")
+    if reason:
+        logger.warning("--memory_plan auto: not applied (%s); batch %d, checkpointing %s as given.", reason,
+                       training_args.per_device_train_batch_size, getattr(training_args, _CHECKPOINTING))
+        return []
+    explicit = getattr(training_args, "explicit_memory_settings", set())
+    cap = training_args.memory_cap_gib or torch.cuda.get_device_properties(0).total_memory / GIB
+    shape = training_shape(config, training_args.optimizer_momentum, training_args.optimizer_momentum_rank_fraction,
+                           bytes_per_param)
+    fixed_set = None
+    if "activation_checkpointing" in explicit:
+        fixed_set = RecomputeSet.named("all" if getattr(training_args, _CHECKPOINTING) else "none", config,
+                                       shape.graph_steps)
+    batches = [training_args.per_device_train_batch_size] if "per_device_train_batch_size" in explicit else None
+    calibration = load_calibration(training_args.memory_calibration)
+    try:
+        plan = plan_memory(shape, seq_len, cap, calibration, training_args.memory_margin_gib, batches, fixed_set,
+                           compiled=bool(training_args.torch_compile), distill_topk=distill_topk,
+                           calibration_path=training_args.memory_calibration)
+    except NoPlanError as error:
+        if not explicit:
+            raise ValueError(f"--memory_plan auto: {error} (--memory_plan none trains without a plan)") from error
+        logger.warning("--memory_plan auto: %s Training with the settings given.", error)
+        return []
+    if explicit:
+        logger.info("--memory_plan auto: %s given on the command line, kept; the plan decides the rest.",
+                    " and ".join(f"--{name}" for name in sorted(explicit)))
+    training_args.per_device_train_batch_size = plan.per_device_train_batch_size
+    callbacks = [MemoryPlanCallback(plan, training_args.output_dir)]
+    if "activation_checkpointing" not in explicit:
+        setattr(training_args, _CHECKPOINTING, not plan.recompute.empty)
+        if not plan.recompute.empty:
+            callbacks.insert(0, RecomputeCallback(plan.recompute))
+    logger.info("Memory plan (cap %.1f GiB): %s", cap, plan.describe())
+    return callbacks
+
+
+class MemoryPlanCallback(TrainerCallback):
+    """Logs the plan's predicted peak reserved memory against the measured one after the first steps (and at the
+    end, with fewer steps), and writes both to `<output_dir>/memory_plan.json`."""
+
+    def __init__(self, plan: MemoryPlan, output_dir: str, after_steps: int = MEASURE_AFTER_STEPS):
+        self.plan, self.output_dir, self.after_steps, self.measured = plan, output_dir, after_steps, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.measured is None and state.global_step >= self.after_steps:
+            self._measure(args)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.measured is None:
+            self._measure(args)
+
+    def _measure(self, args):
+        import torch
+
+        if not torch.cuda.is_available():
+            self.measured = {}
+            return
+        self.measured = {"measured_peak_gib": round(torch.cuda.max_memory_reserved() / GIB, 3)}
+        error = self.measured["measured_peak_gib"] / self.plan.predicted_peak_gib - 1
+        logger.info("Memory plan: predicted peak reserved %.2f GiB, measured %.2f GiB (%+.1f%%)",
+                    self.plan.predicted_peak_gib, self.measured["measured_peak_gib"], 100 * error)
+        if args.should_save:
+            os.makedirs(self.output_dir, exist_ok=True)
+            with open(os.path.join(self.output_dir, PLAN_FILE), "w") as f:
+                json.dump({**self.plan.to_dict(), **self.measured}, f, indent=1)
