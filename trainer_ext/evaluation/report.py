@@ -42,24 +42,24 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cache_cost_table(costs: list[dict]) -> str:
-    lines = ["| model / depth | decoded tokens | full forward CE | per_step CE | shared CE | shared - per_step |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for cost in costs:
-        lines.append(
-            f"| {cost['model']} / n={cost['num_steps']} | {cost['tokens']} | {cost['full_forward']['ce']:.4f} | "
-            f"{cost['per_step']['ce']:.4f} | {cost['shared']['ce']:.4f} | {cost['shared_ce_increase']:+.4f} |")
+def _table(header: list[str], rows) -> str:
+    """A Markdown table: the first column left-aligned, the others right-aligned."""
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     return "\n".join(lines) + "\n"
+
+
+def cache_cost_table(costs: list[dict]) -> str:
+    return _table(["model / depth", "decoded tokens", "full forward CE", "per_step CE", "shared CE", "shared - per_step"],
+                  ([f"{c['model']} / n={c['num_steps']}", str(c["tokens"]), f"{c['full_forward']['ce']:.4f}",
+                    f"{c['per_step']['ce']:.4f}", f"{c['shared']['ce']:.4f}", f"{c['shared_ce_increase']:+.4f}"]
+                   for c in costs))
 
 
 def adaptive_depth_table(rows: list[dict]) -> str:
-    lines = ["| model / threshold | max steps | mean steps used | CE | CE at max steps | difference |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for row in rows:
-        lines.append(
-            f"| {row['model']} / {row['exit_threshold']:g} | {row['num_steps']} | {row['mean_steps_used']:.2f} | "
-            f"{row['ce']:.4f} | {row['ce_fixed_depth']:.4f} | {row['ce_increase']:+.4f} |")
-    return "\n".join(lines) + "\n"
+    return _table(["model / threshold", "max steps", "mean steps used", "CE", "CE at max steps", "difference"],
+                  ([f"{r['model']} / {r['exit_threshold']:g}", str(r["num_steps"]), f"{r['mean_steps_used']:.2f}",
+                    f"{r['ce']:.4f}", f"{r['ce_fixed_depth']:.4f}", f"{r['ce_increase']:+.4f}"] for r in rows))
 
 
 def _format(value, fmt: str) -> str:
