@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_recurrent import presets
-from trainer_ext.training.arguments import RecurrentTrainingArguments
+from trainer_ext.training.arguments import _CHECKPOINTING, RecurrentTrainingArguments
 from trainer_ext.training.memory_estimator import (
     GIB,
     Calibration,
@@ -174,10 +174,11 @@ def test_cli_recalibrates_from_a_probe_file(tmp_path, capsys):
 def test_defaults_resolve_to_no_plan_and_no_compile_on_cpu(tmp_path):
     args = RecurrentTrainingArguments(output_dir=str(tmp_path), use_cpu=True)
     assert args.memory_plan == "none" and args.torch_compile is False
-    assert args.per_device_train_batch_size == 8 and args.activation_checkpointing is True
+    # transformers >= 5.24 names the flag activation_checkpointing, 5.17 gradient_checkpointing
+    assert args.per_device_train_batch_size == 8 and getattr(args, _CHECKPOINTING) is True
     assert args.explicit_memory_settings == set()
     args = RecurrentTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
-                                      activation_checkpointing=False, memory_plan="auto")
+                                      memory_plan="auto", **{_CHECKPOINTING: False})
     assert args.explicit_memory_settings == {"per_device_train_batch_size", "activation_checkpointing"}
     with pytest.raises(ValueError, match="--memory_plan='sometimes'"):
         RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="sometimes")
@@ -207,7 +208,7 @@ def test_memory_plan_auto_sets_batch_and_recompute_before_training(tmp_path, mon
     recompute = next(c for c in callbacks if isinstance(c, RecomputeCallback)).recompute
     plan = next(c for c in callbacks if isinstance(c, MemoryPlanCallback)).plan
     assert args.per_device_train_batch_size == plan.per_device_train_batch_size > 1
-    assert args.activation_checkpointing is True and recompute == plan.recompute and not recompute.empty
+    assert getattr(args, _CHECKPOINTING) is True and recompute == plan.recompute and not recompute.empty
     assert plan.cap_gib == 24 and plan.predicted_peak_gib <= 24 - 1.4
 
 
