@@ -9,6 +9,9 @@
 #   bash benchmarks/bench_gpu.sh stability PRESET [find_lr args]   threshold test, then 300 steps at its rate with the
 #       defaults and with pre-norm blocks + the old init (STEPS, WARMUP: default 300, 100; LR=x skips the test)
 #   bash benchmarks/bench_gpu.sh init [init_grad_norm args]   first-step gradient norm of the full 3.3b and 7b presets
+#   bash benchmarks/bench_gpu.sh peers [bench_peers args]   one call: the matmul peak, Llama-7B with GaLore 8-bit + Liger
+#       and with HF Adafactor (both in backward, batch 4), our 3.3b and 7b presets with the defaults, all under a
+#       24 GiB cap: MFU table and ratio to the GaLore peer; $OUT/peers.jsonl (STEPS default 12, SECONDS_LIMIT 480)
 #   bash benchmarks/bench_gpu.sh ablation [depth_ablation args]   recurrent-125m arms, held-out CE at n = 1 / 4 / 12
 #   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
@@ -95,6 +98,11 @@ case $STAGE in
     done ;;
   init)
     python3 benchmarks/init_grad_norm.py --presets recurrent-3.3b recurrent-7b --seq_len 2048 "$@" 2>&1 | grep '^{' ;;
+  peers)  # needs galore-torch, liger-kernel, bitsandbytes wheels in .whl/ (else peer A is reported as skipped)
+    prepare_2048
+    python3 -m benchmarks.bench_peers --data_dir $DATA --cap_gib 24 --steps "${STEPS:-12}" --warmup 3 \
+      --max_seconds "${SECONDS_LIMIT:-480}" --output_dir "$OUT/peers" --output "$OUT/peers.jsonl" "$@" 2>&1 | quiet
+    for log in "$OUT"/peers/*.log; do tail -60 "$log" > "$log.tail" && mv "$log.tail" "$log"; done ;;
   ablation)
     prepare_1024
     timeout "${SECONDS_LIMIT:-36000}" python3 benchmarks/depth_ablation.py --data_dir $DATA_1024 \
@@ -103,5 +111,5 @@ case $STAGE in
     for log in outputs/depth_ablation/*/train.log; do echo "== $log"; grep -E "tokens_per_second|Error" $log | tail -2; done \
       > "$OUT/ablation_train_tails.txt" ;;
   *)
-    echo "unknown stage $STAGE (train, distill, quality, compare, init, ablation)" >&2; exit 2 ;;
+    echo "unknown stage $STAGE (train, distill, quality, compare, stability, init, peers, ablation)" >&2; exit 2 ;;
 esac

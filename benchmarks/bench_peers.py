@@ -1,0 +1,379 @@
+"""Our presets against the stock peers, in one call, under the same memory cap: the MFU ratio.
+
+    python3 -m benchmarks.bench_peers --data_dir DIR --cap_gib 24 --output peers.jsonl
+    python3 -m benchmarks.bench_peers --device cpu --output peers.jsonl    # dry run of the structure (no results)
+
+Runs, each in its own process (clean peak-memory counters; an out-of-memory error is recorded as data):
+  peak    the device's bf16 matmul peak: median TFLOP/s of 8192^3 matmuls, measured in this call
+  peer-a  transformers LlamaForCausalLM 6.74B (Llama-2-7B shape) from config in bf16, SDPA, non-reentrant
+          checkpointing, random tokens, batch 4; GaLore AdamW8bit (rank 128, update_proj_gap 200, scale 0.25) on
+          the attention and MLP projections, bitsandbytes AdamW8bit on the rest, one optimizer per parameter stepped
+          in `register_post_accumulate_grad_hook` (in backward); Liger kernels applied before the model is built
+  peer-b  the same Llama with HF Adafactor (scale_parameter=False, relative_step=False, lr 1e-4) in backward, batch 4
+  PRESET  each of --presets through the real training path (benchmarks.bench_train's child: run_pretrain with
+          RecurrentTrainer) with no performance flags: the defaults decide (on CUDA: the memory plan picks batch
+          size and recompute for the cap, torch.compile on). The only additions are the cap (--memory_cap_gib, what
+          a card of that size reports by itself) and the benchmark's bookkeeping (steps, logging, no saving).
+
+Step time: the median after --warmup steps (the peers time each step; ours: the trainer's logged tokens/s).
+MFU, all against the peak measured above:
+  mfu     model FLOPs per token from `hf_recurrent.cost.flops_per_token` (attention and head included, the depth
+          each step ran, recompute not counted) x tokens/s. For ours it is the trainer's logged MFU rescaled from
+          --trainer_peak_flops (780e12) to the measured peak; for the peers the same accountant on their config.
+  mfu_6n  peers only: 6 x parameters x tokens/s, the method of the published anchors.
+The ratio of each preset to peer A uses `mfu` on both sides (like for like); the ratio to peer A's `mfu_6n` is
+printed too. The bar: >= 1.05x. Records go to --output as JSON lines, one per run, then one summary line.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32000)
+LLAMA_TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=512)  # --device cpu: the structure only
+GALORE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEERS = {
+    "peer-a": {"label": "Llama 6.74B, GaLore AdamW8bit in backward + Liger", "optimizer": "galore_adamw8bit",
+               "liger": True, "requires": ("galore_torch", "bitsandbytes", "liger_kernel")},
+    "peer-b": {"label": "Llama 6.74B, HF Adafactor in backward", "optimizer": "hf_adafactor", "liger": False,
+               "requires": ()},
+}
+PIP_NAMES = {"galore_torch": "galore-torch", "bitsandbytes": "bitsandbytes", "liger_kernel": "liger-kernel==0.8.5"}
+SHARES = {"peak": 0.06, "peer-a": 0.26, "peer-b": 0.14}  # of --max_seconds (time a run leaves goes to the
+PRESET_SHARE = 0.28                                          # runs after it, in proportion); each preset: 0.28
+BAR = 1.05
+
+
+def missing_package(modules) -> str | None:
+    """The skip reason of a run whose optional packages are not all installed, or None."""
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            name = PIP_NAMES.get(module, module)
+            return f"skipped: {name} not installed (pip install {name})"
+    return None
+
+
+# -- children: one run per process, the record written to `out_path` as JSON
+
+
+def _set_cap(cap_gib: float | None) -> None:
+    import torch
+
+    if cap_gib and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(cap_gib * 2**30 / total, 1.0))
+
+
+def _write(out_path: str, record: dict) -> None:
+    with open(out_path, "w") as f:
+        json.dump(record, f)
+
+
+def peak_child(device: str, size: int, out_path: str, samples: int = 20, per_sample: int = 10) -> None:
+    import torch
+
+    a, b = (torch.randn(size, size, dtype=torch.bfloat16, device=device) for _ in range(2))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    seconds = []
+    for i in range(samples + 3):  # the first 3 warm up
+        sync()
+        start = time.perf_counter()
+        for _ in range(per_sample):
+            a @ b
+        sync()
+        seconds.append((time.perf_counter() - start) / per_sample)
+    flops = 2 * size**3 / statistics.median(seconds[3:])
+    _write(out_path, {"run": "peak", "matmul_size": size, "peak_flops": flops, "tflops": round(flops / 1e12, 1)})
+
+
+def _peer_optimizers(model, kind: str, device: str) -> tuple[dict, str]:
+    """One optimizer per trainable parameter (stepped in its post-accumulate-grad hook), and their description."""
+    import torch
+
+    if kind == "hf_adafactor":
+        from transformers.optimization import Adafactor
+
+        return ({p: Adafactor([p], lr=1e-4, scale_parameter=False, relative_step=False) for p in model.parameters()},
+                "HF Adafactor (lr 1e-4)")
+    cuda = device == "cuda"  # 8-bit optimizers need CUDA: on CPU the wiring is checked with GaLoreAdamW (32-bit)
+    if cuda:
+        import bitsandbytes as bnb
+        from galore_torch import GaLoreAdamW8bit as GaLore
+        other = lambda p: bnb.optim.AdamW8bit([p], lr=1e-4)  # noqa: E731
+    else:
+        from galore_torch import GaLoreAdamW as GaLore
+        other = lambda p: torch.optim.AdamW([p], lr=1e-4)  # noqa: E731
+    group = {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+    optimizers = {p: GaLore([{"params": [p], **group}], lr=1e-4) if n.split(".")[-2] in GALORE_TARGETS else other(p)
+                  for n, p in model.named_parameters()}
+    described = "GaLore AdamW8bit (rank 128) + bnb AdamW8bit" if cuda else \
+        "CPU wiring check only: GaLoreAdamW (32-bit) + torch AdamW, no Liger"
+    return optimizers, described
+
+
+def peer_child(name: str, device: str, cap_gib: float | None, batch: int, seq_len: int, steps: int, warmup: int,
+               deadline: float, out_path: str) -> None:
+    """Train the peer `steps` steps (fewer if `deadline`, a time.time(), comes first); record the median step."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_recurrent.cost import flops_per_token
+
+    _set_cap(cap_gib)
+    peer = PEERS[name]
+    label = peer["label"] if device == "cuda" else peer["label"].replace("Llama 6.74B", "tiny Llama").replace(
+        "GaLore AdamW8bit in backward + Liger", "GaLore wiring check (32-bit, no Liger)")
+    record = {"run": name, "label": label, "batch_size": batch, "seq_len": seq_len}
+    liger = peer["liger"] and device == "cuda"
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
+    config = LlamaConfig(**(LLAMA_7B if device == "cuda" else LLAMA_TINY), max_position_embeddings=max(seq_len, 4096),
+                         attn_implementation="sdpa", use_cache=False)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        params = sum(p.numel() for p in model.parameters())
+        optimizers, record["optimizer"] = _peer_optimizers(model, peer["optimizer"], device)
+
+        def hook(p):
+            optimizers[p].step()
+            optimizers[p].zero_grad(set_to_none=True)
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+        record.update(params=params, liger=liger, flops_per_token_6n=6 * params,
+                      flops_per_token=flops_per_token(config, seq_len=seq_len))
+        seconds = []
+        for _ in range(steps):
+            if seconds and time.time() + max(seconds[-3:]) > deadline:
+                record["time_boxed"] = True
+                break
+            tokens = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
+            sync()
+            start = time.perf_counter()
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            sync()
+            seconds.append(time.perf_counter() - start)
+        steady = seconds[warmup:] or seconds[-1:]
+        record.update(steps=len(seconds), step_seconds=round(statistics.median(steady), 4),
+                      tokens_per_second=round(batch * seq_len / statistics.median(steady), 1))
+    except torch.OutOfMemoryError:
+        record["error"] = "OOM"
+    if device == "cuda":
+        record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+    _write(out_path, record)
+
+
+# -- the parent: runs, MFU, the table
+
+
+def _run(code: str, timeout: float, log_path: str) -> str | None:
+    """Run `python -c code` in its own process group, output to `log_path`; None, or why it failed."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            code = process.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return f"timeout after {timeout:.0f} s (raise --max_seconds)"
+    if code == 0:
+        return None
+    with open(log_path, errors="replace") as log:
+        oom = "OutOfMemoryError" in log.read()
+    return f"{'OOM, ' if oom else ''}exit code {code} (log: {log_path})"
+
+
+def add_mfu(records: list[dict], peak_flops: float) -> None:
+    """`mfu` (and the peers' `mfu_6n`) of every measured record, against `peak_flops`."""
+    for r in records:
+        if r.get("tokens_per_second") and r.get("flops_per_token"):
+            r["mfu"] = round(r["flops_per_token"] * r["tokens_per_second"] / peak_flops, 4)
+            if "flops_per_token_6n" in r:
+                r["mfu_6n"] = round(r["flops_per_token_6n"] * r["tokens_per_second"] / peak_flops, 4)
+
+
+def summarize_ratios(records: list[dict], presets: list[str]) -> dict:
+    """Each preset's MFU over peer A's: like for like (`mfu` both sides) and against peer A's `mfu_6n`."""
+    peer = next((r for r in records if r["run"] == "peer-a"), {})
+    summary = {"run": "summary", "bar": BAR}
+    for preset in presets:
+        ours = next((r for r in records if r["run"] == preset), {})
+        if ours.get("mfu") and peer.get("mfu"):
+            ratio = round(ours["mfu"] / peer["mfu"], 3)
+            summary[preset] = {"ratio": ratio, "ratio_vs_mfu_6n": round(ours["mfu"] / peer["mfu_6n"], 3),
+                               "meets_bar": ratio >= BAR}
+        else:
+            missing = "peer-a" if not peer.get("mfu") else preset
+            summary[preset] = {"ratio": None, "why": f"no MFU for {missing}"}
+    return summary
+
+
+def table(records: list[dict], summary: dict) -> str:
+    def pct(value):
+        return f"{100 * value:.1f}%" if isinstance(value, float) else "-"
+
+    lines = ["| run | batch | tokens/s | peak reserved GiB | MFU | MFU 6N | MFU logged (trainer peak) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r["run"] in ("peak", "summary"):
+            continue
+        status = r.get("skipped") or r.get("error")
+        tokens = f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else status or "-"
+        lines.append(f"| {r['run']}: {r.get('label', r['run'])} | {r.get('batch_size', '-')} | {tokens} | "
+                     f"{r.get('peak_reserved_gib') or '-'} | {pct(r.get('mfu'))} | {pct(r.get('mfu_6n'))} | "
+                     f"{pct(r.get('mfu_logged'))} |")
+    dry = "dry run, not a result: " if summary.get("dry_run") else ""
+    for preset, ratio in summary.items():
+        if isinstance(ratio, dict):
+            if ratio["ratio"] is None:
+                lines.append(f"{preset} / peer-a: n/a ({ratio['why']})")
+            else:
+                lines.append(f"{dry}{preset} / peer-a MFU: {ratio['ratio']:.3f}x like for like, "
+                             f"{ratio['ratio_vs_mfu_6n']:.3f}x against its 6N MFU; the bar: >= {BAR}x "
+                             f"({'met' if ratio['meets_bar'] else 'not met'})")
+    return "\n".join(lines)
+
+
+def _ours(preset: str, args, timeout: float) -> dict:
+    from benchmarks.bench_train import summarize
+
+    out_dir = os.path.join(args.output_dir, preset)
+    run_args = ["--preset", preset, "--output_dir", out_dir, "--overwrite_output_dir", "true",
+                "--max_steps", str(args.steps), "--logging_steps", "1", "--eval_strategy", "no",
+                "--save_strategy", "no", "--save_final", "false", "--profile_steps", str(args.warmup),
+                "--max_eval_samples", "4", "--per_device_eval_batch_size", "1", "--peak_flops",
+                str(args.trainer_peak_flops), "--learning_rate", "1e-3", "--warmup_steps", "0",
+                "--lr_scheduler_type", "constant"]  # bench_train's schedule: the loss moves within a few steps
+    run_args += ["--data_dir", args.data_dir] if args.data_dir else []
+    cuda = args.device == "cuda"  # the planner is told the cap: on a card of that size it is the default
+    run_args += ["--bf16", "true", "--memory_cap_gib", str(args.cap_gib)] if cuda else ["--use_cpu", "true"]
+    cap = args.cap_gib if cuda else None
+    code = f"from benchmarks.bench_train import child; child({cap!r}, {run_args!r})"
+    error = _run(code, timeout, os.path.join(args.output_dir, f"{preset}.log"))
+    if error:
+        return {"run": preset, "label": f"{preset}, defaults", "error": error}
+    row = summarize(preset, out_dir, args.warmup)
+    record = {"run": preset, "label": f"{preset}, defaults", "steps": row["steps"],
+              "tokens_per_second": row["tokens_per_second"], "mfu_logged": row["mfu"],
+              "trainer_peak_flops": args.trainer_peak_flops, "peak_reserved_gib": row["peak_reserved_gib"] or None}
+    plan_path = os.path.join(out_dir, "memory_plan.json")
+    if os.path.isfile(plan_path):
+        with open(plan_path) as f:
+            plan = json.load(f)
+        record.update(batch_size=plan.get("per_device_train_batch_size"), plan=plan.get("recompute_description"))
+    if row["mfu"] == row["mfu"] and row["tokens_per_second"]:  # the trainer's FLOPs per token, back from its MFU
+        record["flops_per_token"] = row["mfu"] * args.trainer_peak_flops / row["tokens_per_second"]
+    return record
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_dir", default=None, help="Prepared shards for our presets (default: the embedded "
+                                                         "corpus); seq 2048 shards for the comparison.")
+    parser.add_argument("--presets", nargs="+", default=None,
+                        help="Default: recurrent-3.3b recurrent-7b (debug with --device cpu).")
+    parser.add_argument("--runs", nargs="+", default=["peak", "peer-a", "peer-b", "ours"],
+                        choices=["peak", "peer-a", "peer-b", "ours"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--cap_gib", type=float, default=24.0)
+    parser.add_argument("--seq_len", type=int, default=None, help="The peers' (default 2048; 128 on CPU).")
+    parser.add_argument("--peer_batch_size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3, help="Steps left out of the medians.")
+    parser.add_argument("--max_seconds", type=float, default=480, help="The whole call; each run gets a share.")
+    parser.add_argument("--peak_flops", type=float, default=None,
+                        help="The peak MFU is computed against when the measured one is missing (peak run left out "
+                             "or failed); the measured peak wins.")
+    parser.add_argument("--trainer_peak_flops", type=float, default=None,
+                        help="The peak our trainer logs MFU against (default 780e12; 1e12 with --device cpu).")
+    parser.add_argument("--output_dir", default=os.path.join("outputs", "bench_peers"))
+    parser.add_argument("--output", default=None, help="JSON lines (default: OUTPUT_DIR/results.jsonl).")
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here; use --device cpu for a dry run of the structure.")
+    if args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: the median needs steady steps.")
+    args.trainer_peak_flops = args.trainer_peak_flops or (780e12 if cuda else 1e12)
+    presets = args.presets or (["recurrent-3.3b", "recurrent-7b"] if cuda else ["debug"])
+    seq_len = args.seq_len or (2048 if cuda else 128)
+    os.makedirs(args.output_dir, exist_ok=True)
+    output = args.output or os.path.join(args.output_dir, "results.jsonl")
+    if os.path.dirname(output):
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+
+    start = time.time()
+    runs = [r for r in ("peak", "peer-a") if r in args.runs] + [p for p in presets if "ours" in args.runs] + \
+        (["peer-b"] if "peer-b" in args.runs else [])
+    records = []
+    for i, run in enumerate(runs):
+        shares = [SHARES.get(r, PRESET_SHARE) for r in runs[i:]]
+        timeout = (start + args.max_seconds - time.time()) * shares[0] / sum(shares)
+        out_path = os.path.join(args.output_dir, f"{run}.json")
+        # on CPU peer A checks its optimizer wiring only: no Liger (it needs a GPU)
+        skip = run in PEERS and missing_package(PEERS[run]["requires"][:None if cuda else 2])
+        if timeout < 20:
+            record = {"run": run, "skipped": "no time left (raise --max_seconds)"}
+        elif run in presets:
+            record = _ours(run, args, timeout)
+        elif skip:
+            record = {"run": run, "label": PEERS[run]["label"], "skipped": skip}
+        else:
+            if run == "peak":
+                call = f"peak_child({args.device!r}, {8192 if cuda else 512}, {out_path!r})"
+            else:
+                cap = args.cap_gib if cuda else None
+                call = (f"peer_child({run!r}, {args.device!r}, {cap!r}, {args.peer_batch_size}, {seq_len}, "
+                        f"{args.steps}, {args.warmup}, {time.time() + timeout - 10!r}, {out_path!r})")
+            if os.path.exists(out_path):
+                os.remove(out_path)
+            error = _run(f"from benchmarks.bench_peers import peak_child, peer_child; {call}", timeout,
+                         os.path.join(args.output_dir, f"{run}.log"))
+            record = {"run": run, "label": PEERS.get(run, {}).get("label", run), "error": error}
+            if error is None:
+                with open(out_path) as f:
+                    record = json.load(f)
+        record.update(device=args.device, dry_run=not cuda)
+        records.append(record)
+        print(json.dumps(record), flush=True)
+
+    measured = next((r["peak_flops"] for r in records if r["run"] == "peak" and "peak_flops" in r), None)
+    peak = measured or args.peak_flops
+    if peak is None:
+        print("No measured peak (the peak run failed or was left out) and no --peak_flops: MFU not computed.")
+    else:
+        add_mfu(records, peak)
+    summary = summarize_ratios(records, presets)
+    summary.update(peak_flops=peak, peak_measured=measured is not None, dry_run=not cuda,
+                   seconds=round(time.time() - start, 1))
+    with open(output, "w") as f:
+        for record in records + [summary]:
+            f.write(json.dumps(record) + "\n")
+    if not cuda:
+        print("Dry run on CPU: the structure only; the numbers are not results.")
+    print(f"MFU against {peak / 1e12:.1f} TFLOP/s ({'measured' if summary['peak_measured'] else '--peak_flops'}); "
+          if peak else "", end="")
+    print(f"results in {output}\n" + table(records, summary))
+    return records + [summary]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The peer benchmark's arithmetic and reporting (benchmarks/bench_peers.py), from synthetic run records."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_peers.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_peers", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mfu_ratio_is_like_for_like_against_the_measured_peak_and_the_table_says_so(bench):
+    records = [
+        {"run": "peak", "peak_flops": 800e12},
+        {"run": "peer-a", "label": "GaLore", "batch_size": 4, "tokens_per_second": 10_000.0,
+         "flops_per_token": 41e9, "flops_per_token_6n": 40e9, "peak_reserved_gib": 18.5},
+        # ours: the trainer's FLOPs per token, as _ours derives them from its MFU logged against 780e12
+        {"run": "recurrent-3.3b", "tokens_per_second": 8_000.0, "mfu_logged": 0.6, "trainer_peak_flops": 780e12,
+         "flops_per_token": 0.6 * 780e12 / 8_000.0},
+        {"run": "recurrent-7b", "error": "OOM, exit code 1 (log: x)"},
+        {"run": "peer-b", "skipped": "skipped: bitsandbytes not installed (pip install bitsandbytes)"},
+    ]
+    bench.add_mfu(records, 800e12)
+    peer, ours = records[1], records[2]
+    assert peer["mfu"] == pytest.approx(41e9 * 10_000 / 800e12, abs=1e-4)  # 0.5125
+    assert peer["mfu_6n"] == pytest.approx(0.5, abs=1e-4)
+    assert ours["mfu"] == pytest.approx(0.6 * 780 / 800, abs=1e-4) and "mfu_6n" not in ours  # 0.585
+    summary = bench.summarize_ratios(records, ["recurrent-3.3b", "recurrent-7b"])
+    assert summary["recurrent-3.3b"] == {"ratio": round(0.585 / 0.5125, 3), "ratio_vs_mfu_6n": 1.17,
+                                         "meets_bar": True}
+    assert summary["recurrent-7b"] == {"ratio": None, "why": "no MFU for recurrent-7b"}
+    text = bench.table(records, summary)
+    assert "| recurrent-7b: recurrent-7b | - | OOM, exit code 1 (log: x) |" in text
+    assert "| peer-a: GaLore | 4 | 10,000 | 18.5 | 51.2% | 50.0% | - |" in text
+    assert "recurrent-3.3b / peer-a MFU: 1.141x like for like, 1.170x against its 6N MFU; the bar: >= 1.05x (met)" \
+        in text
+    assert "pip install bitsandbytes" in text
+    # no peer A: no ratio, and why
+    assert bench.summarize_ratios(records[2:], ["recurrent-3.3b"])["recurrent-3.3b"]["why"] == "no MFU for peer-a"
+
+
+def test_a_missing_optional_package_is_a_skip_naming_its_install(bench, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "liger_kernel" else real(name))
+    assert bench.missing_package(["json", "liger_kernel"]) == \
+        "skipped: liger-kernel==0.8.5 not installed (pip install liger-kernel==0.8.5)"
+    assert bench.missing_package(["json"]) is None
