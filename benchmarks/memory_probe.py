@@ -144,18 +144,17 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback
 
-    from hf_recurrent.cost import parameter_counts
+    from hf_recurrent.cost import graph_steps, parameter_counts
     from trainer_ext.training.arguments import _CHECKPOINTING, resolve_momentum
-    from trainer_ext.training.optimizer_state import OptimizerState, optimizer_state_bytes
-    from trainer_ext.training.recompute import RecomputeCallback, RecomputeSet, graph_steps
+    from trainer_ext.training.optimizer_state import low_memory_state, optimizer_state_bytes
+    from trainer_ext.training.recompute import RecomputeCallback, RecomputeSet
     from trainer_ext.training.trainer import RecurrentTrainer
 
     config = model.config
     cuda = device == "cuda"
     params = parameter_counts(config).unique
     momentum, rank_fraction = resolve_momentum(0.0 if spec["momentum"] == "off" else None, None, params)
-    state = OptimizerState(master_weight_bytes=0, first_moment_bytes=2 if momentum else 0,
-                           factored_second_moment=True, step_bytes=4, momentum_rank_fraction=rank_fraction)
+    state = low_memory_state(momentum, rank_fraction)
     recompute = (RecomputeSet.from_dict(spec["recompute_set"]) if spec.get("recompute_set") is not None
                  else RecomputeSet.named(spec["recompute"], config, graph_steps(config)))
     times = []

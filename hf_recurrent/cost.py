@@ -38,6 +38,14 @@ def _layer_forward_flops(config, seq_len: int) -> float:
     return projections + mlp + attention
 
 
+def graph_steps(config, num_steps: int | None = None, backprop_depth: int | None = None) -> int:
+    """Core steps that build a graph at depth `num_steps` (default `mean_recurrence`): the last `backprop_depth`
+    (default the config's; None = all), at most `num_steps`."""
+    num_steps = config.mean_recurrence if num_steps is None else num_steps
+    backprop_depth = config.backprop_depth if backprop_depth is None else backprop_depth
+    return num_steps if backprop_depth is None else min(backprop_depth, num_steps)
+
+
 def flops_per_token(config, num_steps: int | None = None, backprop_depth: int | None = None,
                     seq_len: int = 2048, training: bool = True) -> float:
     """FLOPs per token of one training step (forward + backward), or of inference if `training` is False.
@@ -52,8 +60,7 @@ def flops_per_token(config, num_steps: int | None = None, backprop_depth: int | 
         return grad_factor * (config.num_hidden_layers * layer + head)
 
     num_steps = config.mean_recurrence if num_steps is None else num_steps
-    backprop_depth = config.backprop_depth if backprop_depth is None else backprop_depth
-    backprop_depth = num_steps if backprop_depth is None else min(backprop_depth, num_steps)
+    backprop_depth = graph_steps(config, num_steps, backprop_depth)
     adapter = 2 * 2 * config.hidden_size * config.hidden_size if config.injection == "concat" else 0
     step = config.n_core_layers * layer + adapter
     unique = (config.n_prelude_layers + config.n_coda_layers) * layer + head

@@ -68,8 +68,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config, optimizer_state_bytes: int, params: int | None = None, bytes_per_param: int = 2):
-        from hf_recurrent.cost import parameter_counts
-        from trainer_ext.training.recompute import graph_steps
+        from hf_recurrent.cost import graph_steps, parameter_counts
 
         params = parameter_counts(config).unique if params is None else params
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

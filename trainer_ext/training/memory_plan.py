@@ -71,13 +71,12 @@ def training_shape(config, momentum: float | None = None, rank_fraction: float |
     """The estimator's view of `config` trained with LowMemoryAdafactor (momentum resolved as training does)."""
     from hf_recurrent.cost import parameter_counts
     from trainer_ext.training.arguments import resolve_momentum
-    from trainer_ext.training.optimizer_state import OptimizerState, optimizer_state_bytes
+    from trainer_ext.training.optimizer_state import low_memory_state, optimizer_state_bytes
 
     params = parameter_counts(config).unique
     momentum, rank_fraction = resolve_momentum(momentum, rank_fraction, params)
-    state = OptimizerState(master_weight_bytes=0, first_moment_bytes=2 if momentum else 0,
-                           factored_second_moment=True, step_bytes=4, momentum_rank_fraction=rank_fraction)
-    return ModelShape.from_config(config, optimizer_state_bytes(config, state), params, bytes_per_param)
+    state_bytes = optimizer_state_bytes(config, low_memory_state(momentum, rank_fraction))
+    return ModelShape.from_config(config, state_bytes, params, bytes_per_param)
 
 
 def _items(shape: ModelShape) -> list[tuple[str, int, int]]:
@@ -139,7 +138,7 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
     for batch in batch_sizes or range(1, MAX_BATCH_SIZE + 1):
         if recompute is None:
             solved = _solve(shape, calibration, batch, seq_len, budget, compiled, distill_topk)
-            every = _recomputed(shape, RecomputeSet.named("all", _Sections(shape), shape.graph_steps))
+            every = _recomputed(shape, RecomputeSet.named("all", shape, shape.graph_steps))
         else:
             every = _recomputed(shape, recompute)
             peak = calibration.peak_bytes(shape, batch, seq_len, every, distill_topk)
@@ -166,13 +165,6 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
     batch, chosen, peak, seconds = best
     return MemoryPlan(seq_len, cap_gib, margin_gib, batch, chosen, compiled, peak / GIB, seconds, preset,
                       calibration_path, candidates)
-
-
-class _Sections:
-    """The layer counts `RecomputeSet.named` reads from a config."""
-
-    def __init__(self, shape: ModelShape):
-        self.n_prelude_layers, self.n_coda_layers = shape.n_prelude_layers, shape.n_coda_layers
 
 
 def plan_for_preset(preset: str, seq_len: int, cap_gib: float, calibration_path: str | None = None,

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from trainer_ext.training.optimizer import SUBSPACE_MOMENTUM_FRACTION, subspace_rank
 
-__all__ = ["OPTIMIZER_STATES", "OptimizerState", "optimizer_state_bytes", "optimizer_state_gib", "state_gib_for_preset"]
+__all__ = ["OPTIMIZER_STATES", "OptimizerState", "low_memory_state", "optimizer_state_bytes", "optimizer_state_gib",
+           "state_gib_for_preset"]
 
 GIB = 2**30
 
@@ -64,22 +65,25 @@ class OptimizerState:
                 + second_moment_values * self.second_moment_bytes + self.step_bytes)
 
 
-# The configurations the optimizer-quality benchmark compares. LowMemoryAdafactor's statistics and step counter
-# are fp32 and its momentum has the weight's dtype (bf16: the weights it trains are bf16).
+def low_memory_state(momentum: float | None, rank_fraction: float | None) -> OptimizerState:
+    """LowMemoryAdafactor's state for bf16 weights at a resolved beta1 (None: no momentum) and rank fraction (None:
+    full momentum): fp32 statistics and step counters, momentum in the weights' dtype, no master copy."""
+    return OptimizerState(master_weight_bytes=0, first_moment_bytes=2 if momentum else 0, factored_second_moment=True,
+                          step_bytes=4, momentum_rank_fraction=rank_fraction)
+
+
+# The configurations the optimizer-quality benchmark compares.
 OPTIMIZER_STATES: dict[str, OptimizerState] = {
     # torch AdamW with fp32 master weights: the quality reference.
     "adamw_fp32": OptimizerState(master_weight_bytes=4, first_moment_bytes=4, factored_second_moment=False),
     # HF Adafactor (no first moment) needs fp32 weights: it upcasts bf16 weights with p.float() every step.
     "hf_adafactor": OptimizerState(master_weight_bytes=4, first_moment_bytes=0, factored_second_moment=True),
-    # LowMemoryAdafactor as the defaults run it from 5B parameters up: no momentum.
-    "low_memory": OptimizerState(master_weight_bytes=0, first_moment_bytes=0, factored_second_moment=True,
-                                 step_bytes=4),
-    # LowMemoryAdafactor with its bf16 momentum (the default below 5B parameters).
-    "low_memory_momentum": OptimizerState(master_weight_bytes=0, first_moment_bytes=2, factored_second_moment=True,
-                                          step_bytes=4),
+    # LowMemoryAdafactor without momentum (--optimizer_momentum 0).
+    "low_memory": low_memory_state(None, None),
+    # LowMemoryAdafactor with full bf16 momentum (the default below 5B parameters).
+    "low_memory_momentum": low_memory_state(0.9, None),
     # LowMemoryAdafactor with bf16 subspace momentum (the default from 5B parameters up).
-    "low_memory_7b": OptimizerState(master_weight_bytes=0, first_moment_bytes=2, factored_second_moment=True,
-                                    step_bytes=4, momentum_rank_fraction=SUBSPACE_MOMENTUM_FRACTION),
+    "low_memory_7b": low_memory_state(0.9, SUBSPACE_MOMENTUM_FRACTION),
 }
 
 

@@ -20,12 +20,6 @@ from hf_recurrent.presets import is_recurrent
 NAMED_SETS = ("all", "none", "prelude_coda", "core", "half_core")
 
 
-def graph_steps(config, num_steps: int | None = None) -> int:
-    """Core steps that build a graph at depth `num_steps` (default `mean_recurrence`): min(n, backprop_depth)."""
-    num_steps = config.mean_recurrence if num_steps is None else num_steps
-    return num_steps if config.backprop_depth is None else min(num_steps, config.backprop_depth)
-
-
 @dataclass(frozen=True)
 class RecomputeSet:
     prelude: tuple[int, ...] = ()
@@ -38,7 +32,8 @@ class RecomputeSet:
 
     @classmethod
     def named(cls, name: str, config, graph_steps: int) -> "RecomputeSet":
-        """`all`: every layer application; `none`; `prelude_coda`: the unique layers only (core steps keep);
+        """`config`: anything with `n_prelude_layers` and `n_coda_layers` (a model config, a ModelShape).
+        `all`: every layer application; `none`; `prelude_coda`: the unique layers only (core steps keep);
         `core`: the core steps only; `half_core`: the later half of the core steps (rounded up) only."""
         prelude, coda = tuple(range(config.n_prelude_layers)), tuple(range(config.n_coda_layers))
         steps = tuple(range(graph_steps))
