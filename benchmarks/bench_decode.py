@@ -9,7 +9,9 @@ Random init (speed does not depend on the weights), `--dtype` (bf16 on CUDA), SD
 batch size: tokens/s of `generate` with the dynamic cache (eager), with `cache_implementation="static"` and a compiled
 decode step (`CompileConfig(fullgraph=True, dynamic=False)`, inductor + CUDA graphs by default), and the same two for
 `LlamaForCausalLM` with prelude + n x core + coda layers of the same width, heads, MLP and vocabulary.
-`--exit_thresholds` adds eager runs with adaptive depth (at most n steps) and their mean core steps per token.
+`--exit_thresholds` adds eager runs with adaptive depth (at most n steps) in each of `--exit_kv_cache_modes` (default
+`shared`, the mode where steps left once every token has exited are skipped), each next to the fixed-depth eager
+figure of the same cache mode, with the mean core steps used per token and core passes run per decode step.
 Each figure: the median of `--repeats` timed calls after `--warmup` untimed ones (which compile), with the spread
 (max - min) / median. Measurements run most important first (depth, then batch size, in the order given); past
 `--time_budget_s` the rest are listed as skipped, so a run stays short on any machine.
@@ -25,6 +27,7 @@ import transformers
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
 from hf_recurrent import RecurrentDepthForCausalLM, presets
+from hf_recurrent.configuration_recurrent_depth import KV_CACHE_MODES
 from hf_recurrent.cost import unrolled_layers
 
 
@@ -43,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile_mode", default="reduce-overhead", help="'none' for the backend's default.")
     parser.add_argument("--exit_thresholds", type=float, nargs="*", default=[],
                         help="Adaptive depth thresholds (state criterion) timed on the eager path.")
+    parser.add_argument("--exit_kv_cache_modes", nargs="+", choices=KV_CACHE_MODES, default=["shared"],
+                        help="kv_cache_mode(s) of the adaptive depth runs; a mode other than the preset's also gets "
+                             "a fixed-depth eager run. Exits skip core steps in 'shared' only.")
     parser.add_argument("--no_llama", action="store_true", help="Skip the Llama peer.")
     parser.add_argument("--time_budget_s", type=float, default=270.0,
                         help="Stop starting new measurements after this many seconds.")
@@ -102,36 +108,51 @@ def compile_config(args) -> CompileConfig:
 
 
 class StepsRecorder:
-    """Mean core steps per decoded token of adaptive-depth calls, read from the model's `num_steps_used`."""
+    """Per decode step (one new token per row) of adaptive-depth calls: mean core steps used per token (the model's
+    `num_steps_used`) and core passes run (calls of the first core layer; fewer than n once exited steps are skipped).
+    """
 
     def __init__(self, model):
-        self.total = self.count = 0
-        self.handle = model.model.register_forward_hook(self.hook)
+        self.steps = self.tokens = self.passes = self.calls = self.call_passes = 0
+        self.handles = [model.model.register_forward_hook(self.hook),
+                        model.model.core[0].register_forward_pre_hook(self.count_pass)]
+
+    def count_pass(self, module, inputs):
+        self.call_passes += 1
 
     def hook(self, module, inputs, output):
         used = getattr(output, "num_steps_used", None)
         if used is not None and used.shape[1] == 1:  # decode steps, not the prefill
-            self.total += used.sum().item()
-            self.count += used.numel()
+            self.steps += used.sum().item()
+            self.tokens += used.numel()
+            self.passes += self.call_passes
+            self.calls += 1
+        self.call_passes = 0
 
-    def mean(self) -> float | None:
-        self.handle.remove()
-        return self.total / self.count if self.count else None
+    def means(self) -> dict:
+        for handle in self.handles:
+            handle.remove()
+        return {"mean_steps_used": self.steps / self.tokens if self.tokens else None,
+                "mean_core_passes": self.passes / self.calls if self.calls else None}
 
 
-def measurements(args, config):
-    """(label, model kind, depth, batch, generate kwargs) in the order they run."""
+def measurements(args, preset_mode: str):
+    """(label, model kind, kv_cache_mode, depth, batch, generate kwargs) in the order they run."""
     paths = [("eager", {}), ("static+compile", {"cache_implementation": "static", "compile_config": compile_config(args)})]
+    exit_modes = dict.fromkeys(args.exit_kv_cache_modes) if args.exit_thresholds else {}
     for num_steps in args.depths:
         for batch in args.batch_sizes:
             for path, kwargs in paths:
-                yield path, "recurrent", num_steps, batch, {"num_steps": num_steps, **kwargs}
+                yield path, "recurrent", preset_mode, num_steps, batch, {"num_steps": num_steps, **kwargs}
             if not args.no_llama:
                 for path, kwargs in reversed(paths):
-                    yield path, "llama", num_steps, batch, kwargs
-            for threshold in args.exit_thresholds:
-                yield f"eager exit<{threshold:g}", "recurrent", num_steps, batch, {
-                    "num_steps": num_steps, "exit_threshold": threshold}
+                    yield path, "llama", None, num_steps, batch, kwargs
+            for mode in exit_modes:
+                if mode != preset_mode:  # the fixed-depth figure the exits compare with
+                    yield "eager", "recurrent", mode, num_steps, batch, {"num_steps": num_steps}
+                for threshold in args.exit_thresholds:
+                    yield f"eager exit<{threshold:g}", "recurrent", mode, num_steps, batch, {
+                        "num_steps": num_steps, "exit_threshold": threshold}
 
 
 def run(args) -> dict:
@@ -145,8 +166,9 @@ def run(args) -> dict:
     prompts = {b: torch.randint(3, config.vocab_size, (b, args.prompt_len), generator=generator).to(args.device)
                for b in args.batch_sizes}
     results, skipped, started = [], [], time.perf_counter()
-    for path, kind, num_steps, batch, kwargs in measurements(args, config):
-        record = {"model": kind, "path": path, "num_steps": num_steps, "batch": batch,
+    preset_mode = config.kv_cache_mode  # the model shares `config`, whose mode the exit runs change
+    for path, kind, mode, num_steps, batch, kwargs in measurements(args, preset_mode):
+        record = {"model": kind, "path": path, "kv_cache_mode": mode, "num_steps": num_steps, "batch": batch,
                   "layers": unrolled_layers(config, num_steps), "exit_threshold": kwargs.get("exit_threshold")}
         if time.perf_counter() - started > args.time_budget_s:
             skipped.append(record)
@@ -157,27 +179,32 @@ def run(args) -> dict:
                 torch.cuda.empty_cache()
             llama, llama_steps = build(LlamaForCausalLM, llama_peer(config, num_steps), args.device, dtype), num_steps
         model = ours if kind == "recurrent" else llama
+        if kind == "recurrent":
+            ours.config.kv_cache_mode = mode  # read at every forward call; only eager runs change it
         recorder = StepsRecorder(model) if "exit_threshold" in kwargs else None
         rates = time_generate(model, prompts[batch], args, **kwargs)
         median = statistics.median(rates)
         record.update(tokens_per_s=median, tokens_per_s_runs=rates, spread=(max(rates) - min(rates)) / median)
         if recorder is not None:
-            record["mean_steps_used"] = recorder.mean()
+            record.update(recorder.means())
         results.append(record)
-        print(f"{kind:9s} {path:18s} n={num_steps:<3d} batch={batch:<3d} {median:10.1f} tokens/s "
+        print(f"{kind:9s} {path:18s} {mode or '-':8s} n={num_steps:<3d} batch={batch:<3d} {median:10.1f} tokens/s "
               f"(spread {record['spread']:.1%})", flush=True)
     return {
         "preset": args.preset, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "transformers": transformers.__version__,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats, "warmup": args.warmup,
         "compile": {"backend": args.compile_backend, "mode": args.compile_mode, "fullgraph": True},
-        "results": results, "ratios": ratios(results), "skipped": skipped,
+        "results": results, "ratios": ratios(results, preset_mode), "adaptive_depth": adaptive(results),
+        "skipped": skipped,
     }
 
 
-def ratios(results: list[dict]) -> list[dict]:
-    """Per depth and batch: compiled over eager (ours), ours compiled over Llama compiled, ours eager over Llama eager."""
-    rate = {(r["model"], r["path"], r["num_steps"], r["batch"]): r["tokens_per_s"] for r in results}
+def ratios(results: list[dict], mode: str) -> list[dict]:
+    """Per depth and batch: compiled over eager (ours), ours compiled over Llama compiled, ours eager over Llama eager;
+    ours in the preset's kv_cache_mode `mode`."""
+    rate = {(r["model"], r["path"], r["num_steps"], r["batch"]): r["tokens_per_s"] for r in results
+            if r["kv_cache_mode"] in (mode, None) and r["exit_threshold"] is None}
     rows = []
     for num_steps, batch in sorted({(r["num_steps"], r["batch"]) for r in results}):
         def ratio(a, b):
@@ -190,19 +217,44 @@ def ratios(results: list[dict]) -> list[dict]:
     return rows
 
 
+def adaptive(results: list[dict]) -> list[dict]:
+    """Per adaptive-depth run: its tokens/s over the fixed-depth eager run of the same depth, batch and cache mode."""
+    fixed = {(r["kv_cache_mode"], r["num_steps"], r["batch"]): r["tokens_per_s"] for r in results
+             if r["model"] == "recurrent" and r["path"] == "eager"}
+    rows = []
+    for r in results:
+        if r["exit_threshold"] is None:
+            continue
+        base = fixed.get((r["kv_cache_mode"], r["num_steps"], r["batch"]))
+        rows.append({key: r[key] for key in ("num_steps", "batch", "kv_cache_mode", "exit_threshold",
+                                             "mean_steps_used", "mean_core_passes", "tokens_per_s")}
+                    | {"fixed_depth_tokens_per_s": base, "speedup": r["tokens_per_s"] / base if base else None})
+    return rows
+
+
 def render(report: dict) -> str:
     lines = [f"{report['preset']} on {report['device']} ({report['dtype']}), prompt {report['prompt_len']}, "
              f"{report['new_tokens']} new tokens, median of {report['repeats']}",
-             "| model | path | n | layers | batch | tokens/s | spread | mean steps |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| model | path | cache | n | layers | batch | tokens/s | spread |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in report["results"]:
-        steps = r.get("mean_steps_used")
-        lines.append(f"| {r['model']} | {r['path']} | {r['num_steps']} | {r['layers']} | {r['batch']} | "
-                     f"{r['tokens_per_s']:.1f} | {r['spread']:.1%} | {'-' if steps is None else f'{steps:.2f}'} |")
+        lines.append(f"| {r['model']} | {r['path']} | {r['kv_cache_mode'] or '-'} | {r['num_steps']} | {r['layers']} | "
+                     f"{r['batch']} | {r['tokens_per_s']:.1f} | {r['spread']:.1%} |")
     lines += ["", "| n | batch | compiled / eager | compiled / Llama compiled | eager / Llama eager |", "|---:|---:|---:|---:|---:|"]
     fmt = lambda value: "-" if value is None else f"{value:.2f}x"  # noqa: E731
+    num = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
     for r in report["ratios"]:
         lines.append(f"| {r['num_steps']} | {r['batch']} | {fmt(r['compiled_over_eager'])} | "
                      f"{fmt(r['compiled_over_llama_compiled'])} | {fmt(r['eager_over_llama_eager'])} |")
+    if report["adaptive_depth"]:
+        lines += ["", "Adaptive depth (eager; per decode step: mean core steps used per token, core passes run)",
+                  "| n | batch | cache | threshold | steps used | core passes | tokens/s | fixed depth | gain |",
+                  "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for r in report["adaptive_depth"]:
+            base = r["fixed_depth_tokens_per_s"]
+            lines.append(f"| {r['num_steps']} | {r['batch']} | {r['kv_cache_mode']} | {r['exit_threshold']:g} | "
+                         f"{num(r['mean_steps_used'])} | {num(r['mean_core_passes'])} | {r['tokens_per_s']:.1f} | "
+                         f"{'-' if base is None else f'{base:.1f}'} | {fmt(r['speedup'])} |")
     if report["skipped"]:
         lines.append(f"\nskipped (time budget): {len(report['skipped'])} measurements")
     return "\n".join(lines)

@@ -15,6 +15,9 @@
 #   bash benchmarks/bench_gpu.sh peers [bench_peers args]   one call: the matmul peak, Llama-7B with GaLore 8-bit + Liger
 #       and with HF Adafactor (both in backward, batch 4), our 3.3b and 7b presets with the defaults, all under a
 #       24 GiB cap: MFU table and ratio to the GaLore peer; $OUT/peers.jsonl (STEPS default 12, SECONDS_LIMIT 480)
+#   bash benchmarks/bench_gpu.sh adaptive [evaluate args]   recurrent-125m trained on ~12M tokens of Python sources
+#       (STEPS default 360 of 32 x 1024), then evaluated at n = 1 / 4 / 12 and with exit thresholds at n_max = 12:
+#       mean core steps, CE cost, batch-1 decoding tokens/s with the shared cache; $OUT/adaptive/results.md
 #   bash benchmarks/bench_gpu.sh ablation [depth_ablation args]   recurrent-125m arms, held-out CE at n = 1 / 4 / 12
 #   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
@@ -107,6 +110,21 @@ case $STAGE in
     python3 -m benchmarks.bench_peers --data_dir $DATA --cap_gib 24 --steps "${STEPS:-12}" --warmup 3 \
       --max_seconds "${SECONDS_LIMIT:-480}" --output_dir "$OUT/peers" --output "$OUT/peers.jsonl" "$@" 2>&1 | quiet
     for log in "$OUT"/peers/*.log; do tail -60 "$log" > "$log.tail" && mv "$log.tail" "$log"; done ;;
+  adaptive)
+    DATA_PY=outputs/data/py_12m RUN=outputs/adaptive_125m
+    PURELIB=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+    [ -f $DATA_PY/manifest.json ] || python3 -m scripts.prepare_data --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" \
+      --output_dir $DATA_PY --vocab_size 32768 --tokenizer_train_documents 6000 --seq_len 1024 --eval_samples 128 \
+      --max_tokens 12000000 2>&1 | tail -1
+    [ -f $RUN/final/config.json ] || python3 -m scripts.run_pretrain --preset recurrent-125m --data_dir $DATA_PY \
+      --output_dir $RUN --max_steps "${STEPS:-360}" --per_device_train_batch_size 32 --learning_rate 1e-3 \
+      --warmup_steps 30 --lr_scheduler_type cosine --bf16 true --eval_strategy no --save_strategy no \
+      --disable_tqdm true --logging_steps 20 > "$OUT/adaptive_train.log" 2>&1
+    grep -E "tokens_per_second|rror" "$OUT/adaptive_train.log" | tail -2 | cut -c1-300
+    python3 -m scripts.evaluate_checkpoints --checkpoints $RUN/final --labels recurrent-125m --data_dir $DATA_PY \
+      --depths 1 4 12 --cache_cost_depths 12 --exit_thresholds 0.3 0.1 0.05 0.03 0.01 0.003 --new_tokens 64 \
+      --output_dir "$OUT/adaptive" --plots false "$@" > "$OUT/adaptive_eval.log" 2>&1
+    echo "evaluate exit code $?"; cat "$OUT/adaptive/results.md" ;;
   ablation)
     prepare_1024
     timeout "${SECONDS_LIMIT:-36000}" python3 benchmarks/depth_ablation.py --data_dir $DATA_1024 \
@@ -115,5 +133,5 @@ case $STAGE in
     for log in outputs/depth_ablation/*/train.log; do echo "== $log"; grep -E "tokens_per_second|Error" $log | tail -2; done \
       > "$OUT/ablation_train_tails.txt" ;;
   *)
-    echo "unknown stage $STAGE (train, distill, quality, compare, stability, init, peers, ablation)" >&2; exit 2 ;;
+    echo "unknown stage $STAGE (train, distill, quality, compare, stability, init, peers, adaptive, ablation)" >&2; exit 2 ;;
 esac

@@ -367,12 +367,12 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         embedded = self.prelude_norm(hidden)
 
         state = initial_state(config, position_ids.expand(hidden.shape[0], -1), embedded.dtype)
-        shared_cache = config.kv_cache_mode == "shared"
-        depth_exit = None if exit_threshold is None else DepthExit(exit_threshold, state.shape[:2], state.device)
+        depth_exit = None if exit_threshold is None else DepthExit(
+            exit_threshold, state.shape[:2], state.device, config.kv_cache_mode if cache is not None else None)
         # `recompute_core_steps` (None: each core layer's own flag decides): the steps, counted from the first one
         # that builds a graph, whose core layers are checkpointed; it sets the core layers' flag at every step.
         recompute = getattr(self, "recompute_core_steps", None)
-        for step in range(num_steps):
+        for step in range(num_steps) if depth_exit is None else depth_exit.steps(num_steps, hidden_states, attentions):
             grad_context = torch.no_grad() if step < no_grad_steps else nullcontext()
             with grad_context:
                 hidden = self.inject(state, embedded)
@@ -382,7 +382,7 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
                     hidden = layer(
                         hidden,
                         cache_slot=self._cache_slot("core", i, step),
-                        read_only_cache=shared_cache and step < num_steps - 1,
+                        read_only_cache=config.kv_cache_mode == "shared" and step < num_steps - 1,
                         **layer_kwargs,
                     )
                 new_state = self.state_norm(hidden)

@@ -1,10 +1,14 @@
 """Adaptive per-token depth: off and zero thresholds change nothing, a huge threshold stops every token after one step,
-cached decoding with early exit equals a full forward with the same exits, and the evaluation reports it."""
+cached decoding with early exit equals a full forward with the same exits, the steps left once every token has exited
+are skipped where that is exact (same outputs and cache as the masked steps, fewer core passes), and the evaluation
+reports it."""
+
+from unittest import mock
 
 import pytest
 import torch
 
-from hf_recurrent import RecurrentDepthConfig, RecurrentDepthForCausalLM, presets
+from hf_recurrent import RecurrentDepthConfig, RecurrentDepthForCausalLM, adaptive_depth, presets
 from hf_recurrent.modeling_recurrent_depth import CACHE_FIELD
 from trainer_ext.cli import evaluate_checkpoints as evaluate_script
 from trainer_ext.evaluation.checkpoints import evaluate_checkpoints
@@ -93,6 +97,108 @@ def test_generate_with_early_exit_cached_equals_uncached_and_config_default():
     assert torch.equal(cached, model.generate(x, exit_threshold=MIXED, cache_implementation="static", **kwargs))
     model.config.exit_threshold = MIXED  # the config's threshold is the default of every call
     assert torch.equal(cached, model.generate(x, **kwargs))
+
+
+class CoreCalls:
+    """Counts the calls of `model`'s core layers inside a `with` block."""
+
+    def __init__(self, model):
+        self.layers, self.calls = model.model.core, 0
+
+    def __enter__(self):
+        self.handles = [layer.register_forward_pre_hook(self.count) for layer in self.layers]
+        return self
+
+    def count(self, *_):
+        self.calls += 1
+
+    def __exit__(self, *_):
+        for handle in self.handles:
+            handle.remove()
+
+
+def skipped_and_masked(model, monkeypatch, call):
+    """`call()` under `no_grad` with the exited steps skipped, then with every step masked: [(result, core calls)]."""
+    runs = []
+    for skip in (True, False):
+        monkeypatch.setattr(adaptive_depth, "SKIP_EXITED_STEPS", skip)
+        with CoreCalls(model) as counter, torch.no_grad():
+            result = call()
+        runs.append((result, counter.calls))
+    return runs
+
+
+def decode(model, x, prefix_len, num_steps=12, threshold=MIXED):
+    """Prefill `x[:, :prefix_len]`, then feed the rest one token at a time: (decode logits, steps used, cache)."""
+    out = model(x[:, :prefix_len], num_steps=num_steps, use_cache=True, exit_threshold=threshold)
+    cache, used, logits = getattr(out, CACHE_FIELD), [out.num_steps_used], []
+    for i in range(prefix_len, x.shape[1]):
+        out = model(x[:, i:i + 1], num_steps=num_steps, exit_threshold=threshold, **{CACHE_FIELD: cache})
+        logits.append(out.logits)
+        used.append(out.num_steps_used)
+    return torch.cat(logits, dim=1), torch.cat(used, dim=1), cache
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_step"])
+def test_decoding_skips_exited_steps_in_shared_mode_only_and_exactly(mode, monkeypatch):
+    model = tiny(kv_cache_mode=mode)
+    x, n, k = tokens(1, 12), 12, model.config.n_core_layers
+    (skipped, skipped_calls), (masked, masked_calls) = skipped_and_masked(model, monkeypatch,
+                                                                          lambda: decode(model, x, 8))
+    assert torch.equal(skipped[0], masked[0]) and torch.equal(skipped[1], masked[1])
+    for a, b in zip(skipped[2].layers, masked[2].layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    prefill, decoded = skipped[1][0, :8], skipped[1][0, 8:]
+    assert prefill.max() == n and decoded.max() < n - 1  # one prefill token runs all n steps: nothing skipped there
+    assert masked_calls == 5 * n * k
+    if mode == "shared":  # a decode token that exits after j steps: j passes, then the last (cache-writing) one
+        assert skipped_calls == k * (n + sum(int(j) + 1 for j in decoded))
+    else:
+        assert skipped_calls == masked_calls
+
+
+@pytest.mark.parametrize("threshold", [MIXED, 0.5, 1e9])
+def test_uncached_forward_stops_once_every_token_has_exited(threshold, monkeypatch):
+    model = tiny()
+    x, n = tokens(), 12
+    (skipped, skipped_calls), (masked, masked_calls) = skipped_and_masked(model, monkeypatch, lambda: model(
+        x, num_steps=n, use_cache=False, exit_threshold=threshold, output_hidden_states=True))
+    assert torch.equal(skipped.logits, masked.logits) and torch.equal(skipped.num_steps_used, masked.num_steps_used)
+    # Skipped steps record the frozen state: the documented 1 + P + n + C entries, equal to the masked ones.
+    config = model.config
+    assert len(skipped.hidden_states) == 1 + config.n_prelude_layers + n + config.n_coda_layers
+    assert all(torch.equal(a, b) for a, b in zip(skipped.hidden_states, masked.hidden_states, strict=True))
+    # All n steps run while any token of the batch still iterates (MIXED: one does until the last step).
+    used = int(skipped.num_steps_used.max())
+    assert skipped_calls == used * config.n_core_layers and masked_calls == n * config.n_core_layers
+    assert (used == n) == (threshold == MIXED)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_generate_in_shared_mode_skips_exited_steps_with_the_same_tokens(static, monkeypatch):
+    model = tiny(kv_cache_mode="shared")
+    kwargs = dict(num_steps=12, max_new_tokens=6, do_sample=False, pad_token_id=0, exit_threshold=MIXED,
+                  return_dict_in_generate=True, output_logits=True)
+    if static:  # read-only steps write a static slot in place: skipping them must leave the same cache
+        kwargs["cache_implementation"] = "static"
+    (skipped, skipped_calls), (masked, masked_calls) = skipped_and_masked(model, monkeypatch, lambda: model.generate(
+        tokens(1, 6), **kwargs))
+    assert torch.equal(skipped.sequences, masked.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(skipped.logits, masked.logits, strict=True))
+    assert skipped_calls < masked_calls
+
+
+def test_steps_are_skipped_only_without_autograd_attentions_compile_or_a_per_step_cache():
+    depth_exit = adaptive_depth.DepthExit(1e9, (1, 1), torch.device("cpu"), cache_mode="shared")
+    with torch.no_grad():
+        assert not isinstance(depth_exit.steps(4, None, None), range)
+        assert isinstance(depth_exit.steps(4, None, []), range)  # attention weights of every step were asked for
+        with mock.patch("torch.compiler.is_compiling", return_value=True):
+            assert isinstance(depth_exit.steps(4, None, None), range)
+        depth_exit.cache_mode = "per_step"
+        assert isinstance(depth_exit.steps(4, None, None), range)
+    depth_exit.cache_mode = None
+    assert isinstance(depth_exit.steps(4, None, None), range)  # autograd on: training
 
 
 def test_invalid_exit_settings_name_the_argument():

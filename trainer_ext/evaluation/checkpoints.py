@@ -6,9 +6,9 @@
 A recurrent-depth checkpoint is evaluated at every `depths` value, a fixed-depth baseline (e.g.
 LlamaForCausalLM) at its one depth. For recurrent checkpoints it also measures what decoding with the `shared`
 KV cache costs against the exact `per_step` cache (`cache_cost_samples=0` skips it), and with `exit_thresholds`
-what adaptive depth saves: mean core steps per token against the deepest of `depths` and the CE it costs there.
-Writes the report
-(`trainer_ext.evaluation.report`) and, when matplotlib is installed, quality_vs_depth.png and speed_vs_depth.png
+what adaptive depth saves: mean core steps per token against the deepest of `depths`, the CE it costs there, and
+batch-1 greedy decoding tokens/s with exits against the same fixed depth, both with the `shared` cache (the mode in
+which a token that has exited skips its remaining steps). Writes the report (`trainer_ext.evaluation.report`) and, when matplotlib is installed, quality_vs_depth.png and speed_vs_depth.png
 to `output_dir`.
 """
 
@@ -25,7 +25,7 @@ from hf_recurrent.cost import unrolled_layers
 from hf_recurrent.presets import is_recurrent
 from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.devices import resolve_device, resolve_dtype
-from trainer_ext.evaluation.generation import cache_mode_cost, generation_speed
+from trainer_ext.evaluation.generation import cache_mode_cost, generation_speed, kv_cache_mode
 from trainer_ext.evaluation.metrics import evaluate_model, learning_warnings, unigram_cross_entropy
 from trainer_ext.evaluation.plots import plot_depth_curves
 from trainer_ext.evaluation.report import write_report
@@ -61,7 +61,8 @@ class EvaluateArguments:
     exit_thresholds: list[float] | None = field(
         default=None, metadata={"help": "Adaptive depth (hf_recurrent.adaptive_depth) thresholds for recurrent models: "
                                       "each is evaluated at the deepest --depths value as the step cap, reporting "
-                                      "mean core steps per token and the CE difference to that fixed depth."})
+                                      "mean core steps per token, the CE difference to that fixed depth and "
+                                      "batch-1 decoding tokens/s with the shared KV cache against that fixed depth."})
     output_dir: str = field(default=os.path.join("outputs", "evaluate"), metadata={"help": "Where results go."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), bfloat16 or float32."})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
@@ -169,7 +170,8 @@ def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, de
             cost = cache_mode_cost(model, dataset, num_steps=num_steps, max_samples=args.cache_cost_samples,
                                    prefix_len=prefix_len, batch_size=args.batch_size)
             costs.append({"model": label, "checkpoint": checkpoint, **cost})
-    adaptive = adaptive_depth_records(args, model, dataset, records) if recurrent and args.exit_thresholds else []
+    adaptive = adaptive_depth_records(args, model, dataset, records, prompt) \
+        if recurrent and args.exit_thresholds else []
     for record in adaptive:
         record.update(model=label, checkpoint=checkpoint)
     del model
@@ -178,19 +180,28 @@ def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, de
     return records, costs, adaptive
 
 
-def adaptive_depth_records(args: EvaluateArguments, model, dataset, records: list[dict]) -> list[dict]:
+def adaptive_depth_records(args: EvaluateArguments, model, dataset, records: list[dict], prompt) -> list[dict]:
     """Per exit threshold, at the deepest evaluated depth n_max as the cap: mean core steps per token and CE, against
-    the fixed-depth CE at n_max (from `records`)."""
+    the fixed-depth CE at n_max (from `records`); and batch-1 greedy decoding of `prompt` with the `shared` KV cache,
+    tokens/s with exits against n_max fixed."""
     n_max = max(args.depths)
     fixed = next(r for r in records if r["num_steps"] == n_max)
+    speed = dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, batch_sizes=[1], num_steps=n_max,
+                 prompt_ids=prompt, repeats=args.speed_repeats)
+    with kv_cache_mode(model, "shared"):
+        fixed_speed = generation_speed(model, **speed)[1]
     rows = []
     for threshold in args.exit_thresholds:
         logger.info("adaptive depth: exit threshold %g, at most %d steps", threshold, n_max)
         quality = evaluate_model(model, dataset, num_steps=n_max, batch_size=args.batch_size,
                                  exit_threshold=threshold)
+        with kv_cache_mode(model, "shared"):
+            exit_speed = generation_speed(model, exit_threshold=threshold, **speed)[1]
         rows.append({"num_steps": n_max, "exit_threshold": threshold, "mean_steps_used": quality["mean_steps_used"],
                      "ce": quality["ce"], "top1": quality["top1"], "ce_fixed_depth": fixed["ce"],
-                     "ce_increase": quality["ce"] - fixed["ce"], "tokens": quality["tokens"]})
+                     "ce_increase": quality["ce"] - fixed["ce"], "tokens": quality["tokens"],
+                     "decode_tokens_per_s": exit_speed, "decode_tokens_per_s_fixed_depth": fixed_speed,
+                     "decode_speedup": exit_speed / fixed_speed})
     return rows
 
 

@@ -3,6 +3,7 @@ in held-out quality against the exact `per_step` cache.
 
     generation_speed(model, num_steps=n)           -> {batch_size: generated tokens per second}
     cache_mode_cost(model, dataset, num_steps=n)   -> CE when decoding with a `per_step` vs a `shared` KV cache
+    with kv_cache_mode(model, "shared"): ...       -> a recurrent model's cache mode for a block, restored after
 
 `generation_speed` works for recurrent-depth models and plain causal LMs; `cache_mode_cost` for recurrent-depth
 models only. GPU phases are timed with `torch.cuda.synchronize()` around them.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -43,6 +45,7 @@ def generation_speed(
     device: str | torch.device | None = None,
     repeats: int = 3,
     warmup: bool = True,
+    **generate_kwargs,
 ) -> dict[int, float]:
     """Generated tokens per second with the KV cache, greedy, per batch size: batch x new_tokens / wall time.
 
@@ -51,6 +54,7 @@ def generation_speed(
     across models and depths. EOS is suppressed (`min_new_tokens`) so every call generates `new_tokens`. One
     untimed warm-up call per batch size keeps kernel selection and allocator growth out of the timing; the
     figure is the median of `repeats` timed calls, which damps a noisy neighbour on a shared machine.
+    `generate_kwargs` go to every `generate` call (e.g. `exit_threshold` for adaptive depth).
     """
     batch_sizes = list(batch_sizes)
     if min(prompt_len, new_tokens, repeats, *batch_sizes) < 1:
@@ -66,7 +70,7 @@ def generation_speed(
     prompt = _fixed_prompt(prompt_ids, prompt_len, config.vocab_size).to(device)
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
-                  pad_token_id=pad, **depth_kwargs(model, num_steps))
+                  pad_token_id=pad, **depth_kwargs(model, num_steps), **generate_kwargs)
 
     speeds = {}
     with eval_mode(model), torch.inference_mode():
@@ -132,7 +136,6 @@ def cache_mode_cost(model, dataset: Dataset, num_steps: int | None = None, max_s
         raise ValueError(f"cache_mode_cost: prefix_len={prefix_len} must be in [0, seq_len={seq_len}).")
 
     metrics = {name: load_metric("next_token") for name in ("full_forward", *CACHE_MODES)}
-    original_mode = model.config.kv_cache_mode
     loader = DataLoader(samples, batch_size=batch_size, shuffle=False)
     steps = len(loader) * len(CACHE_MODES) * (seq_len - prefix_len)
     bar = tqdm(total=steps, desc=f"cache modes n={num_steps}", disable=bar_disabled(progress), leave=False)
@@ -145,12 +148,11 @@ def cache_mode_cost(model, dataset: Dataset, num_steps: int | None = None, max_s
                 logits = model(input_ids, num_steps=num_steps, use_cache=False, logits_to_keep=decoded).logits
                 add_logits(metrics["full_forward"], logits, targets[:, prefix_len:])
                 for mode in CACHE_MODES:
-                    model.config.kv_cache_mode = mode
-                    for position, step_logits in _teacher_forced_decode(model, input_ids, prefix_len, num_steps):
-                        add_logits(metrics[mode], step_logits, targets[:, position : position + 1])
-                        bar.update(1)
+                    with kv_cache_mode(model, mode):
+                        for position, step_logits in _teacher_forced_decode(model, input_ids, prefix_len, num_steps):
+                            add_logits(metrics[mode], step_logits, targets[:, position : position + 1])
+                            bar.update(1)
     finally:
-        model.config.kv_cache_mode = original_mode
         bar.close()
 
     result = {name: metric.compute() for name, metric in metrics.items()}
@@ -161,6 +163,19 @@ def cache_mode_cost(model, dataset: Dataset, num_steps: int | None = None, max_s
         **result,
         "shared_ce_increase": result["shared"]["ce"] - result["per_step"]["ce"],
     }
+
+
+@contextmanager
+def kv_cache_mode(model, mode: str):
+    """Run a block with a recurrent-depth model's `config.kv_cache_mode` set to `mode`; the old mode is restored."""
+    if mode not in CACHE_MODES:
+        raise ValueError(f"kv_cache_mode={mode!r}: choose one of {list(CACHE_MODES)}.")
+    original = model.config.kv_cache_mode
+    model.config.kv_cache_mode = mode
+    try:
+        yield model
+    finally:
+        model.config.kv_cache_mode = original
 
 
 def _teacher_forced_decode(model, input_ids: torch.Tensor, prefix_len: int, num_steps: int):

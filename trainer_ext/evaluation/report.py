@@ -57,9 +57,13 @@ def cache_cost_table(costs: list[dict]) -> str:
 
 
 def adaptive_depth_table(rows: list[dict]) -> str:
-    return _table(["model / threshold", "max steps", "mean steps used", "CE", "CE at max steps", "difference"],
+    """Quality from full forward passes; decoding: batch 1, greedy, `shared` KV cache, tokens/s."""
+    return _table(["model / threshold", "max steps", "mean steps used", "CE", "CE at max steps", "difference",
+                   "decode tok/s", "at max steps", "speed-up"],
                   ([f"{r['model']} / {r['exit_threshold']:g}", str(r["num_steps"]), f"{r['mean_steps_used']:.2f}",
-                    f"{r['ce']:.4f}", f"{r['ce_fixed_depth']:.4f}", f"{r['ce_increase']:+.4f}"] for r in rows))
+                    f"{r['ce']:.4f}", f"{r['ce_fixed_depth']:.4f}", f"{r['ce_increase']:+.4f}",
+                    f"{r['decode_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s_fixed_depth']:.1f}",
+                    f"{r['decode_speedup']:.2f}x"] for r in rows))
 
 
 def _format(value, fmt: str) -> str:
@@ -83,7 +87,10 @@ def render_report(report: dict) -> str:
         text += cache_cost_table(report["cache_mode_cost"])
     if report.get("adaptive_depth"):  # reports written before the option have no such key
         text += ("\n## Adaptive depth\n\nEach token stops iterating once its state changes by less than the threshold "
-                 "(relative) in one step, at most `max steps`; CE against the fixed depth `max steps`.\n\n")
+                 "(relative) in one step, at most `max steps`; CE (full forward passes) against the fixed depth `max steps`. "
+                 "Decoding: batch 1, greedy, with the `shared` KV cache, in which a token that has exited skips its "
+                 "remaining steps but the last (which writes its cache entry); tokens/s with exits against the "
+                 "fixed depth `max steps`.\n\n")
         text += adaptive_depth_table(report["adaptive_depth"])
     return text
 
