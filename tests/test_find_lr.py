@@ -386,3 +386,34 @@ def test_divergence_is_judged_per_trial_so_larger_rates_can_be_skipped_before_th
     judged, _ = lr_finder.judge_trials([{"learning_rate": 1e-4, "skipped": True, "stable": False,
                                          "unstable_reasons": ["skipped: 5e-05 diverged"]}], sweep)
     assert judged[0]["skipped"] and "paired" not in judged[0]
+
+
+@pytest.mark.parametrize("plan", ["auto", "none"])
+def test_the_trials_train_with_the_memory_plan_pretraining_would_apply(tiny_data_dir, tmp_path, monkeypatch, plan):
+    from trainer_ext.training import find_lr as find_lr_module
+    from trainer_ext.training.memory_plan import MemoryPlanCallback, apply_memory_plan
+
+    argv = ["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path), "--learning_rates", "1e-3", "--use_cpu",
+            "true", "--memory_plan", plan, "--memory_cap_gib", "0.5", "--memory_margin_gib", "0.1"]
+    model_args, data_args, training_args, sweep_args = find_lr_module.parse_find_lr_args(argv)
+    _, _, pretrain_args = parse_pretrain_args(argv[:4] + argv[6:])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # seen by the planner only
+    seen = {}
+
+    def capture(make_model, args, train_set, sweep, trainer_kwargs, info):
+        seen.update(args=args, callbacks=trainer_kwargs["callbacks"], info=info, seq_len=train_set.seq_len)
+        return {"learning_rate": None}
+
+    monkeypatch.setattr(find_lr_module, "find_learning_rate", capture)
+    find_lr_module.find_lr(model_args, data_args, training_args, sweep_args)
+    # pretraining's own plan for the same arguments, model (the default preset, fp32 on the CPU) and data
+    config = presets.get("debug", vocab_size=len(AutoTokenizer.from_pretrained(tiny_data_dir)))
+    pretrain_callbacks = apply_memory_plan(pretrain_args, config, seen["seq_len"], 4)
+    batch = seen["args"].per_device_train_batch_size
+    assert batch == pretrain_args.per_device_train_batch_size == seen["info"]["per_device_train_batch_size"]
+    if plan == "none":
+        assert seen["callbacks"] == [] == pretrain_callbacks and seen["info"]["memory_plan"] is None and batch == 8
+    else:
+        chosen = next(c.plan for c in seen["callbacks"] if isinstance(c, MemoryPlanCallback))
+        assert chosen.per_device_train_batch_size == batch != 8 and chosen.predicted_peak_gib <= 0.5 - 0.1
+        assert seen["info"]["memory_plan"] == chosen.describe()

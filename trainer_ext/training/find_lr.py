@@ -2,7 +2,9 @@
 sweep_args)` takes pretrain's model, data and training arguments (the trials use its optimizer, precision, batch
 size and checkpointing, so they fit the same memory) plus the sweep's own (`lr_finder.SweepArguments`), and writes
 lr_sweep.json / .md / .png into --output_dir. The schedule, evaluation and saving arguments of a training run are
-replaced by each trial's (`lr_finder.trial_arguments`)."""
+replaced by each trial's (`lr_finder.trial_arguments`). With `--memory_plan auto` (the default on CUDA) the trials
+take the batch size and recompute set that pretraining's plan chooses for the same arguments, so the rate is tested
+at the batch the run will train with."""
 
 import logging
 import os
@@ -12,7 +14,7 @@ from transformers import set_seed
 from hf_recurrent.cost import tokens_per_optimizer_step
 from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.devices import resolve_dtype
-from trainer_ext.distill.cache import TeacherCacheDataset
+from trainer_ext.distill.cache import TeacherCacheDataset, read_teacher_manifest
 from trainer_ext.training.arguments import (
     COMMAND_LINE_DEFAULTS,
     DataArguments,
@@ -20,6 +22,7 @@ from trainer_ext.training.arguments import (
     RecurrentTrainingArguments,
 )
 from trainer_ext.training.lr_finder import SweepArguments, find_learning_rate, resolve_sweep_defaults
+from trainer_ext.training.memory_plan import MemoryPlanCallback, apply_memory_plan
 from trainer_ext.training.model_setup import build_model, load_data_tokenizer, load_teacher_for, meta_model
 from trainer_ext.training.pretrain import check_model_arguments, ensure_data, parse_args_with_defaults
 
@@ -50,7 +53,7 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
     tokenizer = load_data_tokenizer(data_dir)
     shape = meta_model(model_args, tokenizer)
     num_params = sum(p.numel() for p in shape.parameters())
-    vocab_size = shape.config.vocab_size
+    config = shape.config
     del shape
     applied = resolve_sweep_defaults(sweep_args, num_params)
     if applied:
@@ -58,8 +61,13 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
                     num_params / 1e6, applied)
 
     train_set = ShardedTokenDataset(data_dir, "train", expected_tokenizer_hash=tokenizer_hash(tokenizer),
-                                    model_vocab_size=vocab_size)
-    trainer_kwargs = {"processing_class": tokenizer}
+                                    model_vocab_size=config.vocab_size)
+    # The plan pretraining would apply (batch size, recompute set, compile), carried by every trial's trainer.
+    plan_callbacks = apply_memory_plan(
+        training_args, config, train_set.seq_len, resolve_dtype(model_args.dtype, training_args.device).itemsize,
+        distill_topk=read_teacher_manifest(data_args.teacher_cache_dir)["topk"] if data_args.teacher_cache_dir else 0,
+        online_teacher=bool(model_args.teacher_model_name_or_path))
+    trainer_kwargs = {"processing_class": tokenizer, "callbacks": plan_callbacks}
     if data_args.teacher_cache_dir:  # the trials then train on the distillation loss, as the run will
         train_set = TeacherCacheDataset(train_set, data_args.teacher_cache_dir)
     teacher = load_teacher_for(model_args, tokenizer, training_args.device)  # loaded once, shared by every trial
@@ -78,6 +86,7 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
         "data_dir": data_dir,
         "seq_len": train_set.seq_len,
         "per_device_train_batch_size": training_args.per_device_train_batch_size,
+        "memory_plan": next((c.plan.describe() for c in plan_callbacks if isinstance(c, MemoryPlanCallback)), None),
         "world_size": training_args.world_size,
         "tokens_per_step": tokens_per_optimizer_step(training_args, train_set.seq_len),
         "dtype": str(resolve_dtype(model_args.dtype, training_args.device)).removeprefix("torch."),
