@@ -5,6 +5,8 @@ synchronised around each phase), peak reserved memory, optimizer state size, and
 torch.compile built (all shapes should share a few). Example:
 
     python benchmarks/bench_optimizer.py --hidden 4096 --intermediate 11008 --layers 4 --vocab 32000
+    python benchmarks/bench_optimizer.py --probe --hidden 4096 --intermediate 11008 --vocab 65536 --kv_rows 1024 \
+        --momentum 0.9 --momentum_rank_fraction 0.0625    # one tensor at a time, the 7B preset's shapes
 """
 
 from __future__ import annotations
@@ -56,10 +58,12 @@ def _loss(model, tokens):
 
 def _probe(args) -> None:
     """One bf16 tensor at a time: update time (launch and GPU) and memory beyond weight + gradient."""
-    for shape in [(args.vocab, args.hidden), (args.intermediate, args.hidden), (args.hidden, args.hidden)]:
+    shapes = [(args.vocab, args.hidden), (args.intermediate, args.hidden), (args.hidden, args.hidden)]
+    for shape in shapes + [(args.kv_rows, args.hidden)] * bool(args.kv_rows):
         weight = nn.Parameter(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
         weight.grad = torch.randn_like(weight)
         optimizer = LowMemoryAdafactor([weight], lr=1e-3, momentum=args.momentum, compile=not args.no_compile,
+                                       momentum_rank_fraction=args.momentum_rank_fraction,
                                        max_chunk_numel=args.max_chunk_numel)
         for _ in range(args.warmup):
             optimizer.step()
@@ -81,7 +85,8 @@ def _probe(args) -> None:
         gigabytes = weight.numel() * 2 * 5 / 1e9  # grad read 3x, weight read + write
         median = sorted(total)[len(total) // 2]
         print(json.dumps({
-            "shape": shape, "max_chunk_numel": args.max_chunk_numel, "compile": not args.no_compile,
+            "shape": shape, "momentum": args.momentum, "momentum_rank_fraction": args.momentum_rank_fraction,
+            "max_chunk_numel": args.max_chunk_numel, "compile": not args.no_compile,
             "launch_ms": round(1000 * sorted(launch)[len(launch) // 2], 3), "total_ms": round(1000 * median, 3),
             "kernels": len(kernels), "kernel_ms": round(gpu_ms, 3),
             "GB_per_s_at_10_bytes_per_element": round(gigabytes / median, 1),
@@ -102,6 +107,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--classic", action="store_true", help="update in optimizer.step(), not in backward")
     parser.add_argument("--momentum", type=float, default=None)
+    parser.add_argument("--momentum_rank_fraction", type=float, default=None,
+                        help="subspace momentum (1/16: the 7B default); None: full momentum")
+    parser.add_argument("--kv_rows", type=int, default=0, help="--probe: also a (kv_rows, hidden) tensor (GQA)")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--max-chunk-numel", type=int, default=DEFAULT_MAX_CHUNK_NUMEL)
     parser.add_argument("--release-only", action="store_true",

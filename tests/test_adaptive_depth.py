@@ -230,8 +230,12 @@ def test_evaluate_reports_steps_used_and_ce_difference(tiny_data_dir, tmp_path):
     assert zero["num_steps"] == huge["num_steps"] == 6 and zero["model"] == "ours"
     assert zero["mean_steps_used"] == 6 and abs(zero["ce_increase"]) < 1e-6 and zero["ce_fixed_depth"] == fixed[6]
     assert huge["mean_steps_used"] == 1 and huge["ce"] == pytest.approx(fixed[1], abs=1e-5)
+    for row in (zero, huge):  # batch-1 decoding with the shared cache, against the fixed depth 6
+        assert row["decode_tokens_per_s"] > 0 and row["decode_tokens_per_s_fixed_depth"] > 0
+        assert row["decode_speedup"] == pytest.approx(row["decode_tokens_per_s"] / row["decode_tokens_per_s_fixed_depth"])
+    assert zero["decode_tokens_per_s_fixed_depth"] == huge["decode_tokens_per_s_fixed_depth"]
     table = (out / "results.md").read_text()
-    assert "## Adaptive depth" in table and "| ours / 1e+09 | 6 | 1.00 |" in table
+    assert "## Adaptive depth" in table and "| ours / 1e+09 | 6 | 1.00 |" in table and "speed-up" in table
     with pytest.raises(ValueError, match="--exit_thresholds"):
         evaluate_script.parse_args(["--checkpoints", str(checkpoint), "--data_dir", tiny_data_dir,
                                     "--exit_thresholds", "-1"])
