@@ -20,6 +20,9 @@
 #       (STEPS default 360 of 32 x 1024), then evaluated at n = 1 / 4 / 12 and with exit thresholds at n_max = 12:
 #       mean core steps, CE cost, batch-1 decoding tokens/s with the shared cache; $OUT/adaptive/results.md
 #   bash benchmarks/bench_gpu.sh ablation [depth_ablation args]   recurrent-125m arms, held-out CE at n = 1 / 4 / 12
+#   bash benchmarks/bench_gpu.sh optimizer   the fused optimizer kernels: their GPU tests, single-tensor updates of the
+#       7B shapes fused against the compiled torch functions (MOMENTA: none full subspace; VARIANTS: fused torch; TF32 on, as in training), and the plans for 24 GiB of PRESETS (default recurrent-7b) trained
+#       (benchmarks.memory_probe --verify); $OUT/optimizer_probe.jsonl, $OUT/verify.jsonl
 #   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
 set -uo pipefail
@@ -132,6 +135,21 @@ case $STAGE in
     cp outputs/depth_ablation/ablation.* "$OUT/"
     for log in outputs/depth_ablation/*/train.log; do echo "== $log"; grep -E "tokens_per_second|Error" $log | tail -2; done \
       > "$OUT/ablation_train_tails.txt" ;;
+  optimizer)
+    python3 -m pytest -q -p no:cacheprovider tests/test_optim_fused.py \
+      "tests/test_optim.py::test_compiled_update_matches_eager_on_gpu" 2>&1 | grep -E "^E  |passed|failed" | cut -c1-300
+    for momentum in ${MOMENTA:-none full subspace}; do
+      for variant in ${VARIANTS:-fused torch}; do
+        case $momentum in none) margs=();; full) margs=(--momentum 0.9);;
+          subspace) margs=(--momentum 0.9 --momentum_rank_fraction 0.0625);; esac
+        case $variant in fused) vargs=();; torch) vargs=(--no-fused);; esac
+        python3 benchmarks/bench_optimizer.py --probe --tf32 --hidden 4096 --intermediate 11008 --vocab 65536 \
+          --kv_rows 1024 --steps 10 "${margs[@]}" "${vargs[@]}" 2>&1 | grep '^{'
+      done
+    done | tee "$OUT/optimizer_probe.jsonl" | cut -c1-400
+    python3 -m benchmarks.memory_probe --verify --presets ${PRESETS:-recurrent-7b} --cap_gib 24 --seq_len 2048 \
+      --output "$OUT/verify.jsonl" --max_seconds "${SECONDS_LIMIT:-200}" 2>&1 | grep -E '^\{|rror' | cut -c1-600 ;;
   *)
-    echo "unknown stage $STAGE (train, distill, quality, compare, stability, init, peers, adaptive, ablation)" >&2; exit 2 ;;
+    echo "unknown stage $STAGE (train, distill, quality, compare, stability, init, peers, adaptive, ablation," \
+      "optimizer)" >&2; exit 2 ;;
 esac

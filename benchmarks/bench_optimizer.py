@@ -6,7 +6,7 @@ torch.compile built (all shapes should share a few). Example:
 
     python benchmarks/bench_optimizer.py --hidden 4096 --intermediate 11008 --layers 4 --vocab 32000
     python benchmarks/bench_optimizer.py --probe --hidden 4096 --intermediate 11008 --vocab 65536 --kv_rows 1024 \
-        --momentum 0.9 --momentum_rank_fraction 0.0625    # one tensor at a time, the 7B preset's shapes
+        --momentum 0.9 --momentum_rank_fraction 0.0625 [--tf32] [--no-fused]   # one tensor at a time, 7B shapes
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def _probe(args) -> None:
         weight = nn.Parameter(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
         weight.grad = torch.randn_like(weight)
         optimizer = LowMemoryAdafactor([weight], lr=1e-3, momentum=args.momentum, compile=not args.no_compile,
+                                       fused=not args.no_fused,
                                        momentum_rank_fraction=args.momentum_rank_fraction,
                                        max_chunk_numel=args.max_chunk_numel)
         for _ in range(args.warmup):
@@ -86,7 +87,8 @@ def _probe(args) -> None:
         median = sorted(total)[len(total) // 2]
         print(json.dumps({
             "shape": shape, "momentum": args.momentum, "momentum_rank_fraction": args.momentum_rank_fraction,
-            "max_chunk_numel": args.max_chunk_numel, "compile": not args.no_compile,
+            "max_chunk_numel": args.max_chunk_numel, "compile": not args.no_compile, "fused": not args.no_fused,
+            "tf32": args.tf32,
             "launch_ms": round(1000 * sorted(launch)[len(launch) // 2], 3), "total_ms": round(1000 * median, 3),
             "kernels": len(kernels), "kernel_ms": round(gpu_ms, 3),
             "GB_per_s_at_10_bytes_per_element": round(gigabytes / median, 1),
@@ -111,6 +113,8 @@ def main() -> None:
                         help="subspace momentum (1/16: the 7B default); None: full momentum")
     parser.add_argument("--kv_rows", type=int, default=0, help="--probe: also a (kv_rows, hidden) tensor (GQA)")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--no-fused", action="store_true", help="the compiled torch functions, not the Triton kernels")
+    parser.add_argument("--tf32", action="store_true", help="TF32 matmuls, as the trainer sets them (subspace momentum)")
     parser.add_argument("--max-chunk-numel", type=int, default=DEFAULT_MAX_CHUNK_NUMEL)
     parser.add_argument("--release-only", action="store_true",
                         help="baseline: free each gradient in backward without any update")
@@ -118,13 +122,14 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_optimizer needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
     if args.probe:
         return _probe(args)
 
     torch.manual_seed(0)
     model = _build(args)
     optimizer = create_optimizer(model, lr=1e-3, weight_decay=0.1, in_backward=not args.classic,
-                                 momentum=args.momentum, compile=not args.no_compile,
+                                 momentum=args.momentum, compile=not args.no_compile, fused=not args.no_fused,
                                  max_chunk_numel=args.max_chunk_numel)
     if args.release_only:
         optimizer.detach_from_backward()

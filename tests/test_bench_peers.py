@@ -52,3 +52,18 @@ def test_a_missing_optional_package_is_a_skip_naming_its_install(bench, monkeypa
     assert bench.missing_package(["json", "liger_kernel"]) == \
         "skipped: liger-kernel==0.8.5 not installed (pip install liger-kernel==0.8.5)"
     assert bench.missing_package(["json"]) is None
+
+
+def test_a_peer_with_only_warm_up_steps_reports_no_speed(bench, tmp_path):
+    """GaLore's first step is its SVD of every projection: a run cut off before the warm-up is over must not report
+    that step's time as its speed (it would make any ratio against it meaningless)."""
+    import json
+    import time
+
+    for steps, expect_speed in ((2, False), (5, True)):
+        out = tmp_path / f"peer-{steps}.json"
+        bench.peer_child("peer-b", "cpu", None, 1, 16, steps, 3, time.time() + 600, str(out))
+        record = json.loads(out.read_text())
+        assert record["steps"] == steps
+        assert ("tokens_per_second" in record) == expect_speed
+        assert ("only 2 step(s) of which 3 are warm-up" in record.get("error", "")) == (not expect_speed)

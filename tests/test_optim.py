@@ -433,7 +433,7 @@ def test_compiled_update_matches_eager_on_gpu():
             for compile_, chunk in [(False, 2**24), (True, 2**24), (True, 1000)]]
     for compile_, chunk, fraction in runs:
         params = [nn.Parameter(torch.ones(s, device="cuda")) for s in shapes]
-        optimizer = LowMemoryAdafactor(params, lr=0.01, momentum=0.9, weight_decay=0.1, compile=compile_,
+        optimizer = LowMemoryAdafactor(params, lr=0.01, momentum=0.9, weight_decay=0.1, compile=compile_, fused=False,
                                        max_chunk_numel=chunk, momentum_rank_fraction=fraction,
                                        projection_interval=2)
         for step_grads in grads:

@@ -157,6 +157,9 @@ class RecurrentTrainingArguments(TrainingArguments):
                                         "(about this fraction of full momentum's 2 bytes per parameter); 1 = full "
                                         "momentum. Default: 1 under 5B parameters, 1/16 from 5B up (low_memory_7b)."})
     optimizer_clip_threshold: float = field(default=1.0, metadata={"help": "Per-tensor update RMS clip."})
+    optimizer_fused: bool = field(
+        default=True, metadata={"help": "Update CUDA weight matrices with the optimizer's fused Triton kernels (three "
+                                        "passes over each tensor); false: its compiled torch functions."})
     profile_steps: int = field(default=30, metadata={"help": "Synchronized phase timing for the first N steps."})
     peak_flops: float | None = field(
         default=None, metadata={"help": "Peak FLOP/s for MFU (default: the device's bf16 datasheet peak)."})

@@ -1,27 +1,21 @@
 """Low-memory optimizer: factored second moment, bf16 weights updated in place, update in backward.
 
-Why this exists: on one 24 GB card a 7B model does not fit with any stock optimizer. Moving optimizer
-state elsewhere (CPU offload, NVMe) was too slow, so this optimizer removes state instead:
+Why this exists: on one 24 GB card a 7B model does not fit with any stock optimizer, and moving optimizer state
+elsewhere (CPU offload, NVMe) was too slow, so this optimizer removes state instead: a factored second moment
+(Adafactor: a (4096, 11008) weight keeps 4096 + 11008 fp32 numbers), bf16 weights updated in place with stochastic
+rounding and no fp32 copy of any parameter (HF Adafactor's ``p.float()`` is what runs out of memory), optionally
+the update inside backward so full-model gradients never exist at once, and per-tensor update clipping instead of
+global gradient clipping, with a non-finite gradient skipped on the device without a host sync.
 
-* Second moment factored into row and column statistics (Adafactor), so a (4096, 11008) weight needs
-  (4096 + 11008) fp32 numbers instead of 45M: state is megabytes, not gigabytes.
-* Weights stay bf16 and are updated in place with stochastic rounding. The update is computed in
-  fp32 one chunk at a time; no fp32 copy of any parameter lives between steps (HF Adafactor calls
-  ``p.float()`` on every weight, which is what runs out of memory).
-* Optionally the update runs inside backward, as soon as each gradient is complete
-  (``attach_to_backward``), so full-model gradients never exist at once.
-* No global gradient clipping (it needs all gradients at once): each tensor's update is clipped by
-  its RMS, and a tensor whose gradient is not finite is skipped on the device, without a host sync.
-
-Stochastic rounding needs random bits inside a ``torch.compile(fullgraph=True)`` function, where a
-``torch.Generator`` cannot be used. The bits therefore come from a counter-based integer hash of
-(seed, parameter index, chunk, step, element): the same bits eager or compiled, on CPU or GPU, and
-resuming from a checkpoint reproduces them without saving any generator state (the seed is saved).
+Stochastic rounding needs random bits inside compiled code, where a ``torch.Generator`` cannot be used. They come
+from a counter-based integer hash of (seed, parameter index, chunk, step, element): the same bits eager, compiled
+or fused, on CPU or GPU, and a resumed run reproduces them without saving any generator state.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -40,6 +34,7 @@ from trainer_ext.training.optimizer_kernels import (
     row_chunks,
     to_device,
     unfactored_update,
+    validate_group,
 )
 
 __all__ = ["LowMemoryAdafactor", "check_gradient_accumulation", "create_optimizer", "subspace_rank",
@@ -124,6 +119,8 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         compile: run each tensor's update as ``torch.compile``d functions. None (default): for CUDA
             tensors when Triton is installed, eager otherwise; True: for all tensors (CPU tensors then
             need a C++ compiler); False: never.
+        fused: where compiled, update CUDA matrices with the Triton kernels of optimizer_triton.py (one kernel per
+            pass over the tensor, no fp32 copy of it). None (default) or True: yes; False: the compiled torch functions.
         seed: seed of the stochastic-rounding bits; saved in the state dict.
 
     Bookkeeping (``last_grad_norm``, ``last_step_skips``, ``skipped_updates``) is accumulated on the
@@ -147,6 +144,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         max_consecutive_skips: int = 20,
         max_chunk_numel: int = DEFAULT_MAX_CHUNK_NUMEL,
         compile: bool | None = None,
+        fused: bool | None = None,
         seed: int = 0,
     ):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
@@ -171,6 +169,9 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         if compile not in (None, True, False):
             raise ValueError(f"compile must be None, True or False, got {compile!r}")
         self.compile = compile
+        if fused not in (None, True, False):
+            raise ValueError(f"fused must be None, True or False, got {fused!r}")
+        self.fused = fused
         self.seed = seed
         self._rng_keys: dict[tuple[int, torch.device, int], torch.Tensor] = {}
         self._hyper_cache: dict[tuple[int, torch.device], tuple[tuple, torch.Tensor]] = {}
@@ -184,7 +185,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _validate_group(group)
+        validate_group(group)
         for p in group["params"]:
             self._position[p] = (len(self.param_groups) - 1, len(self._position))
             self._last_hooked_step.append(-1)
@@ -356,7 +357,10 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         keys = self._keys(index, p.device, len(chunks))
         projector = self._projector(state, views[1], chunks, keys[0], group) if subspace else None
         args = (*views, state["step"], keys, hyper, totals, projector)
-        if not compiled:
+        if compiled and self.fused is not False and _fused_kernels().supports(param):
+            _fused_kernels().fused_factored_update(param, grad, *views[2:4], momentum, *args[5:],
+                                                   rows_per_chunk=chunks[0][1].stop or rows, beta2_decay=beta2_decay)
+        elif not compiled:
             factored_update(*args, chunks=chunks, kernels=EAGER_KERNELS, beta2_decay=beta2_decay)
         elif len(chunks) == 1:
             compiled_kernels()[1](*args, beta2_decay=beta2_decay)
@@ -381,7 +385,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         else:
             moved = momentum.float() @ (previous.T @ basis)
             momentum.copy_(torch.where(ok, moved, momentum.float()))
-        state["projector"] = torch.where(ok, basis, previous)
+        state["projector"] = torch.where(ok, basis, previous).contiguous()  # row-major for the fused kernels
         return state["projector"]
 
     def _hyper(self, group: dict, device: torch.device) -> torch.Tensor:
@@ -390,7 +394,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         key = (id(group), device)
         cached = self._hyper_cache.get(key)
         if cached is None or cached[0] != values:
-            _validate_group(group, check_params=False)
+            validate_group(group, check_params=False)
             cached = self._hyper_cache[key] = (values, to_device(list(values), torch.float32, device))
         return cached[1]
 
@@ -436,7 +440,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
                 self.state[p] = {k: v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
                                  for k, v in saved_state[saved_id].items()}
         for group in self.param_groups:
-            _validate_group(group)
+            validate_group(group)
         self._hyper_cache.clear()
         self._rng_keys.clear()
         self._pending.clear()
@@ -449,30 +453,12 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         self._last_hooked_step = [-1] * len(self._position)
 
 
-def _validate_group(group: dict, check_params: bool = True) -> None:
-    def check(name: str, ok: bool, allowed: str) -> None:
-        if not ok:
-            raise ValueError(f"{name} must be {allowed}, got {group[name]!r}")
+@functools.cache
+def _fused_kernels():
+    """optimizer_triton, imported on first use (it needs Triton, which CPU-only installs lack)."""
+    from trainer_ext.training import optimizer_triton
 
-    check("lr", group["lr"] >= 0.0, ">= 0")
-    check("weight_decay", group["weight_decay"] >= 0.0, ">= 0")
-    check("momentum", group["momentum"] is None or 0.0 <= group["momentum"] < 1.0, "None or in [0, 1)")
-    check("momentum_rank_fraction", group["momentum_rank_fraction"] is None
-          or 0.0 < group["momentum_rank_fraction"] < 1.0, "None (full momentum) or in (0, 1)")
-    check("projection_interval", isinstance(group["projection_interval"], int) and group["projection_interval"] >= 1,
-          "an integer >= 1")
-    check("beta2_decay", group["beta2_decay"] is None or group["beta2_decay"] > 0.0, "None or > 0")
-    if group["beta2_decay"] is None:
-        check("beta2", 0.0 <= group["beta2"] < 1.0, "in [0, 1) (or in (0, 1] with beta2_decay)")
-    else:
-        check("beta2", 0.0 < group["beta2"] <= 1.0, "in (0, 1] with beta2_decay")
-    check("eps", group["eps"] > 0.0, "> 0")
-    check("clip_threshold", group["clip_threshold"] > 0.0, "> 0")
-    for p in group["params"] if check_params else ():
-        if p.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"parameters must be torch.bfloat16 or torch.float32, got {p.dtype}")
-        if not p.is_contiguous():
-            raise ValueError("parameters must be contiguous (the update works on views of the weight)")
+    return optimizer_triton
 
 
 def create_optimizer(

@@ -28,6 +28,35 @@ def hyper_values(group: dict) -> tuple[float, ...]:
     return (group["lr"], group["weight_decay"], group["momentum"] or 0.0, group["beta2"],
             group["beta2_decay"] or 0.0, group["eps"], group["clip_threshold"])
 
+
+def validate_group(group: dict, check_params: bool = True) -> None:
+    """Raise ValueError naming the first hyperparameter (or parameter) of ``group`` that LowMemoryAdafactor cannot use."""
+
+    def check(name: str, ok: bool, allowed: str) -> None:
+        if not ok:
+            raise ValueError(f"{name} must be {allowed}, got {group[name]!r}")
+
+    check("lr", group["lr"] >= 0.0, ">= 0")
+    check("weight_decay", group["weight_decay"] >= 0.0, ">= 0")
+    check("momentum", group["momentum"] is None or 0.0 <= group["momentum"] < 1.0, "None or in [0, 1)")
+    check("momentum_rank_fraction", group["momentum_rank_fraction"] is None
+          or 0.0 < group["momentum_rank_fraction"] < 1.0, "None (full momentum) or in (0, 1)")
+    check("projection_interval", isinstance(group["projection_interval"], int) and group["projection_interval"] >= 1,
+          "an integer >= 1")
+    check("beta2_decay", group["beta2_decay"] is None or group["beta2_decay"] > 0.0, "None or > 0")
+    if group["beta2_decay"] is None:
+        check("beta2", 0.0 <= group["beta2"] < 1.0, "in [0, 1) (or in (0, 1] with beta2_decay)")
+    else:
+        check("beta2", 0.0 < group["beta2"] <= 1.0, "in (0, 1] with beta2_decay")
+    check("eps", group["eps"] > 0.0, "> 0")
+    check("clip_threshold", group["clip_threshold"] > 0.0, "> 0")
+    for p in group["params"] if check_params else ():
+        if p.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"parameters must be torch.bfloat16 or torch.float32, got {p.dtype}")
+        if not p.is_contiguous():
+            raise ValueError("parameters must be contiguous (the update works on views of the weight)")
+
+
 # Salts that give weights, momentum and subspace bases independent random streams.
 _WEIGHT_SALT, _MOMENTUM_SALT, _PROJECTOR_SALT = 0x1B873593, 0x68E31DA4, 0x2545F491
 

@@ -118,6 +118,7 @@ class RecurrentTrainer(Trainer):
                 momentum_rank_fraction=rank_fraction,
                 gradient_accumulation_steps=self.args.gradient_accumulation_steps,
                 clip_threshold=self.args.optimizer_clip_threshold,
+                fused=self.args.optimizer_fused,
                 seed=self.args.seed,
             )
         return self.optimizer
