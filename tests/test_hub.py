@@ -92,6 +92,7 @@ def test_card_has_metadata_depth_usage_and_eval_table():
     assert ModelCard(text).data.pipeline_tag == "text-generation"  # the Hub client's own parser agrees
     # Loading and depth instructions, with the config's default depth.
     assert 'AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)' in text
+    assert 'AutoTokenizer.from_pretrained(repo, trust_remote_code=True)' in text  # no [y/N] prompt on a terminal
     assert f"num_steps={config.mean_recurrence}" in text and 'repo = "me/r-debug"' in text
     counts = parameter_counts(config)
     assert f"{counts.unique:,}" in text and counts.per_step > 0

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from test_trainer import StopAt, losses, make_trainer
-from trainer_ext.training.stability import GRAD_NORM_BLOWUP, LOSS_SPIKE, StabilityGuard, UnstableTrainingError
+from trainer_ext.training.stability import GRAD_NORM_BLOWUP, LOSS_SPIKE, ROLLBACK, StabilityGuard, UnstableTrainingError
 from trainer_ext.training.arguments import RecurrentTrainingArguments
 from trainer_ext.training.trainer import INTERVENTIONS_FILE
 
@@ -140,10 +140,59 @@ def test_state_round_trips_through_json_and_decides_the_same():
     assert restored.interventions[1:] == guard.interventions[1:] and math.isnan(restored.interventions[0].value)
 
 
+def skip_run(guard, steps):
+    for step in steps:
+        guard.check_loss(step, float("nan"))
+
+
+def test_rollback_target_is_older_than_the_last_applied_update_and_outside_abandoned_stretches():
+    guard = warmed_up_guard(max_consecutive_skips=3, max_rollbacks=3)
+    skip_run(guard, [8, 9, 10])  # the live weights are step 7's: checkpoints 8 and 10 hold them as well
+    assert guard.should_stop and guard.rollback_target(10, [2, 4, 6, 7, 8, 10]) == 6
+    assert guard.rollback_target(10, [8, 10]) is None  # nothing older than the trouble
+    rollback = guard.roll_back(10, 6, "run/checkpoint-6", None)
+    assert rollback.kind == ROLLBACK and not guard.should_stop and guard.rollbacks == [[6, 10]]
+    assert "3 steps in a row were skipped" in rollback.describe() and "run/checkpoint-6 restored" in rollback.describe()
+    assert "learning rate x0.5 from step 11 on (rollback 1 of at most 3)" in rollback.describe()
+    assert [guard.lr_scale(s) for s in (10, 11, 50)] == [1.0, 0.5, 0.5]
+    # Trouble again at once: nothing was applied since, so checkpoint-6 holds the live weights: go further back.
+    skip_run(guard, [11, 12, 13])
+    assert guard.rollback_target(13, [2, 4, 6, 12]) == 4
+    guard.roll_back(13, 4, "run/checkpoint-4", None)
+    assert guard.lr_scale(14) == 0.25
+    # Later trouble after good steps: checkpoints of the abandoned stretches (4, 13] stay out.
+    for step in range(14, 30):
+        assert guard.check_loss(step, 5.0) is None
+    skip_run(guard, [30, 31, 32])
+    assert guard.rollback_target(32, [2, 4, 8, 12, 20, 28]) == 28
+    assert guard.rollback_target(32, [2, 4, 8, 12]) == 4
+    guard.roll_back(32, 28, "run/checkpoint-28", None)
+    skip_run(guard, [33, 34, 35])
+    assert guard.rollback_target(35, [2, 4, 28]) is None  # max_rollbacks used up
+
+
+def test_a_rollback_takes_back_the_checkpoints_statistics_and_survives_a_resume():
+    guard = warmed_up_guard(max_consecutive_skips=2)
+    saved = json.loads(json.dumps(guard.state_dict()))
+    for step in range(4, 14):  # a drift the running mean follows
+        assert guard.check_loss(step, 5.8) is None
+    skip_run(guard, [14, 15])
+    assert guard.loss_mean > 5.3
+    guard.roll_back(15, 3, "checkpoint-3", saved)
+    assert guard.loss_mean == pytest.approx(5.0, abs=0.01)  # the mean of the healthy steps 1-3
+    restored = StabilityGuard(warmup_steps=3, max_consecutive_skips=2)
+    restored.load_state_dict(json.loads(json.dumps(guard.state_dict())))
+    assert restored.rollbacks == [[3, 15]] and restored.lr_scale(16) == guard.lr_scale(16) == 0.5
+    assert restored.interventions[-1] == guard.interventions[-1]
+    legacy = {k: v for k, v in saved.items() if k != "rollbacks"}  # a checkpoint from before rollbacks
+    restored.load_state_dict(legacy)
+    assert restored.rollbacks == [] and restored.lr_scale(16) == 1.0
+
+
 @pytest.mark.parametrize("name, value, allowed", [
     ("warmup_steps", 0, "integer >= 1"), ("loss_spike", 0.0, "> 0"), ("loss_spike", float("nan"), "> 0"),
     ("loss_spike_sigmas", -1.0, ">= 0"), ("grad_norm_factor", 1.0, "> 1"), ("lr_factor", 1.0, "in \\(0, 1\\)"), ("cooldown_steps", 2.5, "integer"),
-    ("max_consecutive_skips", 0, "integer >= 1"),
+    ("max_consecutive_skips", 0, "integer >= 1"), ("max_rollbacks", -1, "integer >= 0"),
 ])
 def test_bad_settings_are_refused_by_name(tmp_path, name, value, allowed):
     with pytest.raises(ValueError, match=f"^{name}=.*{allowed}"):
@@ -310,6 +359,42 @@ def test_persistent_skips_stop_training_with_the_fix_and_keep_the_checkpoint(tin
     assert all(torch.equal(p, weights[k]) for k, p in trainer.model.state_dict().items())
     written = json.loads((tmp_path / INTERVENTIONS_FILE).read_text())
     assert [i["step"] for i in written["interventions"]] == [3, 4, 5]
+
+
+def test_persistent_trouble_rolls_back_to_an_older_checkpoint_at_a_lower_rate(tiny_data_dir, tmp_path, caplog):
+    # Checkpoints at 2, 4, 6; steps 5-7 are all skipped: the weights are step 4's, and so are checkpoint-4's and
+    # checkpoint-6's. The guard rolls back to checkpoint-2 at step 7, and training goes on at half the rate.
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=10, save_steps=2, stability_max_consecutive_skips=3)
+    inject(trainer, {step: NAN for step in range(5, 8)})
+    snapshots = Snapshots(trainer)
+    trainer.add_callback(snapshots)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert trainer.state.global_step == 10
+    assert snapshots.same(4, 6) and snapshots.same(2, 7)  # after step 7: checkpoint-2's weights and optimizer state
+    saved = load_file(tmp_path / "checkpoint-2" / "model.safetensors")
+    assert all(torch.equal(saved[k], snapshots.at[7][0][k]) for k in saved)
+    assert not snapshots.same(7, 8)  # step 8 trains again
+    logs = logs_by_step(trainer)
+    assert [logs[s]["stability/lr_scale"] for s in (6, 8, 10)] == [1.0, 0.5, 0.5]
+    assert all(math.isfinite(logs[s]["loss"]) for s in (8, 9, 10))
+    written = json.loads((tmp_path / INTERVENTIONS_FILE).read_text())["interventions"]
+    assert [(i["step"], i["kind"]) for i in written] == [(5, LOSS_SPIKE), (6, LOSS_SPIKE), (7, LOSS_SPIKE),
+                                                         (7, ROLLBACK)]
+    assert str(tmp_path / "checkpoint-2") in written[-1]["action"]
+    assert any("step 7: 3 steps in a row were skipped" in r.getMessage() for r in caplog.records)
+
+
+def test_trouble_that_outlasts_the_rollbacks_stops_training_and_says_so(tiny_data_dir, tmp_path):
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=12, save_steps=2, stability_max_consecutive_skips=3,
+                           stability_max_rollbacks=1)
+    inject(trainer, {step: NAN for step in range(5, 13)})
+    with pytest.raises(UnstableTrainingError) as raised:
+        trainer.train()
+    message = str(raised.value)
+    assert "at step 10 after 1 rollback(s)" in message and "--stability_max_rollbacks" in message
+    written = json.loads((tmp_path / INTERVENTIONS_FILE).read_text())
+    assert [i["kind"] for i in written["interventions"]].count(ROLLBACK) == 1
 
 
 def test_the_guard_leaves_a_healthy_run_unchanged(tiny_data_dir, tmp_path):

@@ -183,7 +183,12 @@ class RecurrentTrainingArguments(TrainingArguments):
     stability_cooldown_steps: int = field(
         default=100, metadata={"help": "Steps at the lowered learning rate; it then returns to the schedule "
                                        "linearly over as many steps."})
-    stability_max_consecutive_skips: int = field(default=20, metadata={"help": "Stop after this many skips in a row."})
+    stability_max_consecutive_skips: int = field(
+        default=20, metadata={"help": "After this many skipped steps in a row, roll back to the newest checkpoint from "
+                                      "before the trouble at a lower learning rate, or stop if there is none."})
+    stability_max_rollbacks: int = field(
+        default=2, metadata={"help": "Rollbacks allowed in a run (each multiplies the learning rate by "
+                                     "--stability_lr_factor from then on); 0: stop instead."})
     collapse_check_steps: int = field(
         default=10, metadata={"help": "Stop training (an error) once the training cross-entropy has stayed within "
                                       "--collapse_margin nats of ln(vocab_size), the loss of uniform predictions, "
@@ -348,7 +353,8 @@ class RecurrentTrainingArguments(TrainingArguments):
                     loss_spike_sigmas=self.stability_loss_spike_sigmas,
                     grad_norm_factor=self.stability_grad_norm_factor, lr_factor=self.stability_lr_factor,
                     cooldown_steps=self.stability_cooldown_steps,
-                    max_consecutive_skips=self.stability_max_consecutive_skips)
+                    max_consecutive_skips=self.stability_max_consecutive_skips,
+                    max_rollbacks=self.stability_max_rollbacks)
 
 
 def resolve_schedule_defaults(training_args: RecurrentTrainingArguments, num_params: int) -> dict:

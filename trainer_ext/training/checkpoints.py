@@ -85,6 +85,11 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
     return None
 
 
+def complete_checkpoints(output_dir: str) -> dict[int, str]:
+    """The complete checkpoints of `output_dir` by step."""
+    return {checkpoint_step(path): path for path in list_checkpoints(output_dir) if is_complete(path)}
+
+
 def read_trainer_state(checkpoint: str) -> dict:
     with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
         return json.load(f)

@@ -16,8 +16,14 @@ Pure Python over floats, with no torch or Trainer in it, so that every decision 
   next `cooldown_steps` steps and then brought back to the full rate linearly over as many steps: a sudden
   return can set off again what the lower rate had just calmed. A blow-up during a cool-down starts it again
   from `lr_factor` (the factor does not compound, so the rate never drifts towards zero).
-* persistent trouble: `max_consecutive_skips` skipped steps in a row set `should_stop`; what to do then is the
-  trainer's to say (it knows the command line and the checkpoints).
+* persistent trouble: `max_consecutive_skips` skipped steps in a row. Skipped steps change nothing, so the live
+  weights are those of the last step that was applied, and the model may have drifted into the trouble before it
+  (a slow divergence the running statistics followed). So the guard rolls back: `rollback_target` picks the newest
+  checkpoint older than the last applied update, outside every stretch an earlier rollback abandoned; the trainer
+  restores its weights and optimizer state in place, and `roll_back` records it, takes back the checkpoint's
+  running statistics and multiplies the learning rate by `lr_factor` from then on (once more per rollback). The
+  data goes on (the batches of the trouble are not replayed). With no such checkpoint, or `max_rollbacks` used up,
+  `should_stop` holds and the trainer stops with the fix named.
 
 Running statistics are exponential moving averages, bias-corrected as Adam's moments are, so that the first
 steps are not pulled towards zero: of the loss, and of log(gradient norm) (a ratio test on a quantity that spans
@@ -33,14 +39,14 @@ from dataclasses import asdict, dataclass
 
 from trainer_ext.files import write_json
 
-__all__ = ["EMA_DECAY", "Intervention", "StabilityGuard", "UnstableTrainingError", "check_settings",
-           "write_interventions"]
+__all__ = ["EMA_DECAY", "GRAD_NORM_BLOWUP", "Intervention", "LOSS_SPIKE", "ROLLBACK", "StabilityGuard",
+           "UnstableTrainingError", "check_settings", "write_interventions"]
 
 # Weight of the past in the running statistics: a memory of about 1 / (1 - 0.95) = 20 observations, long enough
 # to average out batch-to-batch noise, short enough to follow a loss that falls quickly early in training.
 EMA_DECAY = 0.95
 
-LOSS_SPIKE, GRAD_NORM_BLOWUP = "loss_spike", "grad_norm_blowup"
+LOSS_SPIKE, GRAD_NORM_BLOWUP, ROLLBACK = "loss_spike", "grad_norm_blowup", "rollback"
 
 
 class UnstableTrainingError(RuntimeError):
@@ -57,7 +63,7 @@ def _is_number(value) -> bool:
 
 
 def check_settings(*, warmup_steps, loss_spike, loss_spike_sigmas, grad_norm_factor, lr_factor, cooldown_steps,
-                   max_consecutive_skips, name_prefix: str = "") -> None:
+                   max_consecutive_skips, max_rollbacks, name_prefix: str = "") -> None:
     """Raise ValueError naming the first setting out of its range (`name_prefix` + name, e.g. a CLI flag)."""
     rules = (
         ("warmup_steps", warmup_steps, _is_int(warmup_steps) and warmup_steps >= 1, "an integer >= 1"),
@@ -70,6 +76,8 @@ def check_settings(*, warmup_steps, loss_spike, loss_spike_sigmas, grad_norm_fac
         ("cooldown_steps", cooldown_steps, _is_int(cooldown_steps) and cooldown_steps >= 1, "an integer >= 1"),
         ("max_consecutive_skips", max_consecutive_skips,
          _is_int(max_consecutive_skips) and max_consecutive_skips >= 1, "an integer >= 1"),
+        ("max_rollbacks", max_rollbacks, _is_int(max_rollbacks) and max_rollbacks >= 0,
+         "an integer >= 0 (0: stop instead of rolling back)"),
     )
     for name, value, ok, allowed in rules:
         if not ok:
@@ -81,13 +89,15 @@ class Intervention:
     """One thing the guard did. `step` counts optimizer steps from 1, as the Trainer's logs do."""
 
     step: int
-    kind: str  # LOSS_SPIKE (a non-finite loss included) or GRAD_NORM_BLOWUP
-    value: float  # the loss or the gradient norm; nan/inf as seen, never replaced
+    kind: str  # LOSS_SPIKE (a non-finite loss included), GRAD_NORM_BLOWUP or ROLLBACK
+    value: float  # the loss or the gradient norm; nan/inf as seen, never replaced (ROLLBACK: the steps skipped)
     running: float | None  # the running mean loss or typical norm it was compared with (None: not warmed up)
-    limit: float  # nats above the mean, or the factor over the typical norm
+    limit: float  # nats above the mean, or the factor over the typical norm (ROLLBACK: the checkpoint's step)
     action: str
 
     def describe(self) -> str:
+        if self.kind == ROLLBACK:
+            return f"step {self.step}: {self.value:.0f} steps in a row were skipped; {self.action}"
         if self.kind == LOSS_SPIKE:
             if math.isfinite(self.value):
                 seen = (f"loss {self.value:.4f} is {self.value - self.running:.2f} nats above its running mean "
@@ -132,10 +142,10 @@ class StabilityGuard:
 
     def __init__(self, warmup_steps: int = 20, loss_spike: float = 1.0, loss_spike_sigmas: float = 2.5,
                  grad_norm_factor: float = 10.0, lr_factor: float = 0.5, cooldown_steps: int = 100,
-                 max_consecutive_skips: int = 20, ema_decay: float = EMA_DECAY):
+                 max_consecutive_skips: int = 20, max_rollbacks: int = 2, ema_decay: float = EMA_DECAY):
         check_settings(warmup_steps=warmup_steps, loss_spike=loss_spike, loss_spike_sigmas=loss_spike_sigmas,
                        grad_norm_factor=grad_norm_factor, lr_factor=lr_factor, cooldown_steps=cooldown_steps,
-                       max_consecutive_skips=max_consecutive_skips)
+                       max_consecutive_skips=max_consecutive_skips, max_rollbacks=max_rollbacks)
         if not _is_number(ema_decay) or not 0 < ema_decay < 1:
             raise ValueError(f"ema_decay={ema_decay!r} is not allowed; it must be a number in (0, 1).")
         self.warmup_steps = warmup_steps
@@ -145,6 +155,7 @@ class StabilityGuard:
         self.lr_factor = lr_factor
         self.cooldown_steps = cooldown_steps
         self.max_consecutive_skips = max_consecutive_skips
+        self.max_rollbacks = max_rollbacks
         self._loss = _Average(ema_decay)
         self._loss_variance = _Average(ema_decay)  # of (loss - running mean) ** 2
         self._log_grad_norm = _Average(ema_decay)
@@ -152,6 +163,7 @@ class StabilityGuard:
         self.skipped_steps = 0
         self.consecutive_skips = 0  # length of the latest run of skipped steps
         self._last_skipped_step: int | None = None
+        self.rollbacks: list[list[int]] = []  # [checkpoint step, step of the rollback] of each rollback
         self.interventions: list[Intervention] = []
 
     # -- running values
@@ -225,13 +237,46 @@ class StabilityGuard:
 
     def lr_scale(self, step: int) -> float:
         """Multiplier of the scheduled learning rate for the update of `step`."""
+        rolled_back = self.lr_factor ** sum(1 for _, at in self.rollbacks if at < step)
         if self.blowup_step is None or step <= self.blowup_step:
-            return 1.0
+            return rolled_back
         since = step - self.blowup_step  # 1 for the first step after the blow-up
         if since <= self.cooldown_steps:
-            return self.lr_factor
+            return rolled_back * self.lr_factor
         ramp = min((since - self.cooldown_steps) / self.cooldown_steps, 1.0)
-        return self.lr_factor + (1.0 - self.lr_factor) * ramp
+        return rolled_back * (self.lr_factor + (1.0 - self.lr_factor) * ramp)
+
+    # -- rollbacks
+
+    def rollback_target(self, step: int, checkpoint_steps) -> int | None:
+        """The step of the checkpoint to roll back to at `step` (which hit `max_consecutive_skips`), or None.
+
+        A checkpoint saved at or after the last applied update holds the live weights; one inside a stretch an
+        earlier rollback abandoned ((its checkpoint, its step]) holds weights of that abandoned run. If nothing was
+        applied since the last rollback, its own checkpoint holds the live weights too, so the search goes further
+        back.
+        """
+        if len(self.rollbacks) >= self.max_rollbacks:
+            return None
+        last_applied = step - self.consecutive_skips  # the live weights are this step's
+        if self.rollbacks and last_applied == self.rollbacks[-1][1]:
+            last_applied = self.rollbacks[-1][0]
+        usable = [n for n in checkpoint_steps
+                  if n < last_applied and not any(lo < n <= hi for lo, hi in self.rollbacks)]
+        return max(usable, default=None)
+
+    def roll_back(self, step: int, checkpoint_step: int, checkpoint: str, saved_state: dict | None) -> Intervention:
+        """Record that the weights and optimizer state of `checkpoint` were restored at `step`; take back its running
+        statistics (`saved_state`: the guard's state saved with it, None if it has none) and lower the rate."""
+        skipped = self.consecutive_skips
+        self.rollbacks.append([checkpoint_step, step])
+        if saved_state is not None:
+            self._load_statistics(saved_state)
+        self.consecutive_skips = 0
+        action = (f"weights and optimizer state of {checkpoint} restored; learning rate x{self.lr_scale(step + 1):g} "
+                  f"from step {step + 1} on (rollback {len(self.rollbacks)} of at most {self.max_rollbacks})")
+        return self._record(Intervention(step=step, kind=ROLLBACK, value=float(skipped), running=self.loss_mean,
+                                         limit=float(checkpoint_step), action=action))
 
     # -- checkpoints (JSON-compatible: the trainer keeps it in trainer_state.json)
 
@@ -244,14 +289,19 @@ class StabilityGuard:
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
             "last_skipped_step": self._last_skipped_step,
+            "rollbacks": self.rollbacks,
             "interventions": [asdict(i) for i in self.interventions],
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_statistics(self, state: dict) -> None:
         self._loss.biased, self._loss.count = state["loss_ema"]
         # Checkpoints written before the deviation term existed start its statistics afresh.
         self._loss_variance.biased, self._loss_variance.count = state.get("loss_variance_ema", [0.0, 0])
         self._log_grad_norm.biased, self._log_grad_norm.count = state["log_grad_norm_ema"]
+
+    def load_state_dict(self, state: dict) -> None:
+        self._load_statistics(state)
+        self.rollbacks = [list(r) for r in state.get("rollbacks", [])]  # none in checkpoints from before rollbacks
         self.blowup_step = state["blowup_step"]
         self.skipped_steps = state["skipped_steps"]
         self.consecutive_skips = state["consecutive_skips"]

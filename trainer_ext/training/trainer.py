@@ -1,6 +1,7 @@
 """`RecurrentTrainer`: the HF Trainer with depth sampling, the low-memory optimizer in backward, the chunked
 loss (plain CE or distillation), a stability guard (skipped updates on loss spikes, a lower learning rate after a
-gradient-norm blow-up), and step profiling / throughput / MFU / memory logging."""
+gradient-norm blow-up, a rollback to an earlier checkpoint after persistent trouble), and step profiling /
+throughput / MFU / memory logging."""
 
 import logging
 import math
@@ -20,13 +21,15 @@ from trainer_ext.training.arguments import TARGETS, fill_unset_schedule, resolve
 from trainer_ext.training.callbacks import STABILITY_STATE_KEY, PhaseTimingCallback, TrainingHooksCallback
 from trainer_ext.training.checkpoints import (
     TRAINER_STATE_NAME,
-    last_complete_checkpoint,
+    complete_checkpoints,
     publish,
+    read_trainer_state,
     rotate_checkpoints,
     staging_dir,
 )
 from trainer_ext.training.distributed import check_optimizer_supports, saved_as_pretrained_class
 from trainer_ext.training.optimizer import create_optimizer
+from trainer_ext.training.rollback import restore_in_place, unstable_training_message
 from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError, write_interventions
 from trainer_ext.training.telemetry import PhaseProfiler, device_peak_flops, memory_stats
 
@@ -289,7 +292,7 @@ class RecurrentTrainer(Trainer):
             return loss
         logger.warning("stability guard: %s", intervention.describe())
         if self.stability.should_stop:
-            self._stop_unstable_training(intervention)
+            self._roll_back_or_stop(intervention)
         self._skipping_step = step
         if self._grad_norm_step == step:
             self._grad_norm_step = None
@@ -356,22 +359,20 @@ class RecurrentTrainer(Trainer):
         if self.args.should_save:
             write_interventions(os.path.join(self.args.output_dir, INTERVENTIONS_FILE), self.stability)
 
-    def _stop_unstable_training(self, intervention):
+    def _roll_back_or_stop(self, intervention):
+        """Restore the checkpoint the guard picks, in place (one process only), or stop training if it picks none."""
+        checkpoints = complete_checkpoints(self.args.output_dir) if self.accelerator.num_processes == 1 else {}
+        target = self.stability.rollback_target(intervention.step, checkpoints)
+        if target is None:
+            self._write_interventions()
+            raise UnstableTrainingError(unstable_training_message(self.stability, intervention, self.args.output_dir,
+                                                                  INTERVENTIONS_FILE))
+        restore_in_place(self.model, self.unwrapped_optimizer, checkpoints[target])
+        saved = read_trainer_state(checkpoints[target]).get("stateful_callbacks", {}).get(STABILITY_STATE_KEY)
+        rollback = self.stability.roll_back(intervention.step, target, checkpoints[target], saved)
+        logger.warning("stability guard: %s", rollback.describe())
+        self._grad_norm_step = None
         self._write_interventions()
-        skips, step = self.stability.consecutive_skips, intervention.step
-        output_dir = self.args.output_dir
-        last = last_complete_checkpoint(output_dir)
-        checkpoint = f"the last checkpoint ({last}) is intact" if last else "no checkpoint had been saved yet"
-        raise UnstableTrainingError(
-            f"Training stopped by the stability guard at step {step}: the last {skips} steps were all skipped "
-            f"(this one: {intervention.describe()}). No update was applied after step {step - skips}, so the "
-            f"weights and optimizer state are those of that step; {checkpoint}. The learning rate is most likely "
-            "too high for this model and batch: lower --learning_rate (2-4x is a usual first try; resuming a "
-            "checkpoint keeps its schedule, so start the schedule again) or run the learning-rate threshold test "
-            "to find the largest rate that stays stable. With a non-finite loss, check the training data at these "
-            f"steps as well. Interventions: {os.path.join(output_dir, INTERVENTIONS_FILE)}. Limits: "
-            "--stability_loss_spike, --stability_max_consecutive_skips (--stability_guard false turns it off)."
-        )
 
     # -- logging
 
