@@ -16,25 +16,27 @@ from torch import nn
 
 from trainer_ext.training.optimizer import LowMemoryAdafactor
 
-# (shape, dtype, momentum, momentum_rank_fraction, max_chunk_numel): plain, full and subspace momentum, fp32
-# weights, row chunks (the embedding matrices' case) with and without the subspace, and a step with a NaN.
+# (shape, dtype, momentum, momentum_rank_fraction, max_chunk_numel, more optimizer settings): plain, full and
+# subspace momentum, fp32 weights, row chunks (the embedding matrices' case) with and without the subspace, a rank
+# below one tensor-core block, Adafactor's beta2 schedule; every run has a step with a NaN.
 CASES = [
-    ((96, 200), torch.bfloat16, None, None, 2**24),
-    ((96, 200), torch.bfloat16, 0.9, None, 2**24),
-    ((96, 200), torch.bfloat16, 0.9, 0.25, 2**24),
-    ((96, 200), torch.float32, 0.9, None, 2**24),
-    ((96, 200), torch.bfloat16, 0.9, 0.25, 200 * 30),
-    ((70, 33), torch.bfloat16, None, None, 33 * 8),
+    ((96, 200), torch.bfloat16, None, None, 2**24, {}),
+    ((96, 200), torch.bfloat16, 0.9, None, 2**24, {}),
+    ((96, 200), torch.bfloat16, 0.9, 0.25, 2**24, {}),
+    ((96, 200), torch.float32, 0.9, None, 2**24, {}),
+    ((96, 200), torch.bfloat16, 0.9, 0.25, 200 * 30, {}),
+    ((70, 33), torch.bfloat16, None, None, 33 * 8, {}),
+    ((96, 200), torch.bfloat16, 0.9, 1 / 16, 2**24, {"beta2_decay": 0.8, "beta2": 1.0, "clip_threshold": 0.5}),
 ]
 
 
-def _run(fused: bool, device: str, shape, dtype, momentum, fraction, max_chunk_numel, steps=5, nan_step=2):
+def _run(fused: bool, device: str, shape, dtype, momentum, fraction, max_chunk_numel, settings, steps=5, nan_step=2):
     torch.manual_seed(1)
     weight = nn.Parameter(torch.randn(shape).to(device=device, dtype=dtype))
     optimizer = LowMemoryAdafactor([weight], lr=0.01, weight_decay=0.1, momentum=momentum,
                                    momentum_rank_fraction=fraction, projection_interval=2, fused=fused,
                                    compile=fused or device == "cuda",  # the reference: compiled on a GPU
-                                   max_chunk_numel=max_chunk_numel)
+                                   max_chunk_numel=max_chunk_numel, **settings)
     generator = torch.Generator().manual_seed(2)
     norms = []
     for step in range(steps):
