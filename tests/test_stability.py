@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 from test_trainer import StopAt, losses, make_trainer
 from trainer_ext.training.stability import GRAD_NORM_BLOWUP, LOSS_SPIKE, ROLLBACK, StabilityGuard, UnstableTrainingError
 from trainer_ext.training.arguments import RecurrentTrainingArguments
-from trainer_ext.training.trainer import INTERVENTIONS_FILE
+from trainer_ext.training.stability_mixin import INTERVENTIONS_FILE
 
 # ----------------------------------------------------------------------------- the guard on its own
 

@@ -18,24 +18,21 @@ from hf_recurrent.presets import is_recurrent
 
 from trainer_ext.distill.losses import OnlineTeacher, TopKTeacher, chunked_lm_loss
 from trainer_ext.training.arguments import TARGETS, fill_unset_schedule, resolve_momentum
-from trainer_ext.training.callbacks import STABILITY_STATE_KEY, PhaseTimingCallback, TrainingHooksCallback
+from trainer_ext.training.callbacks import PhaseTimingCallback, TrainingHooksCallback
 from trainer_ext.training.checkpoints import (
     TRAINER_STATE_NAME,
-    complete_checkpoints,
     publish,
-    read_trainer_state,
     rotate_checkpoints,
     staging_dir,
 )
 from trainer_ext.training.distributed import check_optimizer_supports, saved_as_pretrained_class
 from trainer_ext.training.optimizer import create_optimizer
-from trainer_ext.training.rollback import restore_in_place, unstable_training_message
-from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError, write_interventions
+from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError
+from trainer_ext.training.stability_mixin import StabilityMixin
 from trainer_ext.training.telemetry import PhaseProfiler, device_peak_flops, memory_stats
 
 logger = logging.getLogger(__name__)
 
-INTERVENTIONS_FILE = "stability_interventions.json"
 # Steps of a compiled run whose time (compilation and warm-up) is logged as `compile_warmup_seconds`, apart from the
 # steady-state tokens/s and MFU, which start after them.
 COMPILE_WARMUP_STEPS = 2
@@ -49,7 +46,7 @@ def compile_decoder_layers(model, mode: str = "default", backend: str = "inducto
     return len(layers)
 
 
-class RecurrentTrainer(Trainer):
+class RecurrentTrainer(StabilityMixin, Trainer):
     """Trainer for recurrent-depth models (and their Transformer baselines, which simply have no depth).
 
     `teacher`: an optional frozen causal LM for online distillation. Batches carrying `teacher_topk_ids` and
@@ -251,129 +248,6 @@ class RecurrentTrainer(Trainer):
         weight = self.teacher.get_output_embeddings().weight.to(hidden.device)
         return OnlineTeacher(hidden=hidden, lm_head_weight=weight, vocab_limit=self.teacher_vocab_limit)
 
-    # -- stability guard (trainer_ext/training/stability.py decides; this carries it out)
-
-    def _reset_stability_bookkeeping(self):
-        self._skipping_step = None  # step whose update is being skipped
-        self._grad_norm_step = None  # step whose gradient norm the guard has not seen yet
-        self._scheduled_lrs = None  # the scheduler's learning rates while the guard's multiplier is applied
-
-    def _start_stability_guard(self, state):
-        """A fresh guard for each `train()`, or the checkpoint's when resuming."""
-        self.stability = StabilityGuard(**self.args.stability_settings())
-        saved = state.stateful_callbacks.get(STABILITY_STATE_KEY)
-        if saved is not None:
-            self.stability.load_state_dict(saved)
-        self._reset_stability_bookkeeping()
-
-    def _guarded_loss(self, model, loss):
-        """`loss`, or, when the guard skips this step, a stand-in with no graph to the parameters.
-
-        The decision has to come before backward: the in-backward optimizer updates each weight as its gradient
-        arrives. Backward of the stand-in reaches no parameter, so no weight and no optimizer state changes (a zero
-        gradient would not do: the second-moment and momentum decay would still run); the Trainer's
-        `optimizer.step()` then only does bookkeeping (in backward) or passes over parameters without a gradient
-        (stock optimizers), and the scheduler steps as usual, so the schedule stays a function of the step.
-        """
-        step = self.state.global_step + 1  # numbered as in the logs
-        if self._skipping_step == step:  # an earlier micro-batch of this step was already bad
-            return self._stand_in(loss)
-        value = self._loss_value(loss)
-        self._observe_grad_norm()  # the previous step's, complete by now: the read above has waited for more
-        intervention = self.stability.check_loss(step, value)
-        if math.isfinite(value):
-            self._window["finite_sum"] += value
-            self._window["finite"] += 1
-        else:
-            self._window["nonfinite"] += 1
-        if intervention is None:
-            self._scale_lr(self.stability.lr_scale(step))
-            self._grad_norm_step = step
-            return loss
-        logger.warning("stability guard: %s", intervention.describe())
-        if self.stability.should_stop:
-            self._roll_back_or_stop(intervention)
-        self._skipping_step = step
-        if self._grad_norm_step == step:
-            self._grad_norm_step = None
-        if self.args.gradient_accumulation_steps > 1:
-            model.zero_grad(set_to_none=True)  # the whole step is skipped, its earlier micro-batches too
-        return self._stand_in(loss)
-
-    def _stand_in(self, loss):
-        """The loss value for the Trainer's running sum, detached from the graph; backward of it is a no-op.
-
-        A non-finite loss is replaced by the running mean: the Trainer's sum would stay NaN for the rest of the run
-        (or, with its NaN filter, count the step as a 0.0 loss at the start of a logging window). `log` then
-        reports the window's finite losses, or NaN. `torch.where` keeps this free of a device sync.
-        """
-        finite = torch.where(torch.isfinite(loss), loss.detach(), self.stability.loss_mean or 0.0)
-        return finite.requires_grad_()
-
-    def _loss_value(self, loss) -> float:
-        """The loss on the host: the guard's one device sync per step (on several processes, their mean, so that
-        every process takes the same decision). The Trainer's NaN filter, on by default, already waits for each
-        step's loss, so in the default setting this adds no wait."""
-        if self.accelerator.num_processes > 1:
-            loss = self.accelerator.reduce(loss.detach(), reduction="mean")
-        return loss.detach().item()
-
-    def _observe_grad_norm(self):
-        """Give the guard the gradient norm of the last step that was not skipped, once that step has run.
-
-        LowMemoryAdafactor collects it on the device and hands it over a step late on GPU; read after this step's
-        loss, it is ready and the read does not wait. Stock optimizers report no norm (the Trainer computes one
-        only for clipping, inside its loop): there the guard acts on losses only.
-        """
-        step = self._grad_norm_step
-        if step is None or step > self.state.global_step:
-            return
-        self._grad_norm_step = None
-        optimizer = self.unwrapped_optimizer
-        if not hasattr(optimizer, "last_grad_norm"):
-            return
-        intervention = self.stability.check_grad_norm(step, optimizer.last_grad_norm)
-        if intervention is not None:
-            logger.warning("stability guard: %s", intervention.describe())
-
-    def _scale_lr(self, scale: float):
-        """Multiply the scheduled learning rates for this step's update; `_restore_scheduled_lr` undoes it."""
-        if scale == 1.0 and self._scheduled_lrs is None:
-            return
-        groups = self.optimizer.param_groups
-        if self._scheduled_lrs is None:
-            self._scheduled_lrs = [group["lr"] for group in groups]
-        for group, lr in zip(groups, self._scheduled_lrs, strict=True):
-            group["lr"] = lr * scale
-
-    def _restore_scheduled_lr(self):
-        # Put back the exact values: schedulers that build on the current rate stay on their schedule, and a
-        # checkpoint holds the schedule's rates, so a resumed run applies the guard's multiplier the same way.
-        if self._scheduled_lrs is None:
-            return
-        for group, lr in zip(self.optimizer.param_groups, self._scheduled_lrs, strict=True):
-            group["lr"] = lr
-        self._scheduled_lrs = None
-
-    def _write_interventions(self):
-        if self.args.should_save:
-            write_interventions(os.path.join(self.args.output_dir, INTERVENTIONS_FILE), self.stability)
-
-    def _roll_back_or_stop(self, intervention):
-        """Restore the checkpoint the guard picks, in place (one process only), or stop training if it picks none."""
-        checkpoints = complete_checkpoints(self.args.output_dir) if self.accelerator.num_processes == 1 else {}
-        target = self.stability.rollback_target(intervention.step, checkpoints)
-        if target is None:
-            self._write_interventions()
-            raise UnstableTrainingError(unstable_training_message(self.stability, intervention, self.args.output_dir,
-                                                                  INTERVENTIONS_FILE))
-        restore_in_place(self.model, self.unwrapped_optimizer, checkpoints[target])
-        saved = read_trainer_state(checkpoints[target]).get("stateful_callbacks", {}).get(STABILITY_STATE_KEY)
-        rollback = self.stability.roll_back(intervention.step, target, checkpoints[target], saved)
-        logger.warning("stability guard: %s", rollback.describe())
-        self._grad_norm_step = None
-        self._write_interventions()
-
     # -- logging
 
     def log(self, logs: dict, *args, **kwargs):
@@ -493,8 +367,3 @@ class RecurrentTrainer(Trainer):
         )
         logger.error(message)
         raise UnstableTrainingError(message)
-
-    def _add_stability_logs(self, logs: dict):
-        logs["stability/skipped_steps"] = self.stability.skipped_steps
-        logs["stability/interventions"] = len(self.stability.interventions)
-        logs["stability/lr_scale"] = self.stability.lr_scale(self.state.global_step)

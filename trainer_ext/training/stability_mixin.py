@@ -1,0 +1,152 @@
+"""RecurrentTrainer's side of the stability guard: stability.py decides, these methods carry it out.
+
+A mixin of `RecurrentTrainer` (trainer.py), which sets `self.stability` (a `StabilityGuard`, or None when
+`--stability_guard false`), `self._window` (the logging window's counters) and `unwrapped_optimizer`: the guard reads
+each training loss before its backward (`_guarded_loss`), the optimizer's gradient norm a step later, scales the
+learning rate, rolls the run back to a checkpoint or stops it, and writes the interventions.
+"""
+
+import logging
+import math
+import os
+
+import torch
+
+from trainer_ext.training.callbacks import STABILITY_STATE_KEY
+from trainer_ext.training.checkpoints import complete_checkpoints, read_trainer_state
+from trainer_ext.training.rollback import restore_in_place, unstable_training_message
+from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError, write_interventions
+
+logger = logging.getLogger(__name__)
+
+INTERVENTIONS_FILE = "stability_interventions.json"
+
+
+class StabilityMixin:
+    """The stability guard's actions inside `RecurrentTrainer` (see the module docstring)."""
+
+    def _reset_stability_bookkeeping(self):
+        self._skipping_step = None  # step whose update is being skipped
+        self._grad_norm_step = None  # step whose gradient norm the guard has not seen yet
+        self._scheduled_lrs = None  # the scheduler's learning rates while the guard's multiplier is applied
+
+    def _start_stability_guard(self, state):
+        """A fresh guard for each `train()`, or the checkpoint's when resuming."""
+        self.stability = StabilityGuard(**self.args.stability_settings())
+        saved = state.stateful_callbacks.get(STABILITY_STATE_KEY)
+        if saved is not None:
+            self.stability.load_state_dict(saved)
+        self._reset_stability_bookkeeping()
+
+    def _guarded_loss(self, model, loss):
+        """`loss`, or, when the guard skips this step, a stand-in with no graph to the parameters.
+
+        The decision has to come before backward: the in-backward optimizer updates each weight as its gradient
+        arrives. Backward of the stand-in reaches no parameter, so no weight and no optimizer state changes (a zero
+        gradient would not do: the second-moment and momentum decay would still run); the Trainer's
+        `optimizer.step()` then only does bookkeeping (in backward) or passes over parameters without a gradient
+        (stock optimizers), and the scheduler steps as usual, so the schedule stays a function of the step.
+        """
+        step = self.state.global_step + 1  # numbered as in the logs
+        if self._skipping_step == step:  # an earlier micro-batch of this step was already bad
+            return self._stand_in(loss)
+        value = self._loss_value(loss)
+        self._observe_grad_norm()  # the previous step's, complete by now: the read above has waited for more
+        intervention = self.stability.check_loss(step, value)
+        if math.isfinite(value):
+            self._window["finite_sum"] += value
+            self._window["finite"] += 1
+        else:
+            self._window["nonfinite"] += 1
+        if intervention is None:
+            self._scale_lr(self.stability.lr_scale(step))
+            self._grad_norm_step = step
+            return loss
+        logger.warning("stability guard: %s", intervention.describe())
+        if self.stability.should_stop:
+            self._roll_back_or_stop(intervention)
+        self._skipping_step = step
+        if self._grad_norm_step == step:
+            self._grad_norm_step = None
+        if self.args.gradient_accumulation_steps > 1:
+            model.zero_grad(set_to_none=True)  # the whole step is skipped, its earlier micro-batches too
+        return self._stand_in(loss)
+
+    def _stand_in(self, loss):
+        """The loss value for the Trainer's running sum, detached from the graph; backward of it is a no-op.
+
+        A non-finite loss is replaced by the running mean: the Trainer's sum would stay NaN for the rest of the run
+        (or, with its NaN filter, count the step as a 0.0 loss at the start of a logging window). `log` then
+        reports the window's finite losses, or NaN. `torch.where` keeps this free of a device sync.
+        """
+        finite = torch.where(torch.isfinite(loss), loss.detach(), self.stability.loss_mean or 0.0)
+        return finite.requires_grad_()
+
+    def _loss_value(self, loss) -> float:
+        """The loss on the host: the guard's one device sync per step (on several processes, their mean, so that
+        every process takes the same decision). The Trainer's NaN filter, on by default, already waits for each
+        step's loss, so in the default setting this adds no wait."""
+        if self.accelerator.num_processes > 1:
+            loss = self.accelerator.reduce(loss.detach(), reduction="mean")
+        return loss.detach().item()
+
+    def _observe_grad_norm(self):
+        """Give the guard the gradient norm of the last step that was not skipped, once that step has run.
+
+        LowMemoryAdafactor collects it on the device and hands it over a step late on GPU; read after this step's
+        loss, it is ready and the read does not wait. Stock optimizers report no norm (the Trainer computes one
+        only for clipping, inside its loop): there the guard acts on losses only.
+        """
+        step = self._grad_norm_step
+        if step is None or step > self.state.global_step:
+            return
+        self._grad_norm_step = None
+        optimizer = self.unwrapped_optimizer
+        if not hasattr(optimizer, "last_grad_norm"):
+            return
+        intervention = self.stability.check_grad_norm(step, optimizer.last_grad_norm)
+        if intervention is not None:
+            logger.warning("stability guard: %s", intervention.describe())
+
+    def _scale_lr(self, scale: float):
+        """Multiply the scheduled learning rates for this step's update; `_restore_scheduled_lr` undoes it."""
+        if scale == 1.0 and self._scheduled_lrs is None:
+            return
+        groups = self.optimizer.param_groups
+        if self._scheduled_lrs is None:
+            self._scheduled_lrs = [group["lr"] for group in groups]
+        for group, lr in zip(groups, self._scheduled_lrs, strict=True):
+            group["lr"] = lr * scale
+
+    def _restore_scheduled_lr(self):
+        # Put back the exact values: schedulers that build on the current rate stay on their schedule, and a
+        # checkpoint holds the schedule's rates, so a resumed run applies the guard's multiplier the same way.
+        if self._scheduled_lrs is None:
+            return
+        for group, lr in zip(self.optimizer.param_groups, self._scheduled_lrs, strict=True):
+            group["lr"] = lr
+        self._scheduled_lrs = None
+
+    def _write_interventions(self):
+        if self.args.should_save:
+            write_interventions(os.path.join(self.args.output_dir, INTERVENTIONS_FILE), self.stability)
+
+    def _roll_back_or_stop(self, intervention):
+        """Restore the checkpoint the guard picks, in place (one process only), or stop training if it picks none."""
+        checkpoints = complete_checkpoints(self.args.output_dir) if self.accelerator.num_processes == 1 else {}
+        target = self.stability.rollback_target(intervention.step, checkpoints)
+        if target is None:
+            self._write_interventions()
+            raise UnstableTrainingError(unstable_training_message(self.stability, intervention, self.args.output_dir,
+                                                                  INTERVENTIONS_FILE))
+        restore_in_place(self.model, self.unwrapped_optimizer, checkpoints[target])
+        saved = read_trainer_state(checkpoints[target]).get("stateful_callbacks", {}).get(STABILITY_STATE_KEY)
+        rollback = self.stability.roll_back(intervention.step, target, checkpoints[target], saved)
+        logger.warning("stability guard: %s", rollback.describe())
+        self._grad_norm_step = None
+        self._write_interventions()
+
+    def _add_stability_logs(self, logs: dict):
+        logs["stability/skipped_steps"] = self.stability.skipped_steps
+        logs["stability/interventions"] = len(self.stability.interventions)
+        logs["stability/lr_scale"] = self.stability.lr_scale(self.state.global_step)
