@@ -49,14 +49,19 @@ def restore_in_place(model: torch.nn.Module, optimizer: torch.optim.Optimizer, c
     optimizer.load_state_dict(state)
 
 
-def unstable_training_message(guard, intervention, output_dir: str, interventions_file: str) -> str:
+def unstable_training_message(guard, intervention, output_dir: str, interventions_file: str,
+                              several_processes: bool = False) -> str:
     """Why training stopped after `max_consecutive_skips` skipped steps with nothing to roll back to, and the fix."""
     skips, step = guard.consecutive_skips, intervention.step
     last = last_complete_checkpoint(output_dir)
     checkpoint = f"the last checkpoint ({last}) is intact" if last else "no checkpoint had been saved yet"
-    rolled = (f" after {len(guard.rollbacks)} rollback(s) at a lower learning rate (the limit, "
-              "--stability_max_rollbacks, is reached or no older checkpoint was left)" if guard.rollbacks else
-              " with no checkpoint from before the trouble to roll back to")
+    if several_processes:
+        rolled = " (rollbacks run in a single process only)"
+    elif guard.rollbacks:
+        rolled = (f" after {len(guard.rollbacks)} rollback(s) at a lower learning rate (the limit, "
+                  "--stability_max_rollbacks, is reached or no older checkpoint was left)")
+    else:
+        rolled = " with no checkpoint from before the trouble to roll back to"
     return (
         f"Training stopped by the stability guard at step {step}{rolled}: the last {skips} steps were all skipped "
         f"(this one: {intervention.describe()}). No update was applied after step {step - skips}, so the "

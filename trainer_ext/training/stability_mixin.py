@@ -133,12 +133,13 @@ class StabilityMixin:
 
     def _roll_back_or_stop(self, intervention):
         """Restore the checkpoint the guard picks, in place (one process only), or stop training if it picks none."""
-        checkpoints = complete_checkpoints(self.args.output_dir) if self.accelerator.num_processes == 1 else {}
+        single = self.accelerator.num_processes == 1  # sharded weights and state are not restored in place
+        checkpoints = complete_checkpoints(self.args.output_dir) if single else {}
         target = self.stability.rollback_target(intervention.step, checkpoints)
         if target is None:
             self._write_interventions()
             raise UnstableTrainingError(unstable_training_message(self.stability, intervention, self.args.output_dir,
-                                                                  INTERVENTIONS_FILE))
+                                                                  INTERVENTIONS_FILE, several_processes=not single))
         restore_in_place(self.model, self.unwrapped_optimizer, checkpoints[target])
         saved = read_trainer_state(checkpoints[target]).get("stateful_callbacks", {}).get(STABILITY_STATE_KEY)
         rollback = self.stability.roll_back(intervention.step, target, checkpoints[target], saved)
