@@ -109,3 +109,11 @@ def test_fused_path_is_the_default_for_cuda_matrices():
     finally:
         optimizer_triton.fused_factored_update = original
     assert calls == [1]
+
+
+def test_the_optimizer_fused_flag_reaches_the_optimizer(tiny_data_dir, tmp_path):
+    from test_trainer import make_trainer
+
+    for flag in (True, False):
+        trainer = make_trainer(tiny_data_dir, tmp_path / str(flag), optimizer_fused=flag)
+        assert trainer.create_optimizer().fused is flag
