@@ -26,7 +26,8 @@
 #       mean core steps, CE cost, batch-1 decoding tokens/s with the shared cache; $OUT/adaptive/results.md
 #   bash benchmarks/bench_gpu.sh ablation [depth_ablation args]   recurrent-125m arms, held-out CE at n = 1 / 4 / 12
 #   bash benchmarks/bench_gpu.sh optimizer   the fused optimizer kernels: their GPU tests, single-tensor updates of the
-#       7B shapes fused against the compiled torch functions (MOMENTA: none full subspace; VARIANTS: fused torch; TF32 on, as in training), and the plans for 24 GiB of PRESETS (default recurrent-7b) trained
+#       7B shapes fused against the compiled torch functions (MOMENTA: none full subspace; VARIANTS: fused torch;
+#       APPLY_TILES: e.g. "32x256 16x128", the fused apply kernel's tile, see benchmarks/kernel_resources.py; TF32 on, as in training), and the plans for 24 GiB of PRESETS (default recurrent-7b) trained
 #       (benchmarks.memory_probe --verify); $OUT/optimizer_probe.jsonl, $OUT/verify.jsonl
 #   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
@@ -148,8 +149,12 @@ case $STAGE in
         case $momentum in none) margs=();; full) margs=(--momentum 0.9);;
           subspace) margs=(--momentum 0.9 --momentum_rank_fraction 0.0625);; esac
         case $variant in fused) vargs=();; torch) vargs=(--no-fused);; esac
-        python3 benchmarks/bench_optimizer.py --probe --tf32 --hidden 4096 --intermediate 11008 --vocab 65536 \
-          --kv_rows 1024 --steps 10 "${margs[@]}" "${vargs[@]}" 2>&1 | grep '^{'
+        tiles=(default); [ "$variant" = fused ] && tiles=(${APPLY_TILES:-default})
+        for tile in "${tiles[@]}"; do
+          targs=(); [ "$tile" = default ] || targs=(--apply_tile "$tile")
+          python3 benchmarks/bench_optimizer.py --probe --tf32 --hidden 4096 --intermediate 11008 --vocab 65536 \
+            --kv_rows 1024 --steps 10 "${margs[@]}" "${vargs[@]}" "${targs[@]}" 2>&1 | grep '^{'
+        done
       done
     done | tee "$OUT/optimizer_probe.jsonl" | cut -c1-400
     python3 -m benchmarks.memory_probe --verify --presets ${PRESETS:-recurrent-7b} --cap_gib 24 --seq_len 2048 \

@@ -88,7 +88,7 @@ def _probe(args) -> None:
         print(json.dumps({
             "shape": shape, "momentum": args.momentum, "momentum_rank_fraction": args.momentum_rank_fraction,
             "max_chunk_numel": args.max_chunk_numel, "compile": not args.no_compile, "fused": not args.no_fused,
-            "tf32": args.tf32,
+            "tf32": args.tf32, "apply_tile": args.apply_tile,
             "launch_ms": round(1000 * sorted(launch)[len(launch) // 2], 3), "total_ms": round(1000 * median, 3),
             "kernels": len(kernels), "kernel_ms": round(gpu_ms, 3),
             "GB_per_s_at_10_bytes_per_element": round(gigabytes / median, 1),
@@ -115,6 +115,8 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-fused", action="store_true", help="the compiled torch functions, not the Triton kernels")
     parser.add_argument("--tf32", action="store_true", help="TF32 matmuls, as the trainer sets them (subspace momentum)")
+    parser.add_argument("--apply_tile", default=None, help="ROWSxCOLS of the fused apply kernel without subspace "
+                        "momentum (default: optimizer_triton's); see benchmarks/kernel_resources.py")
     parser.add_argument("--max-chunk-numel", type=int, default=DEFAULT_MAX_CHUNK_NUMEL)
     parser.add_argument("--release-only", action="store_true",
                         help="baseline: free each gradient in backward without any update")
@@ -123,6 +125,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_optimizer needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    if args.apply_tile:
+        from trainer_ext.training import optimizer_triton
+
+        optimizer_triton._APPLY_ROWS, optimizer_triton._APPLY_COLS = (int(x) for x in args.apply_tile.split("x"))
     if args.probe:
         return _probe(args)
 

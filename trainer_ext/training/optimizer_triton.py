@@ -33,12 +33,14 @@ from trainer_ext.training.optimizer_kernels import (
     _WEIGHT_DECAY,
 )
 
-# Tiles (rows, columns) of one program. The projection pass loops over all columns of its rows for each block of
-# at most _MAX_RANK_BLOCK basis vectors; the subspace apply re-reads its rows of D and columns of P from L2 for every
-# tile, so its tiles are larger. The subspace dots take fp32 operands (tf32 on the tensor cores, as torch's matmuls
-# in training): bf16 operands and larger tiles (64-row projection blocks, rank blocks of 64) measured slower on an
-# H200 (BENCHMARKS.md).
+# Tiles (rows, columns) of one program: of the statistics and update-RMS passes, and of the apply pass without
+# subspace momentum. The projection pass loops over all columns of its rows for each block of at most
+# _MAX_RANK_BLOCK basis vectors; the subspace apply re-reads its rows of D and columns of P from L2 for every tile, so
+# its tiles are larger. The subspace dots take fp32 operands (tf32 on the tensor cores, as torch's matmuls in
+# training): bf16 operands and larger tiles (64-row projection blocks, rank blocks of 64) measured slower on an H200
+# (BENCHMARKS.md). `benchmarks/kernel_resources.py` reports each kernel's registers and spills at other tiles.
 _TILE_ROWS, _TILE_COLS = 32, 256
+_APPLY_ROWS, _APPLY_COLS = 32, 256
 _PROJECT_ROWS, _PROJECT_COLS, _MAX_RANK_BLOCK = 32, 64, 128
 _SUBSPACE_ROWS, _SUBSPACE_COLS, _SUBSPACE_RANK_BLOCK = 64, 128, 32
 
@@ -248,7 +250,7 @@ def fused_factored_update(param, grad, row, col, momentum, step, keys, hyper, to
         update_sq = usq_part.sum()
     full_momentum = momentum is not None and projector is None
     apply_rows, apply_cols, warps = (_SUBSPACE_ROWS, _SUBSPACE_COLS, 8) if projector is not None \
-        else (_TILE_ROWS, _TILE_COLS, 4)
+        else (_APPLY_ROWS, _APPLY_COLS, 4)
     _apply_kernel[(triton.cdiv(R, apply_rows), triton.cdiv(C, apply_cols))](
         param, grad, momentum if full_momentum else param, row_factor, col_factor, update_sq, param.numel(),
         scalars, step, keys, rows_per_chunk, hyper, correction if correction is not None else row_factor,

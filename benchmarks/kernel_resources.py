@@ -1,0 +1,92 @@
+"""Registers, spills and matrix instructions of the optimizer's Triton kernels for a GPU, without a GPU.
+
+Compiles each kernel of trainer_ext/training/optimizer_triton.py for the target (default sm_90, the H100 / H200)
+with the tile sizes given (default: the module's), then runs the ptxas that ships with Triton on the PTX. A kernel that spills registers
+moves more bytes than the update needs (local memory), and one at 255 registers runs few programs per multiprocessor:
+both show here before any GPU time is spent.
+
+    python benchmarks/kernel_resources.py                        # the tiles in optimizer_triton.py
+    python benchmarks/kernel_resources.py --tiles 16x256 16x128  # the element-wise kernels at other tiles
+    python benchmarks/kernel_resources.py --arch 86              # an RTX 3090
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from trainer_ext.training import optimizer_triton as kernels
+
+_APPLY_SIGNATURE = {
+    "param": "*bf16", "grad": "*bf16", "momentum": "*bf16", "row_factor": "*fp32", "col_factor": "*fp32",
+    "update_sq": "*fp32", "numel": "i32", "scalars": "*fp32", "step_ptr": "*fp32", "keys": "*i32",
+    "rows_per_chunk": "i32", "hyper": "*fp32", "correction": "*fp32", "projector": "*fp32", "R": "i32", "C": "i32",
+    "rank": "i32"}
+_PROJECT_SIGNATURE = {"grad": "*bf16", "row_factor": "*fp32", "col_factor": "*fp32", "projector": "*fp32",
+                      "projected": "*fp32", "usq_part": "*fp32", "R": "i32", "C": "i32", "rank": "i32"}
+_STATS_SIGNATURE = {"grad": "*bf16", "row_part": "*fp32", "col_part": "*fp32", "sq_part": "*fp32", "R": "i32",
+                    "C": "i32"}
+_UPDATE_SQ_SIGNATURE = {"grad": "*bf16", "row_factor": "*fp32", "col_factor": "*fp32", "usq_part": "*fp32",
+                        "R": "i32", "C": "i32"}
+
+
+def resources(fn, signature: dict, constants: dict, warps: int, arch: int) -> dict:
+    """Compile `fn` for sm_`arch` and read ptxas's report."""
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    ptx = compiled.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    report = subprocess.run([ptxas, "-v", "--gpu-name", f"sm_{arch}{'a' if arch == 90 else ''}", f.name, "-o",
+                             os.devnull], capture_output=True, text=True, check=True).stderr
+    os.unlink(f.name)
+    registers = int(report.split("Used ")[1].split(" registers")[0])
+    spill = int(report.split(" bytes spill stores")[0].rsplit(" ", 1)[1])
+    return {"registers": registers, "spill_store_bytes": spill, "shared_bytes": compiled.metadata.shared,
+            "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200, 86: RTX 3090)")
+    parser.add_argument("--tiles", nargs="+", default=None,
+                        help="ROWSxCOLS of the element-wise kernels (statistics, update RMS, apply); default: the "
+                             "module's (two tiles: passes 1-2, then apply)")
+    parser.add_argument("--warps", type=int, default=4, help="warps of the element-wise kernels")
+    args = parser.parse_args()
+    flags = dict(PARAM_BF16=True, SUBSPACE=False)
+    pairs = [(f"{kernels._TILE_ROWS}x{kernels._TILE_COLS}", f"{kernels._APPLY_ROWS}x{kernels._APPLY_COLS}")] \
+        if args.tiles is None else [(tile, tile) for tile in args.tiles]
+    for pass_tile, apply_tile in pairs:
+        tiles = [dict(zip(("BR", "BC"), (int(x) for x in tile.split("x")))) for tile in (pass_tile, apply_tile)]
+        runs = {
+            "stats": (kernels._stats_kernel, _STATS_SIGNATURE, tiles[0], pass_tile),
+            "update_sq": (kernels._update_sq_kernel, _UPDATE_SQ_SIGNATURE, tiles[0], pass_tile),
+            "apply, no momentum": (kernels._apply_kernel, _APPLY_SIGNATURE, {**tiles[1], "BK": 32, **flags,
+                                   "FULL_MOMENTUM": False, "MOMENTUM_BF16": False}, apply_tile),
+            "apply, full momentum": (kernels._apply_kernel, _APPLY_SIGNATURE, {**tiles[1], "BK": 32, **flags,
+                                     "FULL_MOMENTUM": True, "MOMENTUM_BF16": True}, apply_tile),
+        }
+        for name, (fn, signature, constants, tile) in runs.items():
+            print(json.dumps({"kernel": name, "tile": tile, "warps": args.warps, "arch": args.arch,
+                              **resources(fn, signature, constants, args.warps, args.arch)}))
+    subspace = {"BR": kernels._SUBSPACE_ROWS, "BC": kernels._SUBSPACE_COLS, "BK": kernels._SUBSPACE_RANK_BLOCK,
+                "FULL_MOMENTUM": False, "SUBSPACE": True, "PARAM_BF16": True, "MOMENTUM_BF16": False}
+    project = {"BR": kernels._PROJECT_ROWS, "BC": kernels._PROJECT_COLS, "BK": kernels._MAX_RANK_BLOCK}
+    for name, fn, signature, constants, warps in [
+            ("apply, subspace momentum", kernels._apply_kernel, _APPLY_SIGNATURE, subspace, 8),
+            ("project", kernels._project_kernel, _PROJECT_SIGNATURE, project, 4)]:
+        tile = f"{constants['BR']}x{constants['BC']}"
+        print(json.dumps({"kernel": name, "tile": tile, "warps": warps, "arch": args.arch,
+                          **resources(fn, signature, constants, warps, args.arch)}))
+
+
+if __name__ == "__main__":
+    main()
