@@ -3,7 +3,8 @@
     python3 -m benchmarks.bench_peers --data_dir DIR --cap_gib 24 --output peers.jsonl
     python3 -m benchmarks.bench_peers --device cpu --output peers.jsonl    # dry run of the structure (no results)
 
-Runs, each in its own process (clean peak-memory counters; an out-of-memory error is recorded as data):
+Runs, each in its own process (clean peak-memory counters; an out-of-memory error is recorded as data), one after
+the other; on a machine with several GPUs peer A runs on the last GPU for the whole call, beside the others:
   peak    the device's bf16 matmul peak: median TFLOP/s of 8192^3 matmuls after 2 s of warm-up, measured in this call
   peer-a  transformers LlamaForCausalLM 6.74B (Llama-2-7B shape) from config in bf16, SDPA, non-reentrant
           checkpointing, random tokens, batch 4; GaLore AdamW8bit (rank 128, update_proj_gap 200, scale 0.25) on
@@ -194,17 +195,23 @@ def peer_child(name: str, device: str, cap_gib: float | None, batch: int, seq_le
 # -- the parent: runs, MFU, the table
 
 
-def _run(code: str, timeout: float, log_path: str) -> str | None:
-    """Run `python -c code` in its own process group, output to `log_path`; None, or why it failed."""
+def _start(code: str, log_path: str, gpu: int | None = None) -> subprocess.Popen:
+    """`python -c code` in its own process group, output to `log_path`, on GPU `gpu` alone if given."""
+    env = dict(os.environ, **({} if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu)}))
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        try:
-            code = process.wait(timeout=max(timeout, 1))
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            return f"timeout after {timeout:.0f} s (raise --max_seconds)"
+        return subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env)
+
+
+def _run(code: str, timeout: float, log_path: str, process: subprocess.Popen | None = None) -> str | None:
+    """Run `python -c code` (or wait for `process`, started by _start); None, or why it failed."""
+    process = process or _start(code, log_path)
+    try:
+        code = process.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return f"timeout after {timeout:.0f} s (raise --max_seconds)"
     if code == 0:
         return None
     with open(log_path, errors="replace") as log:
@@ -290,6 +297,26 @@ def _ours(preset: str, args, timeout: float) -> dict:
     return record
 
 
+def _start_peer(name: str, args, seq_len: int, timeout: float, gpu: int | None = None) -> subprocess.Popen:
+    out_path = os.path.join(args.output_dir, f"{name}.json")
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    cap = args.cap_gib if args.device == "cuda" else None
+    call = (f"peer_child({name!r}, {args.device!r}, {cap!r}, {args.peer_batch_size}, {seq_len}, {args.steps}, "
+            f"{args.warmup}, {time.time() + timeout - 10!r}, {out_path!r})")
+    return _start(f"from benchmarks.bench_peers import peer_child; {call}",
+                  os.path.join(args.output_dir, f"{name}.log"), gpu)
+
+
+def _collect(run: str, args, process: subprocess.Popen, timeout: float) -> dict:
+    """Wait for a child started by _start (up to `timeout` s); its record, or why there is none."""
+    error = _run("", timeout, os.path.join(args.output_dir, f"{run}.log"), process)
+    if error is not None:
+        return {"run": run, "label": PEERS.get(run, {}).get("label", run), "error": error}
+    with open(os.path.join(args.output_dir, f"{run}.json")) as f:
+        return json.load(f)
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default=None, help="Prepared shards for our presets (default: the embedded "
@@ -332,6 +359,12 @@ def main(argv=None) -> list[dict]:
     start = time.time()
     runs = [r for r in ("peak", "peer-a") if r in args.runs] + [p for p in presets if "ours" in args.runs] + \
         (["peer-b"] if "peer-b" in args.runs else [])
+    # With several GPUs peer A (GaLore's first step alone takes about 4 minutes) runs on the last one for the whole
+    # call while the other runs take turns on the first, the same card type: one call holds them all.
+    aside = None
+    if cuda and torch.cuda.device_count() > 1 and "peer-a" in runs and not missing_package(PEERS["peer-a"]["requires"]):
+        runs.remove("peer-a")
+        aside = _start_peer("peer-a", args, seq_len, args.max_seconds, torch.cuda.device_count() - 1)
     records = []
     for i, run in enumerate(runs):
         shares = [SHARES.get(r, PRESET_SHARE) for r in runs[i:]]
@@ -346,22 +379,17 @@ def main(argv=None) -> list[dict]:
         elif skip:
             record = {"run": run, "label": PEERS[run]["label"], "skipped": skip}
         else:
-            if run == "peak":
-                call = f"peak_child({args.device!r}, {8192 if cuda else 512}, {out_path!r})"
-            else:
-                cap = args.cap_gib if cuda else None
-                call = (f"peer_child({run!r}, {args.device!r}, {cap!r}, {args.peer_batch_size}, {seq_len}, "
-                        f"{args.steps}, {args.warmup}, {time.time() + timeout - 10!r}, {out_path!r})")
-            if os.path.exists(out_path):
-                os.remove(out_path)
-            error = _run(f"from benchmarks.bench_peers import peak_child, peer_child; {call}", timeout,
-                         os.path.join(args.output_dir, f"{run}.log"))
-            record = {"run": run, "label": PEERS.get(run, {}).get("label", run), "error": error}
-            if error is None:
-                with open(out_path) as f:
-                    record = json.load(f)
+            process = _start_peer(run, args, seq_len, timeout) if run in PEERS else _start(
+                f"from benchmarks.bench_peers import peak_child; peak_child({args.device!r}, "
+                f"{8192 if cuda else 512}, {out_path!r})", os.path.join(args.output_dir, f"{run}.log"))
+            record = _collect(run, args, process, timeout)
         record.update(device=args.device, dry_run=not cuda)
         records.append(record)
+        print(json.dumps(record), flush=True)
+    if aside is not None:
+        record = _collect("peer-a", args, aside, start + args.max_seconds - time.time())
+        record.update(device=args.device, dry_run=False, gpu=torch.cuda.device_count() - 1)
+        records.insert(1 if records and records[0]["run"] == "peak" else 0, record)
         print(json.dumps(record), flush=True)
 
     measured = next((r["peak_flops"] for r in records if r["run"] == "peak" and "peak_flops" in r), None)

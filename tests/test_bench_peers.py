@@ -67,3 +67,16 @@ def test_a_peer_with_only_warm_up_steps_reports_no_speed(bench, tmp_path):
         assert record["steps"] == steps
         assert ("tokens_per_second" in record) == expect_speed
         assert ("only 2 step(s) of which 3 are warm-up" in record.get("error", "")) == (not expect_speed)
+
+
+def test_a_peer_started_aside_is_collected_with_its_record(bench, tmp_path):
+    """The path a machine with several GPUs takes for peer A (started on its own GPU, collected at the end)."""
+    import argparse
+
+    args = argparse.Namespace(output_dir=str(tmp_path), device="cpu", cap_gib=None, peer_batch_size=1, steps=4,
+                              warmup=2)
+    process = bench._start_peer("peer-b", args, 16, 300)
+    record = bench._collect("peer-b", args, process, 300)
+    assert record["run"] == "peer-b" and record["steps"] == 4 and record["tokens_per_second"] > 0
+    stuck = bench._start("import time; time.sleep(60)", str(tmp_path / "stuck.log"))
+    assert bench._collect("stuck", args, stuck, 1)["error"] == "timeout after 1 s (raise --max_seconds)"
