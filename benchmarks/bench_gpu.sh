@@ -27,7 +27,8 @@
 #   bash benchmarks/bench_gpu.sh ablation [depth_ablation args]   recurrent-125m arms, held-out CE at n = 1 / 4 / 12
 #   bash benchmarks/bench_gpu.sh optimizer   the fused optimizer kernels: their GPU tests, single-tensor updates of the
 #       7B shapes fused against the compiled torch functions (MOMENTA: none full subspace; VARIANTS: fused torch;
-#       APPLY_TILES: e.g. "32x256 16x128", the fused apply kernel's tile, see benchmarks/kernel_resources.py; TF32 on, as in training), and the plans for 24 GiB of PRESETS (default recurrent-7b) trained
+#       APPLY_TILES: e.g. "32x256 16x128", the fused apply kernel's tile, see benchmarks/kernel_resources.py;
+#       PROJECT_TILES: e.g. "32x64x4 64x64x8", rows x columns x warps of the subspace projection kernel; TF32 on, as in training), and the plans for 24 GiB of PRESETS (default recurrent-7b) trained
 #       (benchmarks.memory_probe --verify); $OUT/optimizer_probe.jsonl, $OUT/verify.jsonl
 #   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
@@ -153,8 +154,10 @@ case $STAGE in
           subspace) margs=(--momentum 0.9 --momentum_rank_fraction 0.0625);; esac
         case $variant in fused) vargs=();; torch) vargs=(--no-fused);; esac
         tiles=(default); [ "$variant" = fused ] && tiles=(${APPLY_TILES:-default})
+        [ "$variant" = fused ] && [ "$momentum" = subspace ] && tiles=(${PROJECT_TILES:-default})
         for tile in "${tiles[@]}"; do
           targs=(); [ "$tile" = default ] || targs=(--apply_tile "$tile")
+          [ "$momentum" = subspace ] && [ "$tile" != default ] && targs=(--project_tile "$tile")
           python3 benchmarks/bench_optimizer.py --probe --tf32 --hidden 4096 --intermediate 11008 --vocab 65536 \
             --kv_rows 1024 --steps 10 "${margs[@]}" "${vargs[@]}" "${targs[@]}" 2>&1 | grep '^{'
         done

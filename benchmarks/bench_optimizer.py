@@ -88,7 +88,7 @@ def _probe(args) -> None:
         print(json.dumps({
             "shape": shape, "momentum": args.momentum, "momentum_rank_fraction": args.momentum_rank_fraction,
             "max_chunk_numel": args.max_chunk_numel, "compile": not args.no_compile, "fused": not args.no_fused,
-            "tf32": args.tf32, "apply_tile": args.apply_tile,
+            "tf32": args.tf32, "apply_tile": args.apply_tile, "project_tile": args.project_tile,
             "launch_ms": round(1000 * sorted(launch)[len(launch) // 2], 3), "total_ms": round(1000 * median, 3),
             "kernels": len(kernels), "kernel_ms": round(gpu_ms, 3),
             "GB_per_s_at_10_bytes_per_element": round(gigabytes / median, 1),
@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--tf32", action="store_true", help="TF32 matmuls, as the trainer sets them (subspace momentum)")
     parser.add_argument("--apply_tile", default=None, help="ROWSxCOLS of the fused apply kernel without subspace "
                         "momentum (default: optimizer_triton's); see benchmarks/kernel_resources.py")
+    parser.add_argument("--project_tile", default=None, help="ROWSxCOLSxWARPS of the fused projection kernel "
+                        "(subspace momentum; default: optimizer_triton's 32x64x4; 64 rows run on wgmma)")
     parser.add_argument("--max-chunk-numel", type=int, default=DEFAULT_MAX_CHUNK_NUMEL)
     parser.add_argument("--release-only", action="store_true",
                         help="baseline: free each gradient in backward without any update")
@@ -125,10 +127,14 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_optimizer needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
-    if args.apply_tile:
-        from trainer_ext.training import optimizer_triton
+    if args.apply_tile or args.project_tile:
+        from trainer_ext.training import optimizer_triton as fused
 
-        optimizer_triton._APPLY_ROWS, optimizer_triton._APPLY_COLS = (int(x) for x in args.apply_tile.split("x"))
+        if args.apply_tile:
+            fused._APPLY_ROWS, fused._APPLY_COLS = (int(x) for x in args.apply_tile.split("x"))
+        if args.project_tile:
+            fused._PROJECT_ROWS, fused._PROJECT_COLS, fused._PROJECT_WARPS = (
+                int(x) for x in args.project_tile.split("x"))
     if args.probe:
         return _probe(args)
 

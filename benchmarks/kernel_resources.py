@@ -82,7 +82,7 @@ def main() -> None:
     project = {"BR": kernels._PROJECT_ROWS, "BC": kernels._PROJECT_COLS, "BK": kernels._MAX_RANK_BLOCK}
     for name, fn, signature, constants, warps in [
             ("apply, subspace momentum", kernels._apply_kernel, _APPLY_SIGNATURE, subspace, 8),
-            ("project", kernels._project_kernel, _PROJECT_SIGNATURE, project, 4)]:
+            ("project", kernels._project_kernel, _PROJECT_SIGNATURE, project, kernels._PROJECT_WARPS)]:
         tile = f"{constants['BR']}x{constants['BC']}"
         print(json.dumps({"kernel": name, "tile": tile, "warps": warps, "arch": args.arch,
                           **resources(fn, signature, constants, warps, args.arch)}))

@@ -41,7 +41,7 @@ from trainer_ext.training.optimizer_kernels import (
 # (BENCHMARKS.md). `benchmarks/kernel_resources.py` reports each kernel's registers and spills at other tiles.
 _TILE_ROWS, _TILE_COLS = 32, 256
 _APPLY_ROWS, _APPLY_COLS = 32, 256
-_PROJECT_ROWS, _PROJECT_COLS, _MAX_RANK_BLOCK = 32, 64, 128
+_PROJECT_ROWS, _PROJECT_COLS, _MAX_RANK_BLOCK, _PROJECT_WARPS = 32, 64, 128, 4
 _SUBSPACE_ROWS, _SUBSPACE_COLS, _SUBSPACE_RANK_BLOCK = 64, 128, 32
 
 
@@ -237,7 +237,7 @@ def fused_factored_update(param, grad, row, col, momentum, step, keys, hyper, to
         usq_part = torch.empty(triton.cdiv(R, _PROJECT_ROWS), **f32)
         _project_kernel[(usq_part.numel(), triton.cdiv(rank, block))](
             grad, row_factor, col_factor, projector, projected, usq_part, R, C, rank,
-            BR=_PROJECT_ROWS, BC=_PROJECT_COLS, BK=block)
+            BR=_PROJECT_ROWS, BC=_PROJECT_COLS, BK=block, num_warps=_PROJECT_WARPS)
         update_sq = usq_part.sum()
         correction = torch.empty_like(projected)
         for i, start in enumerate(range(0, R, rows_per_chunk)):
