@@ -36,6 +36,9 @@ ARMS = {
     "lr_1e-3": ("", ["--learning_rate", "1e-3"]),
     "zeros_add": ("state_init=zeros,injection=add", []),
     "mean_12": ("mean_recurrence=12,backprop_depth=6", []),
+    # Depth beyond 4 bought nothing in every arm above: train deeper, as Huginn does (mean 32, gradients through 8).
+    "mean_16_k8": ("mean_recurrence=16,backprop_depth=8", []),
+    "fixed_12": ("depth_distribution=fixed,mean_recurrence=12,backprop_depth=6", []),
 }
 
 
