@@ -20,7 +20,7 @@ import torch
 
 # Layout of the per-group device tensor of hyperparameters. Passing them as one tensor (not Python
 # floats) means a learning-rate change never recompiles the compiled update.
-_LR, _WEIGHT_DECAY, _BETA1, _BETA2, _BETA2_DECAY, _EPS, _CLIP = range(7)
+LR, WEIGHT_DECAY, BETA1, BETA2, BETA2_DECAY, EPS, CLIP = range(7)
 
 
 def hyper_values(group: dict) -> tuple[float, ...]:
@@ -58,7 +58,7 @@ def validate_group(group: dict, check_params: bool = True) -> None:
 
 
 # Salts that give weights, momentum and subspace bases independent random streams.
-_WEIGHT_SALT, _MOMENTUM_SALT, _PROJECTOR_SALT = 0x1B873593, 0x68E31DA4, 0x2545F491
+WEIGHT_SALT, MOMENTUM_SALT, PROJECTOR_SALT = 0x1B873593, 0x68E31DA4, 0x2545F491
 
 
 # ----------------------------------------------------------------------------- random bits and rounding
@@ -96,7 +96,7 @@ def round_to_bf16_stochastic(x: torch.Tensor, random_bits: torch.Tensor) -> torc
     return (bits & -65536).view(torch.float32).to(torch.bfloat16)
 
 
-def _store(target: torch.Tensor, value: torch.Tensor, ok: torch.Tensor, key: torch.Tensor,
+def store_where(target: torch.Tensor, value: torch.Tensor, ok: torch.Tensor, key: torch.Tensor,
            step: torch.Tensor, salt: int) -> None:
     """Write fp32 ``value`` into ``target`` (in its own dtype) where ``ok``, else leave it unchanged."""
     if target.dtype == torch.bfloat16:
@@ -119,9 +119,9 @@ def _beta2_and_bias_correction(t: torch.Tensor, hyper: torch.Tensor, beta2_decay
     weights sum to one at every step, so it is unbiased as it stands.
     """
     if beta2_decay:
-        beta2 = torch.minimum(hyper[_BETA2], 1.0 - t.pow(-hyper[_BETA2_DECAY]))
+        beta2 = torch.minimum(hyper[BETA2], 1.0 - t.pow(-hyper[BETA2_DECAY]))
         return beta2, torch.ones_like(t)
-    return hyper[_BETA2], 1.0 - hyper[_BETA2].pow(t)
+    return hyper[BETA2], 1.0 - hyper[BETA2].pow(t)
 
 
 def _record(step: torch.Tensor, grad_sq: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ def _record(step: torch.Tensor, grad_sq: torch.Tensor, totals: torch.Tensor) -> 
 
 def _clip_scale(update_sq: torch.Tensor, numel: int, hyper: torch.Tensor) -> torch.Tensor:
     """Adafactor's update clipping: divide by max(1, RMS(update) / clip_threshold)."""
-    return 1.0 / torch.clamp(torch.sqrt(update_sq / numel) / hyper[_CLIP], min=1.0)
+    return 1.0 / torch.clamp(torch.sqrt(update_sq / numel) / hyper[CLIP], min=1.0)
 
 
 def _apply_update(param: torch.Tensor, update: torch.Tensor, momentum: torch.Tensor | None,
@@ -149,15 +149,15 @@ def _apply_update(param: torch.Tensor, update: torch.Tensor, momentum: torch.Ten
     """
     if momentum is not None:
         # ``step`` already counts this update (when ok), so the first one divides by 1 - beta1.
-        beta1 = hyper[_BETA1]
+        beta1 = hyper[BETA1]
         projected = update if projector is None else update @ projector
         averaged = beta1 * momentum.float() + (1.0 - beta1) * projected
-        _store(momentum, averaged, ok, key, step, _MOMENTUM_SALT)
+        store_where(momentum, averaged, ok, key, step, MOMENTUM_SALT)
         corrected = averaged / (1.0 - beta1.pow(torch.clamp(step, min=1.0)))
         update = corrected if projector is None else update + (corrected - projected) @ projector.T
-    lr = hyper[_LR]
-    new_param = param.float() * (1.0 - lr * hyper[_WEIGHT_DECAY]) - lr * update
-    _store(param, new_param, ok, key, step, _WEIGHT_SALT)
+    lr = hyper[LR]
+    new_param = param.float() * (1.0 - lr * hyper[WEIGHT_DECAY]) - lr * update
+    store_where(param, new_param, ok, key, step, WEIGHT_SALT)
 
 
 def _grad_stats(grad: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor, grad_sq: torch.Tensor,
@@ -166,13 +166,13 @@ def _grad_stats(grad: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tenso
     column sums to ``col_sum`` (k, C) and the sum of grad**2 to ``grad_sq`` (in place, so that a chunk
     is one call with no eager glue)."""
     squared = grad.float().square()
-    squared_eps = squared + hyper[_EPS]
+    squared_eps = squared + hyper[EPS]
     row_mean.copy_(squared_eps.mean(-1))
     col_sum.add_(squared_eps.sum(-2))
     grad_sq.add_(squared.sum())
 
 
-def _update_factors(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor,
+def update_factors(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor,
                     grad_sq: torch.Tensor, step: torch.Tensor, totals: torch.Tensor, hyper: torch.Tensor,
                     beta2_decay: bool):
     """Update the row (B, R) and column (B, C) averages; return ok and the factors of 1/sqrt(v_hat).
@@ -209,7 +209,7 @@ class _Kernels(NamedTuple):
     apply: Callable
 
 
-EAGER_KERNELS = _Kernels(_grad_stats, _update_factors, _factored_update_sq, _factored_apply)
+EAGER_KERNELS = _Kernels(_grad_stats, update_factors, _factored_update_sq, _factored_apply)
 _WHOLE = ((slice(None), slice(None)),)
 
 
@@ -252,7 +252,7 @@ def range_finder(grad: torch.Tensor, chunks, rank: int, key: torch.Tensor, refre
     non-finite gradient): the caller keeps its previous basis.
     """
     columns = grad.shape[-1]
-    bits = _random_bits(torch.Size((columns, rank)), key, torch.tensor(refresh, device=key.device), _PROJECTOR_SALT)
+    bits = _random_bits(torch.Size((columns, rank)), key, torch.tensor(refresh, device=key.device), PROJECTOR_SALT)
     omega = (bits & 0xFFFF).float() / 32768.0 - 1.0
     basis = torch.zeros(columns, rank, dtype=torch.float32, device=grad.device)
     for rows in chunks:
@@ -267,7 +267,7 @@ def unfactored_update(param, grad, second_moment, momentum, step, keys, hyper, t
     grad32 = grad.float()
     grad_sq = grad32.square()
     beta2, bias_correction = _beta2_and_bias_correction(step + 1.0, hyper, beta2_decay)
-    new_second_moment = beta2 * second_moment + (1.0 - beta2) * (grad_sq + hyper[_EPS])
+    new_second_moment = beta2 * second_moment + (1.0 - beta2) * (grad_sq + hyper[EPS])
     ok = _record(step, grad_sq.sum(), totals)
     second_moment.copy_(torch.where(ok, new_second_moment, second_moment))
     update = grad32 * torch.rsqrt(new_second_moment / bias_correction)
@@ -281,7 +281,7 @@ def unfactored_update(param, grad, second_moment, momentum, step, keys, hyper, t
 _RECOMPILE_LIMIT = 64
 
 
-def _compile(fn: Callable) -> Callable:
+def compile_update(fn: Callable) -> Callable:
     options = dict(fullgraph=True, dynamic=True)
     if "recompile_limit" in inspect.signature(torch.compile).parameters:
         return torch.compile(fn, recompile_limit=_RECOMPILE_LIMIT, **options)
@@ -295,8 +295,8 @@ def _compile(fn: Callable) -> Callable:
 @functools.cache
 def compiled_kernels() -> tuple[_Kernels, Callable, Callable]:
     """Compiled kernels, built on first use."""
-    kernels = _Kernels(*(_compile(fn) for fn in EAGER_KERNELS))
-    return kernels, _compile(_factored_update_whole), _compile(unfactored_update)
+    kernels = _Kernels(*(compile_update(fn) for fn in EAGER_KERNELS))
+    return kernels, compile_update(_factored_update_whole), compile_update(unfactored_update)
 
 
 @functools.lru_cache(maxsize=256)

@@ -21,16 +21,16 @@ import triton
 import triton.language as tl
 
 from trainer_ext.training.optimizer_kernels import (
-    _MOMENTUM_SALT,
-    _WEIGHT_SALT,
-    _compile,
-    _store,
-    _update_factors,
-    _BETA1,
-    _CLIP,
-    _EPS,
-    _LR,
-    _WEIGHT_DECAY,
+    BETA1,
+    CLIP,
+    EPS,
+    LR,
+    MOMENTUM_SALT,
+    WEIGHT_DECAY,
+    WEIGHT_SALT,
+    compile_update,
+    store_where,
+    update_factors,
 )
 
 # Tiles (rows, columns) of one program: of the statistics and update-RMS passes, and of the apply pass without
@@ -172,35 +172,35 @@ def _apply_kernel(param, grad, momentum, row_factor, col_factor, update_sq, nume
     tl.store(param + offsets, tl.where(ok, new_param, old_param.to(tl.float32)).to(old_param.dtype), mask=mask)
 
 
-assert (_WEIGHT_SALT, _MOMENTUM_SALT) == (0x1B873593, 0x68E31DA4)  # spelled out in _apply_kernel
-assert (_LR, _WEIGHT_DECAY, _BETA1, _CLIP) == (0, 1, 2, 6)  # hyper offsets read by _apply_kernel
+assert (WEIGHT_SALT, MOMENTUM_SALT) == (0x1B873593, 0x68E31DA4)  # spelled out in _apply_kernel
+assert (LR, WEIGHT_DECAY, BETA1, CLIP) == (0, 1, 2, 6)  # hyper offsets read by _apply_kernel
 
 
 def _factors(row, col, row_part, col_part, sq_part, step, totals, hyper, beta2_decay: bool):
     """Reduce pass 1's tile sums to optimizer_kernels._grad_stats's outputs, then update the factors."""
     squared_sum = sq_part.sum()
-    row_mean = row_part.sum(0, keepdim=True) / col.shape[-1] + hyper[_EPS]
-    col_sum = col_part.sum(0, keepdim=True) + row.shape[-1] * hyper[_EPS]
-    ok, row_factor, col_factor = _update_factors(row, col, row_mean, col_sum, squared_sum, step, totals, hyper,
+    row_mean = row_part.sum(0, keepdim=True) / col.shape[-1] + hyper[EPS]
+    col_sum = col_part.sum(0, keepdim=True) + row.shape[-1] * hyper[EPS]
+    ok, row_factor, col_factor = update_factors(row, col, row_mean, col_sum, squared_sum, step, totals, hyper,
                                                  beta2_decay)
     # What _apply_kernel reads: ok, and the momentum's bias correction as optimizer_kernels._apply_update has it.
-    scalars = torch.stack([ok.float(), 1.0 - hyper[_BETA1].pow(torch.clamp(step, min=1.0))])
+    scalars = torch.stack([ok.float(), 1.0 - hyper[BETA1].pow(torch.clamp(step, min=1.0))])
     return scalars, row_factor, col_factor
 
 
 def _subspace_correction(momentum, projected, update_sq, numel: int, scalars, step, key, hyper):
     """Subspace momentum of one chunk of rows: store m (R, r), return D = corrected - projected."""
     rms = torch.sqrt(update_sq / numel)
-    projected = projected / torch.clamp(rms / hyper[_CLIP], min=1.0)
-    beta1 = hyper[_BETA1]
+    projected = projected / torch.clamp(rms / hyper[CLIP], min=1.0)
+    beta1 = hyper[BETA1]
     averaged = beta1 * momentum.float() + (1.0 - beta1) * projected
-    _store(momentum, averaged, scalars[0] != 0, key, step, _MOMENTUM_SALT)
+    store_where(momentum, averaged, scalars[0] != 0, key, step, MOMENTUM_SALT)
     return averaged / scalars[1] - projected
 
 
 @functools.cache
 def _compiled():
-    return _compile(_factors), _compile(_subspace_correction)
+    return compile_update(_factors), compile_update(_subspace_correction)
 
 
 def supports(param: torch.Tensor) -> bool:
