@@ -114,7 +114,8 @@ def main() -> None:
     parser.add_argument("--kv_rows", type=int, default=0, help="--probe: also a (kv_rows, hidden) tensor (GQA)")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-fused", action="store_true", help="the compiled torch functions, not the Triton kernels")
-    parser.add_argument("--tf32", action="store_true", help="TF32 matmuls, as the trainer sets them (subspace momentum)")
+    parser.add_argument("--tf32", action="store_true",
+                        help="TF32 matmuls, as the trainer sets them (subspace momentum)")
     parser.add_argument("--apply_tile", default=None, help="ROWSxCOLS of the fused apply kernel without subspace "
                         "momentum (default: optimizer_triton's); see benchmarks/kernel_resources.py")
     parser.add_argument("--project_tile", default=None, help="ROWSxCOLSxWARPS of the fused projection kernel "

@@ -1,9 +1,9 @@
 """Registers, spills and matrix instructions of the optimizer's Triton kernels for a GPU, without a GPU.
 
 Compiles each kernel of trainer_ext/training/optimizer_triton.py for the target (default sm_90, the H100 / H200)
-with the tile sizes given (default: the module's), then runs the ptxas that ships with Triton on the PTX. A kernel that spills registers
-moves more bytes than the update needs (local memory), and one at 255 registers runs few programs per multiprocessor:
-both show here before any GPU time is spent.
+with the tile sizes given (default: the module's), then runs the ptxas that ships with Triton on the PTX. A kernel
+that spills registers moves more bytes than the update needs (local memory), and one at 255 registers runs few
+programs per multiprocessor: both show here before any GPU time is spent.
 
     python benchmarks/kernel_resources.py                        # the tiles in optimizer_triton.py
     python benchmarks/kernel_resources.py --tiles 16x256 16x128  # the element-wise kernels at other tiles

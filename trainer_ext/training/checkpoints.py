@@ -161,8 +161,7 @@ def check_resume_files(checkpoint: str, option: str = "--resume_from_checkpoint"
     if not damaged:
         return
     parent = os.path.dirname(os.path.normpath(checkpoint))
-    earlier = [path for path in list_checkpoints(parent) if path != os.path.normpath(checkpoint) and is_complete(path)
-               and (checkpoint_step(path) or 0) < (checkpoint_step(checkpoint) or 0)]
+    earlier = [path for step, path in complete_checkpoints(parent).items() if step < (checkpoint_step(checkpoint) or 0)]
     instead = (f"`{option} {earlier[-1]}` (the last complete checkpoint before it)" if earlier
                else f"`{option}` with an earlier checkpoint (there is none beside it)")
     raise ValueError(f"Cannot resume from {checkpoint}: {'; '.join(damaged)} {'is' if len(damaged) == 1 else 'are'} "

@@ -30,7 +30,7 @@ def hyper_values(group: dict) -> tuple[float, ...]:
 
 
 def validate_group(group: dict, check_params: bool = True) -> None:
-    """Raise ValueError naming the first hyperparameter (or parameter) of ``group`` that LowMemoryAdafactor cannot use."""
+    """Raise ValueError naming the first hyperparameter (or parameter) of ``group`` LowMemoryAdafactor cannot use."""
 
     def check(name: str, ok: bool, allowed: str) -> None:
         if not ok:
@@ -97,7 +97,7 @@ def round_to_bf16_stochastic(x: torch.Tensor, random_bits: torch.Tensor) -> torc
 
 
 def store_where(target: torch.Tensor, value: torch.Tensor, ok: torch.Tensor, key: torch.Tensor,
-           step: torch.Tensor, salt: int) -> None:
+                step: torch.Tensor, salt: int) -> None:
     """Write fp32 ``value`` into ``target`` (in its own dtype) where ``ok``, else leave it unchanged."""
     if target.dtype == torch.bfloat16:
         value = round_to_bf16_stochastic(value, _random_bits(value.shape, key, step, salt))
@@ -133,7 +133,12 @@ def _record(step: torch.Tensor, grad_sq: torch.Tensor, totals: torch.Tensor) -> 
     return ok
 
 
-def _clip_scale(update_sq: torch.Tensor, numel: int, hyper: torch.Tensor) -> torch.Tensor:
+def momentum_bias_correction(step: torch.Tensor, hyper: torch.Tensor) -> torch.Tensor:
+    """1 - beta1**t, the denominator that removes the bias of the first moment (Adam's)."""
+    return 1.0 - hyper[BETA1].pow(torch.clamp(step, min=1.0))
+
+
+def clip_scale(update_sq: torch.Tensor, numel: int, hyper: torch.Tensor) -> torch.Tensor:
     """Adafactor's update clipping: divide by max(1, RMS(update) / clip_threshold)."""
     return 1.0 / torch.clamp(torch.sqrt(update_sq / numel) / hyper[CLIP], min=1.0)
 
@@ -153,7 +158,7 @@ def _apply_update(param: torch.Tensor, update: torch.Tensor, momentum: torch.Ten
         projected = update if projector is None else update @ projector
         averaged = beta1 * momentum.float() + (1.0 - beta1) * projected
         store_where(momentum, averaged, ok, key, step, MOMENTUM_SALT)
-        corrected = averaged / (1.0 - beta1.pow(torch.clamp(step, min=1.0)))
+        corrected = averaged / momentum_bias_correction(step, hyper)
         update = corrected if projector is None else update + (corrected - projected) @ projector.T
     lr = hyper[LR]
     new_param = param.float() * (1.0 - lr * hyper[WEIGHT_DECAY]) - lr * update
@@ -173,8 +178,8 @@ def _grad_stats(grad: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tenso
 
 
 def update_factors(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor,
-                    grad_sq: torch.Tensor, step: torch.Tensor, totals: torch.Tensor, hyper: torch.Tensor,
-                    beta2_decay: bool):
+                   grad_sq: torch.Tensor, step: torch.Tensor, totals: torch.Tensor, hyper: torch.Tensor,
+                   beta2_decay: bool):
     """Update the row (B, R) and column (B, C) averages; return ok and the factors of 1/sqrt(v_hat).
 
     v_hat[i, j] = row[i] * col[j] / mean(row) / bias_correction, the rank-1 estimate of Adafactor.
@@ -197,7 +202,7 @@ def _factored_update_sq(grad: torch.Tensor, row_factor: torch.Tensor, col_factor
 
 def _factored_apply(param, grad, momentum, row_factor, col_factor, update_sq, numel: int, ok, step, key,
                     hyper, projector=None) -> None:
-    scale = _clip_scale(update_sq, numel, hyper)
+    scale = clip_scale(update_sq, numel, hyper)
     update = grad.float() * row_factor.unsqueeze(-1) * (col_factor.unsqueeze(-2) * scale)
     _apply_update(param, update, momentum, ok, step, key, hyper, projector)
 
@@ -271,7 +276,7 @@ def unfactored_update(param, grad, second_moment, momentum, step, keys, hyper, t
     ok = _record(step, grad_sq.sum(), totals)
     second_moment.copy_(torch.where(ok, new_second_moment, second_moment))
     update = grad32 * torch.rsqrt(new_second_moment / bias_correction)
-    update = update * _clip_scale(update.square().sum(), update.numel(), hyper)
+    update = update * clip_scale(update.square().sum(), update.numel(), hyper)
     _apply_update(param, update, momentum, ok, step, keys[0], hyper)
 
 

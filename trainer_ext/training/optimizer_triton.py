@@ -28,7 +28,9 @@ from trainer_ext.training.optimizer_kernels import (
     MOMENTUM_SALT,
     WEIGHT_DECAY,
     WEIGHT_SALT,
+    clip_scale,
     compile_update,
+    momentum_bias_correction,
     store_where,
     update_factors,
 )
@@ -184,14 +186,13 @@ def _factors(row, col, row_part, col_part, sq_part, step, totals, hyper, beta2_d
     ok, row_factor, col_factor = update_factors(row, col, row_mean, col_sum, squared_sum, step, totals, hyper,
                                                  beta2_decay)
     # What _apply_kernel reads: ok, and the momentum's bias correction as optimizer_kernels._apply_update has it.
-    scalars = torch.stack([ok.float(), 1.0 - hyper[BETA1].pow(torch.clamp(step, min=1.0))])
+    scalars = torch.stack([ok.float(), momentum_bias_correction(step, hyper)])
     return scalars, row_factor, col_factor
 
 
 def _subspace_correction(momentum, projected, update_sq, numel: int, scalars, step, key, hyper):
     """Subspace momentum of one chunk of rows: store m (R, r), return D = corrected - projected."""
-    rms = torch.sqrt(update_sq / numel)
-    projected = projected / torch.clamp(rms / hyper[CLIP], min=1.0)
+    projected = projected * clip_scale(update_sq, numel, hyper)
     beta1 = hyper[BETA1]
     averaged = beta1 * momentum.float() + (1.0 - beta1) * projected
     store_where(momentum, averaged, scalars[0] != 0, key, step, MOMENTUM_SALT)

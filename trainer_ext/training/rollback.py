@@ -34,7 +34,7 @@ def restore_in_place(model: torch.nn.Module, optimizer: torch.optim.Optimizer, c
     Every tensor of the model's state dict must come back (tied weights count once: they share storage); raises
     ValueError naming the checkpoint and the missing names otherwise, before the optimizer state is touched.
     """
-    live = {name.replace("_orig_mod.", ""): tensor for name, tensor in model.state_dict(keep_vars=True).items()}
+    live = model.state_dict(keep_vars=True)  # layers compile in place: names as saved, no `_orig_mod.`
     restored = set()
     for path in _weight_files(checkpoint):
         with safe_open(path, framework="pt") as f:
