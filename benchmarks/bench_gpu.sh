@@ -8,7 +8,8 @@
 #     bitsandbytes==0.50.2
 #   bash benchmarks/bench_gpu.sh train NAME PRESET... [-- run_pretrain args]   tokens/s, MFU, memory under a 24 GiB cap
 #       with the defaults (on CUDA: the memory plan's batch size and recompute, torch.compile); the batch-1 rows of
-#       BENCHMARKS.md: -- --per_device_train_batch_size 1 --memory_plan none --torch_compile false
+#       BENCHMARKS.md: -- --per_device_train_batch_size 1 --memory_plan none --torch_compile false; SEQ=1024: the
+#       125M presets' data (seq 1024); the comparison's settings: -- --per_device_train_batch_size 32 --learning_rate 1e-3
 #   bash benchmarks/bench_gpu.sh distill [-- run_pretrain args]   recurrent-3.3b with and without an offline teacher cache
 #   bash benchmarks/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M):
 #       each --runs config x --learning_rates x --seeds (default 0 1 2); results.jsonl + summary.md in $OUT/quality
@@ -28,7 +29,7 @@
 #   bash benchmarks/bench_gpu.sh optimizer   the fused optimizer kernels: their GPU tests, single-tensor updates of the
 #       7B shapes fused against the compiled torch functions (MOMENTA: none full subspace; VARIANTS: fused torch;
 #       APPLY_TILES: e.g. "32x256 16x128", the fused apply kernel's tile, see benchmarks/kernel_resources.py;
-#       PROJECT_TILES: e.g. "32x64x4 64x64x8", rows x columns x warps of the subspace projection kernel; TF32 on, as in training), and the plans for 24 GiB of PRESETS (default recurrent-7b) trained
+#       TF32 on, as in training), and the plans for 24 GiB of PRESETS (default recurrent-7b) trained
 #       (benchmarks.memory_probe --verify); $OUT/optimizer_probe.jsonl, $OUT/verify.jsonl
 #   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
@@ -65,8 +66,8 @@ bench() {  # bench NAME PRESET... [-- run_pretrain args]
 }
 
 case $STAGE in
-  train)
-    prepare_2048
+  train)  # SEQ=1024: the 125M presets' data (seq 1024, 32,768 entries), as scripts/compare.py trains them
+    if [ "${SEQ:-2048}" = 1024 ]; then prepare_1024; DATA=$DATA_1024; else prepare_2048; fi
     bench "$@" ;;
   distill)
     [ "${1:-}" = "--" ] && shift
@@ -154,10 +155,8 @@ case $STAGE in
           subspace) margs=(--momentum 0.9 --momentum_rank_fraction 0.0625);; esac
         case $variant in fused) vargs=();; torch) vargs=(--no-fused);; esac
         tiles=(default); [ "$variant" = fused ] && tiles=(${APPLY_TILES:-default})
-        [ "$variant" = fused ] && [ "$momentum" = subspace ] && tiles=(${PROJECT_TILES:-default})
         for tile in "${tiles[@]}"; do
           targs=(); [ "$tile" = default ] || targs=(--apply_tile "$tile")
-          [ "$momentum" = subspace ] && [ "$tile" != default ] && targs=(--project_tile "$tile")
           python3 benchmarks/bench_optimizer.py --probe --tf32 --hidden 4096 --intermediate 11008 --vocab 65536 \
             --kv_rows 1024 --steps 10 "${margs[@]}" "${vargs[@]}" "${targs[@]}" 2>&1 | grep '^{'
         done

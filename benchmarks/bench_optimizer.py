@@ -56,6 +56,32 @@ def _loss(model, tokens):
     return nn.functional.cross_entropy(model["head"](x).flatten(0, 1).float(), tokens.flatten())
 
 
+def _update_cpu_cost(optimizer: LowMemoryAdafactor, weight: torch.Tensor, calls: int = 16) -> dict:
+    """Host time of one tensor's update as training runs it in backward (``_update``, no step bookkeeping, no sync;
+    few enough calls that the launch queue never fills), and where it goes: the functions with most own time."""
+    import cProfile
+    import pstats
+
+    group = optimizer.param_groups[0]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        optimizer._update(weight, group, 0)
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        optimizer._update(weight, group, 0)
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats
+    top = sorted(stats.items(), key=lambda item: -item[1][2])[:12]
+    return {"update_host_us": round(host_us, 1),
+            "host_top": [[f"{func[0].rsplit('/', 1)[-1]}:{func[1]}:{func[2]}", round(v[2] / calls * 1e6, 1),
+                          round(v[3] / calls * 1e6, 1)] for func, v in top]}
+
+
 def _probe(args) -> None:
     """One bf16 tensor at a time: update time (launch and GPU) and memory beyond weight + gradient."""
     shapes = [(args.vocab, args.hidden), (args.intermediate, args.hidden), (args.hidden, args.hidden)]
@@ -82,17 +108,18 @@ def _probe(args) -> None:
             optimizer.step()
             torch.cuda.synchronize()
         kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        cpu = _update_cpu_cost(optimizer, weight) if args.cpu_profile else {}
         gpu_ms = sum(e.device_time for e in kernels) / 1000
         gigabytes = weight.numel() * 2 * 5 / 1e9  # grad read 3x, weight read + write
         median = sorted(total)[len(total) // 2]
         print(json.dumps({
             "shape": shape, "momentum": args.momentum, "momentum_rank_fraction": args.momentum_rank_fraction,
             "max_chunk_numel": args.max_chunk_numel, "compile": not args.no_compile, "fused": not args.no_fused,
-            "tf32": args.tf32, "apply_tile": args.apply_tile, "project_tile": args.project_tile,
+            "tf32": args.tf32, "apply_tile": args.apply_tile,
             "launch_ms": round(1000 * sorted(launch)[len(launch) // 2], 3), "total_ms": round(1000 * median, 3),
             "kernels": len(kernels), "kernel_ms": round(gpu_ms, 3),
             "GB_per_s_at_10_bytes_per_element": round(gigabytes / median, 1),
-            "extra_peak_MiB": round((torch.cuda.max_memory_allocated() - base) / 2**20, 1),
+            "extra_peak_MiB": round((torch.cuda.max_memory_allocated() - base) / 2**20, 1), **cpu,
         }))
         del weight, optimizer
 
@@ -116,10 +143,10 @@ def main() -> None:
     parser.add_argument("--no-fused", action="store_true", help="the compiled torch functions, not the Triton kernels")
     parser.add_argument("--tf32", action="store_true",
                         help="TF32 matmuls, as the trainer sets them (subspace momentum)")
-    parser.add_argument("--apply_tile", default=None, help="ROWSxCOLS of the fused apply kernel without subspace "
-                        "momentum (default: optimizer_triton's); see benchmarks/kernel_resources.py")
-    parser.add_argument("--project_tile", default=None, help="ROWSxCOLSxWARPS of the fused projection kernel "
-                        "(subspace momentum; default: optimizer_triton's 32x64x4; 64 rows run on wgmma)")
+    parser.add_argument("--apply_tile", default=None, help="ROWSxCOLS of the fused apply kernel "
+                        "(default: optimizer_triton's); see benchmarks/kernel_resources.py")
+    parser.add_argument("--cpu_profile", action="store_true", help="--probe: also the host time of one tensor's "
+                        "update and the functions it goes to (own and cumulative microseconds per update)")
     parser.add_argument("--max-chunk-numel", type=int, default=DEFAULT_MAX_CHUNK_NUMEL)
     parser.add_argument("--release-only", action="store_true",
                         help="baseline: free each gradient in backward without any update")
@@ -128,14 +155,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_optimizer needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
-    if args.apply_tile or args.project_tile:
+    if args.apply_tile:
         from trainer_ext.training import optimizer_triton as fused
 
-        if args.apply_tile:
-            fused._APPLY_ROWS, fused._APPLY_COLS = (int(x) for x in args.apply_tile.split("x"))
-        if args.project_tile:
-            fused._PROJECT_ROWS, fused._PROJECT_COLS, fused._PROJECT_WARPS = (
-                int(x) for x in args.project_tile.split("x"))
+        fused._APPLY_ROWS, fused._APPLY_COLS = (int(x) for x in args.apply_tile.split("x"))
     if args.probe:
         return _probe(args)
 

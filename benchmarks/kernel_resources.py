@@ -23,12 +23,9 @@ from triton.compiler import ASTSource
 from trainer_ext.training import optimizer_triton as kernels
 
 _APPLY_SIGNATURE = {
-    "param": "*bf16", "grad": "*bf16", "momentum": "*bf16", "row_factor": "*fp32", "col_factor": "*fp32",
-    "update_sq": "*fp32", "numel": "i32", "scalars": "*fp32", "step_ptr": "*fp32", "keys": "*i32",
-    "rows_per_chunk": "i32", "hyper": "*fp32", "correction": "*fp32", "projector": "*fp32", "R": "i32", "C": "i32",
-    "rank": "i32"}
-_PROJECT_SIGNATURE = {"grad": "*bf16", "row_factor": "*fp32", "col_factor": "*fp32", "projector": "*fp32",
-                      "projected": "*fp32", "usq_part": "*fp32", "R": "i32", "C": "i32", "rank": "i32"}
+    "param": "*bf16", "grad": "*bf16", "momentum": "*bf16", "back": "*bf16", "row_factor": "*fp32",
+    "col_factor": "*fp32", "update_sq": "*fp32", "numel": "i32", "scalars": "*fp32", "step_ptr": "*fp32",
+    "keys": "*i32", "rows_per_chunk": "i32", "hyper": "*fp32", "row_start": "i32", "row_end": "i32", "C": "i32"}
 _STATS_SIGNATURE = {"grad": "*bf16", "row_part": "*fp32", "col_part": "*fp32", "sq_part": "*fp32", "R": "i32",
                     "C": "i32"}
 _UPDATE_SQ_SIGNATURE = {"grad": "*bf16", "row_factor": "*fp32", "col_factor": "*fp32", "usq_part": "*fp32",
@@ -61,32 +58,23 @@ def main() -> None:
                              "module's (two tiles: passes 1-2, then apply)")
     parser.add_argument("--warps", type=int, default=4, help="warps of the element-wise kernels")
     args = parser.parse_args()
-    flags = dict(PARAM_BF16=True, SUBSPACE=False)
     pairs = [(f"{kernels._TILE_ROWS}x{kernels._TILE_COLS}", f"{kernels._APPLY_ROWS}x{kernels._APPLY_COLS}")] \
         if args.tiles is None else [(tile, tile) for tile in args.tiles]
+    apply = dict(PARAM_BF16=True, FULL_MOMENTUM=False, SUBSPACE=False, MOMENTUM_BF16=False)
     for pass_tile, apply_tile in pairs:
         tiles = [dict(zip(("BR", "BC"), (int(x) for x in tile.split("x")))) for tile in (pass_tile, apply_tile)]
         runs = {
             "stats": (kernels._stats_kernel, _STATS_SIGNATURE, tiles[0], pass_tile),
             "update_sq": (kernels._update_sq_kernel, _UPDATE_SQ_SIGNATURE, tiles[0], pass_tile),
-            "apply, no momentum": (kernels._apply_kernel, _APPLY_SIGNATURE, {**tiles[1], "BK": 32, **flags,
-                                   "FULL_MOMENTUM": False, "MOMENTUM_BF16": False}, apply_tile),
-            "apply, full momentum": (kernels._apply_kernel, _APPLY_SIGNATURE, {**tiles[1], "BK": 32, **flags,
-                                     "FULL_MOMENTUM": True, "MOMENTUM_BF16": True}, apply_tile),
+            "apply, no momentum": (kernels._apply_kernel, _APPLY_SIGNATURE, {**tiles[1], **apply}, apply_tile),
+            "apply, full momentum": (kernels._apply_kernel, _APPLY_SIGNATURE,
+                                     {**tiles[1], **apply, "FULL_MOMENTUM": True, "MOMENTUM_BF16": True}, apply_tile),
+            "apply, subspace momentum": (kernels._apply_kernel, _APPLY_SIGNATURE,
+                                         {**tiles[1], **apply, "SUBSPACE": True}, apply_tile),
         }
         for name, (fn, signature, constants, tile) in runs.items():
             print(json.dumps({"kernel": name, "tile": tile, "warps": args.warps, "arch": args.arch,
                               **resources(fn, signature, constants, args.warps, args.arch)}))
-    subspace = {"BR": kernels._SUBSPACE_ROWS, "BC": kernels._SUBSPACE_COLS, "BK": kernels._SUBSPACE_RANK_BLOCK,
-                "FULL_MOMENTUM": False, "SUBSPACE": True, "PARAM_BF16": True, "MOMENTUM_BF16": False}
-    project = {"BR": kernels._PROJECT_ROWS, "BC": kernels._PROJECT_COLS, "BK": kernels._MAX_RANK_BLOCK}
-    for name, fn, signature, constants, warps in [
-            ("apply, subspace momentum", kernels._apply_kernel, _APPLY_SIGNATURE, subspace, 8),
-            ("project", kernels._project_kernel, _PROJECT_SIGNATURE, project, kernels._PROJECT_WARPS)]:
-        tile = f"{constants['BR']}x{constants['BC']}"
-        print(json.dumps({"kernel": name, "tile": tile, "warps": warps, "arch": args.arch,
-                          **resources(fn, signature, constants, warps, args.arch)}))
-
 
 if __name__ == "__main__":
     main()

@@ -3,12 +3,14 @@
 Same math and the same random bits as the torch functions in optimizer_kernels.py, but each pass over the
 tensor is one kernel that reads the bf16 gradient once and keeps every fp32 value in registers:
     1. statistics: row and column sums of g**2 (per tile, reduced by the small factor update)
-    2. update RMS: sum of u**2, u = g * row_factor * col_factor; with subspace momentum also u P (R, r), the
-       projection onto the momentum's basis, as tensor-core dots inside the same pass
+    2. update RMS: sum of u**2, u = g * row_factor * col_factor
     3. apply: clip scale, momentum, weight decay, stochastic rounding, the in-place write of weight (and full
        momentum); with subspace momentum u + D P^T, D = (corrected - projected) momentum of the subspace
 So a (R, C) bf16 matrix costs about 10 bytes per element of memory traffic (14 with full momentum), where the
 compiled torch functions moved about 70 and made an fp32 copy of the gradient (measured: BENCHMARKS.md).
+Subspace momentum adds two GEMMs of the gradient's dtype through cuBLAS: the projection u P (R, r) and the
+back-projection D P^T, in row blocks that the apply pass adds; their bf16 operands round P and D to 8 bits, where
+the torch path multiplies in fp32 (tf32 on a GPU).
 """
 
 from __future__ import annotations
@@ -35,16 +37,13 @@ from trainer_ext.training.optimizer_kernels import (
     update_factors,
 )
 
-# Tiles (rows, columns) of one program: of the statistics and update-RMS passes, and of the apply pass without
-# subspace momentum. The projection pass loops over all columns of its rows for each block of at most
-# _MAX_RANK_BLOCK basis vectors; the subspace apply re-reads its rows of D and columns of P from L2 for every tile, so
-# its tiles are larger. The subspace dots take fp32 operands (tf32 on the tensor cores, as torch's matmuls in
-# training): bf16 operands and larger tiles (64-row projection blocks, rank blocks of 64) measured slower on an H200
-# (BENCHMARKS.md). `benchmarks/kernel_resources.py` reports each kernel's registers and spills at other tiles.
+# Tiles (rows, columns) of one program: of the statistics and update-RMS passes, and of the apply pass.
+# `benchmarks/kernel_resources.py` reports each kernel's registers and spills: the apply pass spills at 32 x 256
+# (300-1,440 bytes per thread) and not at 16 x 128, which measured 7-16% less GPU time per tensor (BENCHMARKS.md). The subspace
+# back-projection is materialised in blocks of at most _BACK_NUMEL elements (32 MiB in bf16).
 _TILE_ROWS, _TILE_COLS = 32, 256
-_APPLY_ROWS, _APPLY_COLS = 32, 256
-_PROJECT_ROWS, _PROJECT_COLS, _MAX_RANK_BLOCK, _PROJECT_WARPS = 32, 64, 128, 4
-_SUBSPACE_ROWS, _SUBSPACE_COLS, _SUBSPACE_RANK_BLOCK = 64, 128, 32
+_APPLY_ROWS, _APPLY_COLS = 16, 128
+_BACK_NUMEL = 2**24
 
 
 @triton.jit
@@ -99,41 +98,17 @@ def _update_sq_kernel(grad, row_factor, col_factor, usq_part, R, C, BR: tl.const
 
 
 @triton.jit
-def _project_kernel(grad, row_factor, col_factor, projector, projected, usq_part, R, C, rank,
-                    BR: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """Rows ``pid_r`` x rank block ``pid_k``: u P over all columns (u before clipping), and the rows' sum of u**2."""
-    pid_r, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = pid_r * BR + tl.arange(0, BR)
-    ranks = pid_k * BK + tl.arange(0, BK)
-    rf = tl.load(row_factor + rows, mask=rows < R, other=0.0)
-    acc = tl.zeros((BR, BK), dtype=tl.float32)
-    u_sq = tl.zeros((BR, BC), dtype=tl.float32)
-    start = 0
-    while start < C:  # a while loop (not range) also runs under Triton's interpreter with numpy 2
-        cols = start + tl.arange(0, BC)
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
-        g = tl.load(grad + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        cf = tl.load(col_factor + cols, mask=cols < C, other=0.0)
-        u = g * rf[:, None] * cf[None, :]
-        u_sq += u * u
-        basis = tl.load(projector + cols[:, None] * rank + ranks[None, :],
-                        mask=(cols[:, None] < C) & (ranks[None, :] < rank), other=0.0)
-        acc = tl.dot(u, basis, acc)
-        start += BC
-    tl.store(projected + rows[:, None] * rank + ranks[None, :], acc,
-             mask=(rows[:, None] < R) & (ranks[None, :] < rank))
-    if pid_k == 0:
-        tl.store(usq_part + pid_r, tl.sum(tl.sum(u_sq, axis=1), axis=0))
-
-
-@triton.jit
-def _apply_kernel(param, grad, momentum, row_factor, col_factor, update_sq, numel, scalars, step_ptr, keys,
-                  rows_per_chunk, hyper, correction, projector, R, C, rank,
-                  BR: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, FULL_MOMENTUM: tl.constexpr,
-                  SUBSPACE: tl.constexpr, PARAM_BF16: tl.constexpr, MOMENTUM_BF16: tl.constexpr):
-    """The clipped update, momentum (full, or the subspace correction D P^T), decay and the weight write."""
+def _apply_kernel(param, grad, momentum, back, row_factor, col_factor, update_sq, numel, scalars, step_ptr, keys,
+                  rows_per_chunk, hyper, row_start, row_end, C, BR: tl.constexpr, BC: tl.constexpr,
+                  FULL_MOMENTUM: tl.constexpr, SUBSPACE: tl.constexpr, PARAM_BF16: tl.constexpr,
+                  MOMENTUM_BF16: tl.constexpr):
+    """Rows [row_start, row_end): the clipped update, momentum (full, or the subspace correction ``back`` = D P^T of
+    these rows), decay and the weight write."""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
-    rows, cols, mask, offsets = _tile(pid_r, pid_c, R, C, BR, BC)
+    rows = row_start + pid_r * BR + tl.arange(0, BR)
+    cols = pid_c * BC + tl.arange(0, BC)
+    mask = (rows[:, None] < row_end) & (cols[None, :] < C)
+    offsets = rows[:, None] * C + cols[None, :]
     ok = tl.load(scalars) != 0
     step = tl.load(step_ptr)
     step_int = step.to(tl.int32)
@@ -141,12 +116,12 @@ def _apply_kernel(param, grad, momentum, row_factor, col_factor, update_sq, nume
     rms = tl.sqrt(tl.load(update_sq) / numel)
     scale = 1.0 / tl.maximum(rms / tl.load(hyper + 6), 1.0)
     g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
-    rf = tl.load(row_factor + rows, mask=rows < R, other=0.0)
+    rf = tl.load(row_factor + rows, mask=rows < row_end, other=0.0)
     cf = tl.load(col_factor + cols, mask=cols < C, other=0.0)
     update = g * rf[:, None] * (cf[None, :] * scale)
     # The hash of a chunk of the torch path: its own key, element indices counted from its first row.
     chunk = rows // rows_per_chunk
-    key = tl.load(keys + chunk, mask=rows < R, other=0)[:, None]
+    key = tl.load(keys + chunk, mask=rows < row_end, other=0)[:, None]
     index = (rows - chunk * rows_per_chunk)[:, None] * C + cols[None, :]
     if FULL_MOMENTUM:
         beta1 = tl.load(hyper + 2)
@@ -158,15 +133,7 @@ def _apply_kernel(param, grad, momentum, row_factor, col_factor, update_sq, nume
         tl.store(momentum + offsets, tl.where(ok, stored, old.to(tl.float32)).to(old.dtype), mask=mask)
         update = averaged / tl.load(scalars + 1)
     if SUBSPACE:
-        start = 0
-        while start < rank:
-            ranks = start + tl.arange(0, BK)
-            d = tl.load(correction + rows[:, None] * rank + ranks[None, :],
-                        mask=(rows[:, None] < R) & (ranks[None, :] < rank), other=0.0)
-            basis = tl.load(projector + cols[:, None] * rank + ranks[None, :],
-                            mask=(cols[:, None] < C) & (ranks[None, :] < rank), other=0.0)
-            update = tl.dot(d, tl.trans(basis), update)
-            start += BK
+        update += tl.load(back + offsets - row_start * C, mask=mask, other=0.0).to(tl.float32)
     old_param = tl.load(param + offsets, mask=mask, other=0.0)
     new_param = old_param.to(tl.float32) * (1.0 - lr * decay) - lr * update
     if PARAM_BF16:
@@ -190,13 +157,15 @@ def _factors(row, col, row_part, col_part, sq_part, step, totals, hyper, beta2_d
     return scalars, row_factor, col_factor
 
 
-def _subspace_correction(momentum, projected, update_sq, numel: int, scalars, step, key, hyper):
-    """Subspace momentum of one chunk of rows: store m (R, r), return D = corrected - projected."""
-    projected = projected * clip_scale(update_sq, numel, hyper)
+def _subspace_correction(grad, scaled_basis, row_factor, momentum, update_sq, numel: int, scalars, step, key,
+                         hyper):
+    """Subspace momentum of one chunk of rows: u P = row_factor * (g @ (col_factor * P)) as one GEMM in the
+    gradient's dtype, store m (R, r), return D = corrected - projected in that dtype (the back-projection's operand)."""
+    projected = (grad @ scaled_basis).float() * (row_factor[:, None] * clip_scale(update_sq, numel, hyper))
     beta1 = hyper[BETA1]
     averaged = beta1 * momentum.float() + (1.0 - beta1) * projected
     store_where(momentum, averaged, scalars[0] != 0, key, step, MOMENTUM_SALT)
-    return averaged / scalars[1] - projected
+    return (averaged / scalars[1] - projected).to(grad.dtype)
 
 
 @functools.cache
@@ -229,33 +198,31 @@ def fused_factored_update(param, grad, row, col, momentum, step, keys, hyper, to
     scalars, row_factor, col_factor = factors(row, col, row_part, col_part, sq_part, step, totals, hyper,
                                               beta2_decay)
     row_factor, col_factor = row_factor.reshape(R), col_factor.reshape(C)
-    rank = 1
-    correction = None
-    if projector is not None:
-        rank = projector.shape[-1]
-        block = min(_MAX_RANK_BLOCK, max(16, triton.next_power_of_2(rank)))
-        projected = torch.empty(R, rank, **f32)
-        usq_part = torch.empty(triton.cdiv(R, _PROJECT_ROWS), **f32)
-        _project_kernel[(usq_part.numel(), triton.cdiv(rank, block))](
-            grad, row_factor, col_factor, projector, projected, usq_part, R, C, rank,
-            BR=_PROJECT_ROWS, BC=_PROJECT_COLS, BK=block, num_warps=_PROJECT_WARPS)
-        update_sq = usq_part.sum()
-        correction = torch.empty_like(projected)
-        for i, start in enumerate(range(0, R, rows_per_chunk)):
-            rows = slice(start, start + rows_per_chunk)
-            correction[rows] = subspace_correction(momentum[rows], projected[rows], update_sq, param.numel(),
-                                                   scalars, step, keys[i], hyper)
-    else:
-        usq_part = torch.empty(grid[0] * grid[1], **f32)
-        _update_sq_kernel[grid](grad, row_factor, col_factor, usq_part, R, C, BR=_TILE_ROWS, BC=_TILE_COLS)
-        update_sq = usq_part.sum()
+    usq_part = torch.empty(grid[0] * grid[1], **f32)
+    _update_sq_kernel[grid](grad, row_factor, col_factor, usq_part, R, C, BR=_TILE_ROWS, BC=_TILE_COLS)
+    update_sq = usq_part.sum()
     full_momentum = momentum is not None and projector is None
-    apply_rows, apply_cols, warps = (_SUBSPACE_ROWS, _SUBSPACE_COLS, 8) if projector is not None \
-        else (_APPLY_ROWS, _APPLY_COLS, 4)
-    _apply_kernel[(triton.cdiv(R, apply_rows), triton.cdiv(C, apply_cols))](
-        param, grad, momentum if full_momentum else param, row_factor, col_factor, update_sq, param.numel(),
-        scalars, step, keys, rows_per_chunk, hyper, correction if correction is not None else row_factor,
-        projector if projector is not None else row_factor, R, C, rank,
-        BR=apply_rows, BC=apply_cols, BK=_SUBSPACE_RANK_BLOCK, FULL_MOMENTUM=full_momentum,
-        SUBSPACE=projector is not None, PARAM_BF16=param.dtype == torch.bfloat16,
-        MOMENTUM_BF16=full_momentum and momentum.dtype == torch.bfloat16, num_warps=warps)
+
+    def apply(row_start: int, row_end: int, back=None) -> None:
+        _apply_kernel[(triton.cdiv(row_end - row_start, _APPLY_ROWS), triton.cdiv(C, _APPLY_COLS))](
+            param, grad, momentum if full_momentum else param, param if back is None else back, row_factor,
+            col_factor, update_sq, param.numel(), scalars, step, keys, rows_per_chunk, hyper, row_start, row_end, C,
+            BR=_APPLY_ROWS, BC=_APPLY_COLS, FULL_MOMENTUM=full_momentum, SUBSPACE=back is not None,
+            PARAM_BF16=param.dtype == torch.bfloat16,
+            MOMENTUM_BF16=full_momentum and momentum.dtype == torch.bfloat16, num_warps=4)
+
+    if projector is None:
+        return apply(0, R)
+    # Subspace momentum: the projection u P and the back-projection D P^T are GEMMs in the gradient's dtype (bf16
+    # operands, fp32 accumulation), per chunk of rows; the back-projection in blocks of at most _BACK_NUMEL
+    # elements, each added by the apply kernel.
+    scaled_basis = (col_factor[:, None] * projector).to(grad.dtype)
+    basis_t = projector.t().to(grad.dtype)
+    block = max(1, _BACK_NUMEL // C)
+    for i, start in enumerate(range(0, R, rows_per_chunk)):
+        end = min(start + rows_per_chunk, R)
+        correction = subspace_correction(grad[start:end], scaled_basis, row_factor[start:end], momentum[start:end],
+                                         update_sq, param.numel(), scalars, step, keys[i], hyper)
+        for block_start in range(start, end, block):
+            block_end = min(block_start + block, end)
+            apply(block_start, block_end, correction[block_start - start:block_end - start] @ basis_t)
