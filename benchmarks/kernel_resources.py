@@ -22,19 +22,24 @@ from triton.compiler import ASTSource
 
 from trainer_ext.training import optimizer_triton as kernels
 
-_APPLY_SIGNATURE = {
-    "param": "*bf16", "grad": "*bf16", "momentum": "*bf16", "back": "*bf16", "row_factor": "*fp32",
-    "col_factor": "*fp32", "update_sq": "*fp32", "numel": "i32", "scalars": "*fp32", "step_ptr": "*fp32",
-    "keys": "*i32", "rows_per_chunk": "i32", "hyper": "*fp32", "row_start": "i32", "row_end": "i32", "C": "i32"}
-_STATS_SIGNATURE = {"grad": "*bf16", "row_part": "*fp32", "col_part": "*fp32", "sq_part": "*fp32", "R": "i32",
-                    "C": "i32"}
-_UPDATE_SQ_SIGNATURE = {"grad": "*bf16", "row_factor": "*fp32", "col_factor": "*fp32", "usq_part": "*fp32",
-                        "R": "i32", "C": "i32"}
+# Argument types: bf16 tensors (the 3-7B presets' weights), int32 sizes and offsets, fp32 everything else.
+_BF16 = {"param", "grad", "momentum", "back", "projected"}
+_INT32 = {"R", "C", "numel", "rows_per_chunk", "row_start", "row_end", "num_parts", "tiles_r", "tiles_c",
+          "row_programs", "chunk", "rows_in_chunk", "rank"}
 
 
-def resources(fn, signature: dict, constants: dict, warps: int, arch: int) -> dict:
+def signature_of(fn, constants: dict) -> dict:
+    """The Triton signature of kernel ``fn`` with ``constants`` as its constexprs."""
+    def kind(name: str) -> str:
+        return "constexpr" if name in constants else "*bf16" if name in _BF16 else "i32" if name in _INT32 \
+            else "*i32" if name == "keys" else "*fp32"
+
+    return {name: kind(name) for name in fn.arg_names}
+
+
+def resources(fn, constants: dict, warps: int, arch: int) -> dict:
     """Compile `fn` for sm_`arch` and read ptxas's report."""
-    signature = {**signature, **{name: "constexpr" for name in constants}}
+    signature = signature_of(fn, constants)
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     ptx = compiled.asm["ptx"]
@@ -60,21 +65,30 @@ def main() -> None:
     args = parser.parse_args()
     pairs = [(f"{kernels._TILE_ROWS}x{kernels._TILE_COLS}", f"{kernels._APPLY_ROWS}x{kernels._APPLY_COLS}")] \
         if args.tiles is None else [(tile, tile) for tile in args.tiles]
-    apply = dict(PARAM_BF16=True, FULL_MOMENTUM=False, SUBSPACE=False, MOMENTUM_BF16=False)
+    apply = dict(PARAM_BF16=True, FULL_MOMENTUM=False, SUBSPACE=False, MOMENTUM_BF16=False, P=16)
     for pass_tile, apply_tile in pairs:
         tiles = [dict(zip(("BR", "BC"), (int(x) for x in tile.split("x")))) for tile in (pass_tile, apply_tile)]
         runs = {
-            "stats": (kernels._stats_kernel, _STATS_SIGNATURE, tiles[0], pass_tile),
-            "update_sq": (kernels._update_sq_kernel, _UPDATE_SQ_SIGNATURE, tiles[0], pass_tile),
-            "apply, no momentum": (kernels._apply_kernel, _APPLY_SIGNATURE, {**tiles[1], **apply}, apply_tile),
-            "apply, full momentum": (kernels._apply_kernel, _APPLY_SIGNATURE,
+            "stats": (kernels._stats_kernel, tiles[0], pass_tile),
+            "update_sq": (kernels._update_sq_kernel, {**tiles[0], "P": 16}, pass_tile),
+            "apply, no momentum": (kernels._apply_kernel, {**tiles[1], **apply}, apply_tile),
+            "apply, full momentum": (kernels._apply_kernel,
                                      {**tiles[1], **apply, "FULL_MOMENTUM": True, "MOMENTUM_BF16": True}, apply_tile),
-            "apply, subspace momentum": (kernels._apply_kernel, _APPLY_SIGNATURE,
-                                         {**tiles[1], **apply, "SUBSPACE": True}, apply_tile),
+            "apply, subspace momentum": (kernels._apply_kernel, {**tiles[1], **apply, "SUBSPACE": True}, apply_tile),
         }
-        for name, (fn, signature, constants, tile) in runs.items():
+        for name, (fn, constants, tile) in runs.items():
             print(json.dumps({"kernel": name, "tile": tile, "warps": args.warps, "arch": args.arch,
-                              **resources(fn, signature, constants, args.warps, args.arch)}))
+                              **resources(fn, constants, args.warps, args.arch)}))
+    for name, fn, constants in [
+            ("scalars", kernels._scalar_kernel, {"BETA2_DECAY": True, "B": 1024, "INTERPRETED": False}),
+            ("factors", kernels._factor_kernel, {"FR": kernels._FACTOR_ROWS, "FBR": kernels._FACTOR_ROW_BLOCK,
+                                                 "FC": kernels._FACTOR_COLS, "FBC": kernels._FACTOR_COL_BLOCK}),
+            ("subspace momentum", kernels._momentum_kernel, {"BR": kernels._MOMENTUM_ROWS,
+                                                             "BK": kernels._MOMENTUM_RANKS, "P": 16,
+                                                             "MOMENTUM_BF16": True})]:
+        print(json.dumps({"kernel": name, "warps": args.warps, "arch": args.arch,
+                          **resources(fn, constants, args.warps, args.arch)}))
+
 
 if __name__ == "__main__":
     main()

@@ -1,40 +1,40 @@
-"""The factored update of `LowMemoryAdafactor` for one CUDA matrix as three Triton kernels (the ``fused`` path).
+"""The factored update of `LowMemoryAdafactor` for one CUDA matrix as Triton kernels (the ``fused`` path).
 
-Same math and the same random bits as the torch functions in optimizer_kernels.py, but each pass over the
-tensor is one kernel that reads the bf16 gradient once and keeps every fp32 value in registers:
-    1. statistics: row and column sums of g**2 (per tile, reduced by the small factor update)
+Same math and the same random bits as the torch functions in optimizer_kernels.py. Three passes over the tensor,
+each one kernel that reads the bf16 gradient once and keeps every fp32 value in registers:
+    1. statistics: row and column sums of g**2 (per tile)
     2. update RMS: sum of u**2, u = g * row_factor * col_factor
     3. apply: clip scale, momentum, weight decay, stochastic rounding, the in-place write of weight (and full
        momentum); with subspace momentum u + D P^T, D = (corrected - projected) momentum of the subspace
-So a (R, C) bf16 matrix costs about 10 bytes per element of memory traffic (14 with full momentum), where the
-compiled torch functions moved about 70 and made an fp32 copy of the gradient (measured: BENCHMARKS.md).
-Subspace momentum adds two GEMMs of the gradient's dtype through cuBLAS: the projection u P (R, r) and the
-back-projection D P^T, in row blocks that the apply pass adds; their bf16 operands round P and D to 8 bits, where
-the torch path multiplies in fp32 (tf32 on a GPU).
+and between passes 1 and 2 two small kernels: the scalars (finite?, step count, bias corrections; one program) and
+the row and column factors (state committed where finite). So a (R, C) bf16 matrix costs about 10 bytes per element
+of memory traffic (14 with full momentum), where the compiled torch functions moved about 70 and made an fp32 copy
+of the gradient, and its host time is five kernel launches and a sum: no compiled torch function runs per tensor,
+whose call alone took longer than the update of a small matrix (measured: BENCHMARKS.md).
+Subspace momentum adds two GEMMs of the gradient's dtype through cuBLAS, the projection u P (R, r) and the
+back-projection D P^T in row blocks that the apply pass adds, and a kernel for the subspace's momentum; the bf16
+operands round P and D to 8 bits, where the torch path multiplies in fp32 (tf32 on a GPU).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from trainer_ext.training.optimizer_kernels import (
     BETA1,
+    BETA2,
+    BETA2_DECAY,
     CLIP,
     EPS,
     LR,
     MOMENTUM_SALT,
     WEIGHT_DECAY,
     WEIGHT_SALT,
-    clip_scale,
-    compile_update,
-    momentum_bias_correction,
-    store_where,
-    update_factors,
 )
 
 # Tiles (rows, columns) of one program: of the statistics and update-RMS passes, and of the apply pass.
@@ -44,6 +44,11 @@ from trainer_ext.training.optimizer_kernels import (
 _TILE_ROWS, _TILE_COLS = 32, 256
 _APPLY_ROWS, _APPLY_COLS = 16, 128
 _BACK_NUMEL = 2**24
+# The factor update: rows per program and pass 1's row sums read per iteration (few: the row factor's consumers
+# each reduce the row programs' sums, at most 64 for 65,536 rows), columns per program and pass 1's column sums read
+# per iteration; the subspace momentum's tile (rows, basis vectors).
+_FACTOR_ROWS, _FACTOR_ROW_BLOCK, _FACTOR_COLS, _FACTOR_COL_BLOCK = 1024, 4, 64, 32
+_MOMENTUM_ROWS, _MOMENTUM_RANKS = 32, 64
 
 
 @triton.jit
@@ -86,22 +91,144 @@ def _stats_kernel(grad, row_part, col_part, sq_part, R, C, BR: tl.constexpr, BC:
 
 
 @triton.jit
-def _update_sq_kernel(grad, row_factor, col_factor, usq_part, R, C, BR: tl.constexpr, BC: tl.constexpr):
+def _pow(base, exponent, INTERPRETED: tl.constexpr):
+    """fp32 base ** exponent as the torch path computes it: libdevice's powf on a GPU (what torch.compile's kernels
+    call), and under the interpreter through fp64 exp and log, rounded as the CPU's powf. The bias corrections take
+    1 - beta ** t, which keeps only a few bits of an approximate power."""
+    if INTERPRETED:
+        return tl.exp(exponent.to(tl.float64) * tl.log(base.to(tl.float64))).to(tl.float32)
+    return libdevice.pow(base, exponent)
+
+
+@triton.jit
+def _scalar_kernel(sq_part, num_parts, step_ptr, totals, hyper, scalars, BETA2_DECAY: tl.constexpr,
+                   B: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One program: the gradient's sum of squares from pass 1's tile sums; ok (finite), the step count and the
+    grad-norm / skip totals as optimizer_kernels._record has them; scalars = [ok, 1 - beta1**step, beta2 of this
+    step, the second moment's bias correction] (optimizer_kernels._beta2_and_bias_correction)."""
+    acc = tl.zeros((B,), dtype=tl.float32)
+    start = 0
+    while start < num_parts:  # a while loop (not range) also runs under Triton's interpreter with numpy 2
+        offsets = start + tl.arange(0, B)
+        acc += tl.load(sq_part + offsets, mask=offsets < num_parts, other=0.0)
+        start += B
+    total = tl.sum(acc, axis=0)
+    ok = (total - total) == 0.0  # false for inf and nan
+    t = tl.load(step_ptr) + 1.0
+    beta2 = tl.load(hyper + 3)
+    if BETA2_DECAY:
+        beta2 = tl.minimum(beta2, 1.0 - _pow(t, -tl.load(hyper + 4), INTERPRETED))
+        correction = beta2 * 0.0 + 1.0
+    else:
+        correction = 1.0 - _pow(beta2, t, INTERPRETED)
+    step = t - 1.0 + ok.to(tl.float32)
+    tl.store(step_ptr, step)
+    tl.store(totals, tl.load(totals) + total)
+    tl.store(totals + 1, tl.load(totals + 1) + 1.0 - ok.to(tl.float32))
+    tl.store(scalars, ok.to(tl.float32))
+    tl.store(scalars + 1, 1.0 - _pow(tl.load(hyper + 2), tl.maximum(step, 1.0), INTERPRETED))
+    tl.store(scalars + 2, beta2)
+    tl.store(scalars + 3, correction)
+
+
+@triton.jit
+def _sum_tiles(parts, stride, num_tiles, index, bound, FB: tl.constexpr, FN: tl.constexpr):
+    """Sum over pass 1's tiles of ``parts`` (num_tiles, stride) at ``index`` (FN entries, those below ``bound``),
+    FB tiles per iteration."""
+    acc = tl.zeros((FB, FN), dtype=tl.float32)
+    tile = 0
+    while tile < num_tiles:
+        tiles = tile + tl.arange(0, FB)
+        acc += tl.load(parts + tiles[:, None] * stride + index[None, :],
+                       mask=(tiles[:, None] < num_tiles) & (index[None, :] < bound), other=0.0)
+        tile += FB
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _factor_kernel(row, col, row_part, col_part, row_raw, row_sums, col_factor, scalars, hyper, R, C, tiles_r,
+                   tiles_c, row_programs, FR: tl.constexpr, FBR: tl.constexpr, FC: tl.constexpr, FBC: tl.constexpr):
+    """The row and column averages of g**2 (committed where ok) and their inverse square roots. Programs below
+    ``row_programs`` take FR rows (and write their rows' sum of the new average, for its mean), the rest FC columns.
+    optimizer_kernels.update_factors's row factor, rsqrt(new_row / (mean * correction)), is _row_factor's."""
+    pid = tl.program_id(0)
+    ok = tl.load(scalars) != 0
+    beta2 = tl.load(scalars + 2)
+    eps = tl.load(hyper + 5)
+    if pid < row_programs:
+        rows = pid * FR + tl.arange(0, FR)
+        old_row = tl.load(row + rows, mask=rows < R, other=0.0)
+        new_row = beta2 * old_row + (1.0 - beta2) * (_sum_tiles(row_part, R, tiles_c, rows, R, FBR, FR) / C + eps)
+        tl.store(row + rows, tl.where(ok, new_row, old_row), mask=rows < R)
+        tl.store(row_raw + rows, 1.0 / tl.sqrt(new_row), mask=rows < R)
+        tl.store(row_sums + pid, tl.sum(tl.where(rows < R, new_row, 0.0), axis=0))
+    else:
+        cols = (pid - row_programs) * FC + tl.arange(0, FC)
+        old_col = tl.load(col + cols, mask=cols < C, other=0.0)
+        col_sum = _sum_tiles(col_part, C, tiles_r, cols, C, FBC, FC) + R * eps
+        new_col = beta2 * old_col + (1.0 - beta2) * col_sum / R
+        tl.store(col + cols, tl.where(ok, new_col, old_col), mask=cols < C)
+        tl.store(col_factor + cols, 1.0 / tl.sqrt(new_col), mask=cols < C)
+
+
+@triton.jit
+def _row_factor(row_raw, row_sums, row_programs, rows, R, scalars, P: tl.constexpr):
+    """The row factor of ``rows``: rsqrt(new_row) * sqrt(mean(new_row) * correction)."""
+    sums = tl.load(row_sums + tl.arange(0, P), mask=tl.arange(0, P) < row_programs, other=0.0)
+    scale = tl.sqrt(tl.sum(sums, axis=0) / R * tl.load(scalars + 3))
+    return tl.load(row_raw + rows, mask=rows < R, other=0.0) * scale
+
+
+@triton.jit
+def _clip_scale(update_sq, numel, hyper):
+    """optimizer_kernels.clip_scale."""
+    return 1.0 / tl.maximum(tl.sqrt(tl.load(update_sq) / numel) / tl.load(hyper + 6), 1.0)
+
+
+@triton.jit
+def _update_sq_kernel(grad, row_raw, row_sums, row_programs, col_factor, scalars, usq_part, R, C,
+                      BR: tl.constexpr, BC: tl.constexpr, P: tl.constexpr):
     """Per tile: the sum of u**2 with u = g * row_factor * col_factor (before clipping)."""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows, cols, mask, offsets = _tile(pid_r, pid_c, R, C, BR, BC)
     g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
-    rf = tl.load(row_factor + rows, mask=rows < R, other=0.0)
+    rf = _row_factor(row_raw, row_sums, row_programs, rows, R, scalars, P)
     cf = tl.load(col_factor + cols, mask=cols < C, other=0.0)
     u = g * rf[:, None] * cf[None, :]
     tl.store(usq_part + pid_r * tl.num_programs(1) + pid_c, tl.sum(tl.sum(u * u, axis=1), axis=0))
 
 
 @triton.jit
-def _apply_kernel(param, grad, momentum, back, row_factor, col_factor, update_sq, numel, scalars, step_ptr, keys,
-                  rows_per_chunk, hyper, row_start, row_end, C, BR: tl.constexpr, BC: tl.constexpr,
-                  FULL_MOMENTUM: tl.constexpr, SUBSPACE: tl.constexpr, PARAM_BF16: tl.constexpr,
-                  MOMENTUM_BF16: tl.constexpr):
+def _momentum_kernel(projected, row_raw, row_sums, row_programs, momentum, update_sq, numel, scalars, step_ptr,
+                     keys, chunk, hyper, row_start, rows_in_chunk, R, rank, BR: tl.constexpr, BK: tl.constexpr,
+                     P: tl.constexpr, MOMENTUM_BF16: tl.constexpr):
+    """Subspace momentum of one chunk of rows, in place of ``projected`` = g @ (col_factor * P) (rows_in_chunk, r):
+    u P = row_factor * projected * clip scale, m <- beta1 m + (1 - beta1) u P (stored where ok, stochastically
+    rounded with the chunk's key), then D = m / (1 - beta1**t) - u P, the back-projection's operand."""
+    pid_r, pid_k = tl.program_id(0), tl.program_id(1)
+    local, ranks, mask, offsets = _tile(pid_r, pid_k, rows_in_chunk, rank, BR, BK)
+    rf = _row_factor(row_raw, row_sums, row_programs, row_start + local, R, scalars, P)
+    ok = tl.load(scalars) != 0
+    value = tl.load(projected + offsets, mask=mask, other=0.0).to(tl.float32)
+    value = value * (rf[:, None] * _clip_scale(update_sq, numel, hyper))
+    beta1 = tl.load(hyper + 2)
+    old = tl.load(momentum + row_start * rank + offsets, mask=mask, other=0.0)
+    averaged = beta1 * old.to(tl.float32) + (1.0 - beta1) * value
+    stored = averaged
+    if MOMENTUM_BF16:
+        stored = _round_bf16_stochastic(averaged, offsets, tl.load(keys + chunk), tl.load(step_ptr).to(tl.int32),
+                                        0x68E31DA4)
+    tl.store(momentum + row_start * rank + offsets, tl.where(ok, stored, old.to(tl.float32)).to(old.dtype),
+             mask=mask)
+    tl.store(projected + offsets, (averaged / tl.load(scalars + 1) - value).to(projected.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _apply_kernel(param, grad, momentum, back, row_raw, row_sums, row_programs, col_factor, update_sq, numel,
+                  scalars, step_ptr, keys, rows_per_chunk, hyper, row_start, row_end, R, C, BR: tl.constexpr,
+                  BC: tl.constexpr, P: tl.constexpr, FULL_MOMENTUM: tl.constexpr, SUBSPACE: tl.constexpr,
+                  PARAM_BF16: tl.constexpr, MOMENTUM_BF16: tl.constexpr):
     """Rows [row_start, row_end): the clipped update, momentum (full, or the subspace correction ``back`` = D P^T of
     these rows), decay and the weight write."""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
@@ -113,12 +240,10 @@ def _apply_kernel(param, grad, momentum, back, row_factor, col_factor, update_sq
     step = tl.load(step_ptr)
     step_int = step.to(tl.int32)
     lr, decay = tl.load(hyper + 0), tl.load(hyper + 1)
-    rms = tl.sqrt(tl.load(update_sq) / numel)
-    scale = 1.0 / tl.maximum(rms / tl.load(hyper + 6), 1.0)
     g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
-    rf = tl.load(row_factor + rows, mask=rows < row_end, other=0.0)
+    rf = _row_factor(row_raw, row_sums, row_programs, rows, R, scalars, P)
     cf = tl.load(col_factor + cols, mask=cols < C, other=0.0)
-    update = g * rf[:, None] * (cf[None, :] * scale)
+    update = g * rf[:, None] * (cf[None, :] * _clip_scale(update_sq, numel, hyper))
     # The hash of a chunk of the torch path: its own key, element indices counted from its first row.
     chunk = rows // rows_per_chunk
     key = tl.load(keys + chunk, mask=rows < row_end, other=0)[:, None]
@@ -142,35 +267,7 @@ def _apply_kernel(param, grad, momentum, back, row_factor, col_factor, update_sq
 
 
 assert (WEIGHT_SALT, MOMENTUM_SALT) == (0x1B873593, 0x68E31DA4)  # spelled out in _apply_kernel
-assert (LR, WEIGHT_DECAY, BETA1, CLIP) == (0, 1, 2, 6)  # hyper offsets read by _apply_kernel
-
-
-def _factors(row, col, row_part, col_part, sq_part, step, totals, hyper, beta2_decay: bool):
-    """Reduce pass 1's tile sums to optimizer_kernels._grad_stats's outputs, then update the factors."""
-    squared_sum = sq_part.sum()
-    row_mean = row_part.sum(0, keepdim=True) / col.shape[-1] + hyper[EPS]
-    col_sum = col_part.sum(0, keepdim=True) + row.shape[-1] * hyper[EPS]
-    ok, row_factor, col_factor = update_factors(row, col, row_mean, col_sum, squared_sum, step, totals, hyper,
-                                                 beta2_decay)
-    # What _apply_kernel reads: ok, and the momentum's bias correction as optimizer_kernels._apply_update has it.
-    scalars = torch.stack([ok.float(), momentum_bias_correction(step, hyper)])
-    return scalars, row_factor, col_factor
-
-
-def _subspace_correction(grad, scaled_basis, row_factor, momentum, update_sq, numel: int, scalars, step, key,
-                         hyper):
-    """Subspace momentum of one chunk of rows: u P = row_factor * (g @ (col_factor * P)) as one GEMM in the
-    gradient's dtype, store m (R, r), return D = corrected - projected in that dtype (the back-projection's operand)."""
-    projected = (grad @ scaled_basis).float() * (row_factor[:, None] * clip_scale(update_sq, numel, hyper))
-    beta1 = hyper[BETA1]
-    averaged = beta1 * momentum.float() + (1.0 - beta1) * projected
-    store_where(momentum, averaged, scalars[0] != 0, key, step, MOMENTUM_SALT)
-    return (averaged / scalars[1] - projected).to(grad.dtype)
-
-
-@functools.cache
-def _compiled():
-    return compile_update(_factors), compile_update(_subspace_correction)
+assert (LR, WEIGHT_DECAY, BETA1, BETA2, BETA2_DECAY, EPS, CLIP) == tuple(range(7))  # hyper offsets in the kernels
 
 
 def supports(param: torch.Tensor) -> bool:
@@ -184,30 +281,35 @@ def fused_factored_update(param, grad, row, col, momentum, step, keys, hyper, to
                           rows_per_chunk: int, beta2_decay: bool) -> None:
     """One matrix's update: param, grad (R, C); row (1, R); col (1, C); momentum (R, C), or (R, r) in the
     subspace of ``projector`` (C, r), or None. ``keys`` are the torch path's per-chunk keys of ``rows_per_chunk``
-    rows each, so the stochastic rounding draws the same bits. The small glue between the kernels is compiled on
-    CUDA and eager on the CPU (Triton's interpreter)."""
-    factors, subspace_correction = _compiled() if param.is_cuda else (_factors, _subspace_correction)
+    rows each, so the stochastic rounding draws the same bits. Five Triton kernels and a sum (with subspace momentum
+    two GEMMs and a kernel more per chunk of rows): a few hundred microseconds of host time, which the update of a
+    small matrix is bound by."""
     grad = grad.contiguous()
     R, C = param.shape
     grid = (triton.cdiv(R, _TILE_ROWS), triton.cdiv(C, _TILE_COLS))
-    f32 = dict(dtype=torch.float32, device=param.device)
-    row_part = torch.empty(grid[1], R, **f32)
-    col_part = torch.empty(grid[0], C, **f32)
-    sq_part = torch.empty(grid[0] * grid[1], **f32)
+    row_programs = triton.cdiv(R, _FACTOR_ROWS)
+    P = max(16, triton.next_power_of_2(row_programs))
+    # All fp32 temporaries in one allocation, each part 16-byte aligned.
+    sizes = [grid[1] * R, grid[0] * C, grid[0] * grid[1], 4, R, row_programs, C, grid[0] * grid[1]]
+    buffer = torch.empty(sum(-(-n // 4) * 4 for n in sizes), dtype=torch.float32, device=param.device)
+    row_part, col_part, sq_part, scalars, row_raw, row_sums, col_factor, usq_part = (
+        t[:n] for t, n in zip(buffer.split([-(-n // 4) * 4 for n in sizes]), sizes))
     _stats_kernel[grid](grad, row_part, col_part, sq_part, R, C, BR=_TILE_ROWS, BC=_TILE_COLS)
-    scalars, row_factor, col_factor = factors(row, col, row_part, col_part, sq_part, step, totals, hyper,
-                                              beta2_decay)
-    row_factor, col_factor = row_factor.reshape(R), col_factor.reshape(C)
-    usq_part = torch.empty(grid[0] * grid[1], **f32)
-    _update_sq_kernel[grid](grad, row_factor, col_factor, usq_part, R, C, BR=_TILE_ROWS, BC=_TILE_COLS)
+    _scalar_kernel[(1,)](sq_part, sq_part.numel(), step, totals, hyper, scalars, BETA2_DECAY=beta2_decay, B=1024,
+                         INTERPRETED=not param.is_cuda)
+    _factor_kernel[(row_programs + triton.cdiv(C, _FACTOR_COLS),)](
+        row, col, row_part, col_part, row_raw, row_sums, col_factor, scalars, hyper, R, C, grid[0], grid[1],
+        row_programs, FR=_FACTOR_ROWS, FBR=_FACTOR_ROW_BLOCK, FC=_FACTOR_COLS, FBC=_FACTOR_COL_BLOCK)
+    factors = (row_raw, row_sums, row_programs)
+    _update_sq_kernel[grid](grad, *factors, col_factor, scalars, usq_part, R, C, BR=_TILE_ROWS, BC=_TILE_COLS, P=P)
     update_sq = usq_part.sum()
     full_momentum = momentum is not None and projector is None
 
     def apply(row_start: int, row_end: int, back=None) -> None:
         _apply_kernel[(triton.cdiv(row_end - row_start, _APPLY_ROWS), triton.cdiv(C, _APPLY_COLS))](
-            param, grad, momentum if full_momentum else param, param if back is None else back, row_factor,
-            col_factor, update_sq, param.numel(), scalars, step, keys, rows_per_chunk, hyper, row_start, row_end, C,
-            BR=_APPLY_ROWS, BC=_APPLY_COLS, FULL_MOMENTUM=full_momentum, SUBSPACE=back is not None,
+            param, grad, momentum if full_momentum else param, param if back is None else back, *factors,
+            col_factor, update_sq, param.numel(), scalars, step, keys, rows_per_chunk, hyper, row_start, row_end, R,
+            C, BR=_APPLY_ROWS, BC=_APPLY_COLS, P=P, FULL_MOMENTUM=full_momentum, SUBSPACE=back is not None,
             PARAM_BF16=param.dtype == torch.bfloat16,
             MOMENTUM_BF16=full_momentum and momentum.dtype == torch.bfloat16, num_warps=4)
 
@@ -216,13 +318,17 @@ def fused_factored_update(param, grad, row, col, momentum, step, keys, hyper, to
     # Subspace momentum: the projection u P and the back-projection D P^T are GEMMs in the gradient's dtype (bf16
     # operands, fp32 accumulation), per chunk of rows; the back-projection in blocks of at most _BACK_NUMEL
     # elements, each added by the apply kernel.
+    rank = projector.shape[-1]
     scaled_basis = (col_factor[:, None] * projector).to(grad.dtype)
     basis_t = projector.t().to(grad.dtype)
     block = max(1, _BACK_NUMEL // C)
     for i, start in enumerate(range(0, R, rows_per_chunk)):
         end = min(start + rows_per_chunk, R)
-        correction = subspace_correction(grad[start:end], scaled_basis, row_factor[start:end], momentum[start:end],
-                                         update_sq, param.numel(), scalars, step, keys[i], hyper)
+        correction = grad[start:end] @ scaled_basis
+        _momentum_kernel[(triton.cdiv(end - start, _MOMENTUM_ROWS), triton.cdiv(rank, _MOMENTUM_RANKS))](
+            correction, *factors, momentum, update_sq, param.numel(), scalars, step, keys, i, hyper, start,
+            end - start, R, rank, BR=_MOMENTUM_ROWS, BK=_MOMENTUM_RANKS, P=P,
+            MOMENTUM_BF16=momentum.dtype == torch.bfloat16)
         for block_start in range(start, end, block):
             block_end = min(block_start + block, end)
             apply(block_start, block_end, correction[block_start - start:block_end - start] @ basis_t)
