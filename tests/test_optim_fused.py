@@ -52,9 +52,9 @@ def _run(fused: bool, device: str, shape, dtype, momentum, fraction, max_chunk_n
     return weight.detach().float().cpu() - initial, state, norms, optimizer.skipped_updates
 
 
-def check_all(device: str) -> None:
+def check_all(device: str, cases=CASES) -> None:
     """Raise AssertionError unless the fused path matches the torch path on every case."""
-    for case in CASES:
+    for case in cases:
         reference, reference_state, reference_norms, reference_skips = _run(False, device, *case)
         fused, fused_state, fused_norms, fused_skips = _run(True, device, *case)
         assert fused_skips == reference_skips == 1, case
@@ -83,13 +83,27 @@ def check_all(device: str) -> None:
             assert error <= (2**-4 if name == "weight change" else 2**-7), (case, name, error.item())
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (the test extra on Linux x86-64)")
-def test_fused_update_equals_the_torch_path_under_the_interpreter():
+def _check_under_the_interpreter(setup: str = "pass", cases: str = "test_optim_fused.CASES") -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_optim_fused; " \
-           "test_optim_fused.check_all('cpu')"
+    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_optim_fused; {setup}; " \
+           f"test_optim_fused.check_all('cpu', {cases})"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (the test extra on Linux x86-64)")
+def test_fused_update_equals_the_torch_path_under_the_interpreter():
+    _check_under_the_interpreter()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (the test extra on Linux x86-64)")
+def test_fused_update_in_small_blocks_equals_the_torch_path():
+    """The row factor's mean over several row programs of 32 rows (70 rows: a partial last one), and the subspace
+    back-projection in blocks of 7 rows, which do not divide the chunks of 30 rows: what the defaults reach only on
+    matrices of more than 1,024 rows or 2**24 elements."""
+    _check_under_the_interpreter(
+        "from trainer_ext.training import optimizer_triton as kernels; kernels._FACTOR_ROWS = 32; "
+        "kernels._BACK_NUMEL = 200 * 7", "[test_optim_fused.CASES[i] for i in (1, 2, 4, 5)]")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
