@@ -39,8 +39,8 @@ from trainer_ext.training.optimizer_kernels import (
 
 # Tiles (rows, columns) of one program: of the statistics and update-RMS passes, and of the apply pass.
 # `benchmarks/kernel_resources.py` reports each kernel's registers and spills: the apply pass spills at 32 x 256
-# (300-1,440 bytes per thread) and not at 16 x 128, which measured 7-16% less GPU time per tensor (BENCHMARKS.md). The subspace
-# back-projection is materialised in blocks of at most _BACK_NUMEL elements (32 MiB in bf16).
+# (300-1,440 bytes per thread) and not at 16 x 128, which measured 7-16% less GPU time per tensor (BENCHMARKS.md).
+# The subspace back-projection is materialised in blocks of at most _BACK_NUMEL elements (32 MiB in bf16).
 _TILE_ROWS, _TILE_COLS = 32, 256
 _APPLY_ROWS, _APPLY_COLS = 16, 128
 _BACK_NUMEL = 2**24
@@ -291,9 +291,10 @@ def fused_factored_update(param, grad, row, col, momentum, step, keys, hyper, to
     P = max(16, triton.next_power_of_2(row_programs))
     # All fp32 temporaries in one allocation, each part 16-byte aligned.
     sizes = [grid[1] * R, grid[0] * C, grid[0] * grid[1], 4, R, row_programs, C, grid[0] * grid[1]]
-    buffer = torch.empty(sum(-(-n // 4) * 4 for n in sizes), dtype=torch.float32, device=param.device)
+    padded = [-(-n // 4) * 4 for n in sizes]
+    buffer = torch.empty(sum(padded), dtype=torch.float32, device=param.device)
     row_part, col_part, sq_part, scalars, row_raw, row_sums, col_factor, usq_part = (
-        t[:n] for t, n in zip(buffer.split([-(-n // 4) * 4 for n in sizes]), sizes))
+        t[:n] for t, n in zip(buffer.split(padded), sizes))
     _stats_kernel[grid](grad, row_part, col_part, sq_part, R, C, BR=_TILE_ROWS, BC=_TILE_COLS)
     _scalar_kernel[(1,)](sq_part, sq_part.numel(), step, totals, hyper, scalars, BETA2_DECAY=beta2_decay, B=1024,
                          INTERPRETED=not param.is_cuda)
