@@ -58,7 +58,7 @@ def validate_group(group: dict, check_params: bool = True) -> None:
 
 
 # Salts that give weights, momentum and subspace bases independent random streams.
-WEIGHT_SALT, MOMENTUM_SALT, PROJECTOR_SALT = 0x1B873593, 0x68E31DA4, 0x2545F491
+WEIGHT_SALT, MOMENTUM_SALT, _PROJECTOR_SALT = 0x1B873593, 0x68E31DA4, 0x2545F491
 
 
 # ----------------------------------------------------------------------------- random bits and rounding
@@ -96,7 +96,7 @@ def round_to_bf16_stochastic(x: torch.Tensor, random_bits: torch.Tensor) -> torc
     return (bits & -65536).view(torch.float32).to(torch.bfloat16)
 
 
-def store_where(target: torch.Tensor, value: torch.Tensor, ok: torch.Tensor, key: torch.Tensor,
+def _store_where(target: torch.Tensor, value: torch.Tensor, ok: torch.Tensor, key: torch.Tensor,
                 step: torch.Tensor, salt: int) -> None:
     """Write fp32 ``value`` into ``target`` (in its own dtype) where ``ok``, else leave it unchanged."""
     if target.dtype == torch.bfloat16:
@@ -133,12 +133,12 @@ def _record(step: torch.Tensor, grad_sq: torch.Tensor, totals: torch.Tensor) -> 
     return ok
 
 
-def momentum_bias_correction(step: torch.Tensor, hyper: torch.Tensor) -> torch.Tensor:
+def _momentum_bias_correction(step: torch.Tensor, hyper: torch.Tensor) -> torch.Tensor:
     """1 - beta1**t, the denominator that removes the bias of the first moment (Adam's)."""
     return 1.0 - hyper[BETA1].pow(torch.clamp(step, min=1.0))
 
 
-def clip_scale(update_sq: torch.Tensor, numel: int, hyper: torch.Tensor) -> torch.Tensor:
+def _clip_scale(update_sq: torch.Tensor, numel: int, hyper: torch.Tensor) -> torch.Tensor:
     """Adafactor's update clipping: divide by max(1, RMS(update) / clip_threshold)."""
     return 1.0 / torch.clamp(torch.sqrt(update_sq / numel) / hyper[CLIP], min=1.0)
 
@@ -157,12 +157,12 @@ def _apply_update(param: torch.Tensor, update: torch.Tensor, momentum: torch.Ten
         beta1 = hyper[BETA1]
         projected = update if projector is None else update @ projector
         averaged = beta1 * momentum.float() + (1.0 - beta1) * projected
-        store_where(momentum, averaged, ok, key, step, MOMENTUM_SALT)
-        corrected = averaged / momentum_bias_correction(step, hyper)
+        _store_where(momentum, averaged, ok, key, step, MOMENTUM_SALT)
+        corrected = averaged / _momentum_bias_correction(step, hyper)
         update = corrected if projector is None else update + (corrected - projected) @ projector.T
     lr = hyper[LR]
     new_param = param.float() * (1.0 - lr * hyper[WEIGHT_DECAY]) - lr * update
-    store_where(param, new_param, ok, key, step, WEIGHT_SALT)
+    _store_where(param, new_param, ok, key, step, WEIGHT_SALT)
 
 
 def _grad_stats(grad: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor, grad_sq: torch.Tensor,
@@ -177,7 +177,7 @@ def _grad_stats(grad: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tenso
     grad_sq.add_(squared.sum())
 
 
-def update_factors(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor,
+def _update_factors(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor,
                    grad_sq: torch.Tensor, step: torch.Tensor, totals: torch.Tensor, hyper: torch.Tensor,
                    beta2_decay: bool):
     """Update the row (B, R) and column (B, C) averages; return ok and the factors of 1/sqrt(v_hat).
@@ -202,7 +202,7 @@ def _factored_update_sq(grad: torch.Tensor, row_factor: torch.Tensor, col_factor
 
 def _factored_apply(param, grad, momentum, row_factor, col_factor, update_sq, numel: int, ok, step, key,
                     hyper, projector=None) -> None:
-    scale = clip_scale(update_sq, numel, hyper)
+    scale = _clip_scale(update_sq, numel, hyper)
     update = grad.float() * row_factor.unsqueeze(-1) * (col_factor.unsqueeze(-2) * scale)
     _apply_update(param, update, momentum, ok, step, key, hyper, projector)
 
@@ -214,7 +214,7 @@ class _Kernels(NamedTuple):
     apply: Callable
 
 
-EAGER_KERNELS = _Kernels(_grad_stats, update_factors, _factored_update_sq, _factored_apply)
+EAGER_KERNELS = _Kernels(_grad_stats, _update_factors, _factored_update_sq, _factored_apply)
 _WHOLE = ((slice(None), slice(None)),)
 
 
@@ -257,7 +257,7 @@ def range_finder(grad: torch.Tensor, chunks, rank: int, key: torch.Tensor, refre
     non-finite gradient): the caller keeps its previous basis.
     """
     columns = grad.shape[-1]
-    bits = _random_bits(torch.Size((columns, rank)), key, torch.tensor(refresh, device=key.device), PROJECTOR_SALT)
+    bits = _random_bits(torch.Size((columns, rank)), key, torch.tensor(refresh, device=key.device), _PROJECTOR_SALT)
     omega = (bits & 0xFFFF).float() / 32768.0 - 1.0
     basis = torch.zeros(columns, rank, dtype=torch.float32, device=grad.device)
     for rows in chunks:
@@ -276,7 +276,7 @@ def unfactored_update(param, grad, second_moment, momentum, step, keys, hyper, t
     ok = _record(step, grad_sq.sum(), totals)
     second_moment.copy_(torch.where(ok, new_second_moment, second_moment))
     update = grad32 * torch.rsqrt(new_second_moment / bias_correction)
-    update = update * clip_scale(update.square().sum(), update.numel(), hyper)
+    update = update * _clip_scale(update.square().sum(), update.numel(), hyper)
     _apply_update(param, update, momentum, ok, step, keys[0], hyper)
 
 
@@ -286,7 +286,7 @@ def unfactored_update(param, grad, second_moment, momentum, step, keys, hyper, t
 _RECOMPILE_LIMIT = 64
 
 
-def compile_update(fn: Callable) -> Callable:
+def _compile_update(fn: Callable) -> Callable:
     options = dict(fullgraph=True, dynamic=True)
     if "recompile_limit" in inspect.signature(torch.compile).parameters:
         return torch.compile(fn, recompile_limit=_RECOMPILE_LIMIT, **options)
@@ -300,8 +300,8 @@ def compile_update(fn: Callable) -> Callable:
 @functools.cache
 def compiled_kernels() -> tuple[_Kernels, Callable, Callable]:
     """Compiled kernels, built on first use."""
-    kernels = _Kernels(*(compile_update(fn) for fn in EAGER_KERNELS))
-    return kernels, compile_update(_factored_update_whole), compile_update(unfactored_update)
+    kernels = _Kernels(*(_compile_update(fn) for fn in EAGER_KERNELS))
+    return kernels, _compile_update(_factored_update_whole), _compile_update(unfactored_update)
 
 
 @functools.lru_cache(maxsize=256)

@@ -150,7 +150,7 @@ def _factor_kernel(row, col, row_part, col_part, row_raw, row_sums, col_factor, 
                    tiles_c, row_programs, FR: tl.constexpr, FBR: tl.constexpr, FC: tl.constexpr, FBC: tl.constexpr):
     """The row and column averages of g**2 (committed where ok) and their inverse square roots. Programs below
     ``row_programs`` take FR rows (and write their rows' sum of the new average, for its mean), the rest FC columns.
-    optimizer_kernels.update_factors's row factor, rsqrt(new_row / (mean * correction)), is _row_factor's."""
+    optimizer_kernels._update_factors's row factor, rsqrt(new_row / (mean * correction)), is _row_factor's."""
     pid = tl.program_id(0)
     ok = tl.load(scalars) != 0
     beta2 = tl.load(scalars + 2)
@@ -181,7 +181,7 @@ def _row_factor(row_raw, row_sums, row_programs, rows, R, scalars, P: tl.constex
 
 @triton.jit
 def _clip_scale(update_sq, numel, hyper):
-    """optimizer_kernels.clip_scale."""
+    """optimizer_kernels._clip_scale."""
     return 1.0 / tl.maximum(tl.sqrt(tl.load(update_sq) / numel) / tl.load(hyper + 6), 1.0)
 
 
