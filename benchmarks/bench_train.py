@@ -18,7 +18,7 @@ import sys
 
 
 class TorchProfileCallback:
-    """Records steps [start, start + count) with torch.profiler and prints the top CUDA kernels."""
+    """Records steps [start, start + count) with torch.profiler; prints the top ops by GPU time and by host time."""
 
     def __new__(cls, start: int, count: int, path: str):
         from torch.profiler import ProfilerActivity, profile
@@ -33,7 +33,10 @@ class TorchProfileCallback:
             def on_step_end(self, args, state, control, **kwargs):
                 if state.global_step == start + count and hasattr(self, "prof"):
                     self.prof.__exit__(None, None, None)
-                    table = self.prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+                    averages = self.prof.key_averages()
+                    # The GPU's kernels, then where the host's time goes (a host-bound step shows it there).
+                    table = (averages.table(sort_by="cuda_time_total", row_limit=25) + "\n"
+                             + averages.table(sort_by="self_cpu_time_total", row_limit=40))
                     with open(path, "w") as f:
                         f.write(table)
                     print(table)
@@ -89,6 +92,12 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
         "loss_rise_over_min_10": rise_over_running_min(losses, spike_from, window=10),
     }
     row.update({k: v for e in logs for k, v in e.items() if k.startswith("profile/")})
+    plan_path = os.path.join(out_dir, "memory_plan.json")  # written where the memory plan applied
+    if os.path.exists(plan_path):
+        with open(plan_path) as f:
+            plan = json.load(f)
+        row.update({f"plan/{k}": plan.get(k) for k in ("per_device_train_batch_size", "recompute_description",
+                                                       "predicted_peak_gib", "measured_peak_gib")})
     return row
 
 

@@ -180,13 +180,15 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
         disable_tqdm=True, seed=0, use_cpu=not cuda, **{_CHECKPOINTING: not recompute.empty},
         # The CPU dry run checks the compiled path's bookkeeping without a C++ toolchain.
         **({} if cuda else {"torch_compile_backend": "eager"}))
+    from trainer_ext.distill.losses import default_chunk_size
     from trainer_ext.training.arguments import RecurrentTrainingArguments
 
     args = RecurrentTrainingArguments(**args_kwargs)
     data = _RandomTokens(config.vocab_size, spec["seq_len"], steps * spec["batch_size"], TOPK if spec["distill"] else 0)
     record = {"momentum": momentum or 0.0, "momentum_rank_fraction": rank_fraction,
               "optimizer_state_bytes": optimizer_state_bytes(model, state), "recompute_set": recompute.to_dict(), "graph_steps": graph_steps(config),
-              "num_steps": config.mean_recurrence, "params": params, "loss_chunk_size": args.loss_chunk_size,
+              "num_steps": config.mean_recurrence, "params": params,
+              "loss_chunk_size": args.loss_chunk_size or default_chunk_size(config.vocab_size),
               "distill_topk": TOPK if spec["distill"] else 0, "config": _shape(config)}
     _reset_model(model)
     _free(device)

@@ -13,6 +13,7 @@ from trainer_ext.distill.losses import (
     OnlineTeacher,
     TopKTeacher,
     chunked_lm_loss,
+    default_chunk_size,
     teacher_topk,
 )
 
@@ -284,6 +285,73 @@ def test_no_positions_by_vocab_tensor(teacher_kind):
         out = chunked_lm_loss(hidden, weight, labels, teacher=teacher, divergence="jsd", chunk_size=16)
         out.loss.backward()
     assert 0 < mode.max_numel < 128 * 64 / 2
+
+
+class _OpNames(TorchDispatchMode):
+    """Records the names of the ops run."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# Ops whose result the host reads: on a GPU each waits for every kernel queued before it.
+_HOST_READS = {"aten.nonzero.default", "aten._local_scalar_dense.default", "aten.is_nonzero.default",
+               "aten.item.default"}
+
+
+@pytest.mark.parametrize("teacher_kind", [None, "online", "topk"])
+def test_loss_and_backward_never_wait_for_the_device(teacher_kind):
+    hidden, weight, labels, t_hidden, t_weight = make_inputs()
+    teacher = {None: None, "online": OnlineTeacher(t_hidden, t_weight),
+               "topk": TopKTeacher(*teacher_topk(t_hidden @ t_weight.T, k=5))}[teacher_kind]
+    with _OpNames() as mode:
+        out = chunked_lm_loss(hidden, weight, labels, teacher=teacher, chunk_size=CHUNK)
+        out.loss.backward()
+    assert "aten.mm.default" in mode.names  # the mode saw the loss's ops
+    assert not mode.names & _HOST_READS
+
+
+def test_ignored_positions_get_zero_gradient():
+    hidden, weight, labels, t_hidden, t_weight = make_inputs()
+    out = chunked_lm_loss(hidden, weight, labels, teacher=OnlineTeacher(t_hidden, t_weight), chunk_size=CHUNK)
+    (g_hidden,) = torch.autograd.grad(out.loss, hidden)
+    ignored = labels == -100
+    assert (g_hidden[ignored] == 0).all() and (g_hidden[~ignored] != 0).any(dim=-1).all()
+
+
+def test_default_chunk_size_is_a_fixed_number_of_logits():
+    assert default_chunk_size(65536) == 1024 and default_chunk_size(32768) == 2048
+    assert default_chunk_size(10**9) == 64  # never fewer positions than that
+    hidden, weight, labels, _, _ = make_inputs()
+    default = chunked_lm_loss(hidden, weight, labels)
+    torch.testing.assert_close(default.loss, chunked_lm_loss(hidden, weight, labels, chunk_size=CHUNK).loss)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the half-precision head-gradient GEMM")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_head_on_cuda_matches_fp32(dtype):
+    # On CUDA a bf16 head's gradient accumulates bf16 products in fp32 (fp16 takes the fp32 path): compare with the
+    # fp32 loss on the same rounded inputs (a CE gradient rounded to the half dtype costs about 2**-8 relative).
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 300, 64, generator=g).to("cuda", dtype).requires_grad_()
+    weight = (0.3 * torch.randn(500, 64, generator=g)).to("cuda", dtype).requires_grad_()
+    labels = torch.randint(0, 500, (2, 300), generator=g).cuda()
+    labels[0, :7] = -100
+    out = chunked_lm_loss(hidden, weight, labels, chunk_size=128)
+    got = torch.autograd.grad(out.loss, (hidden, weight))
+    hidden32, weight32 = (t.detach().float().requires_grad_() for t in (hidden, weight))
+    ref = chunked_lm_loss(hidden32, weight32, labels, chunk_size=128)
+    want = torch.autograd.grad(ref.loss, (hidden32, weight32))
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-2, atol=1e-3)
+    for a, b in zip(got, want):
+        assert a.dtype == dtype
+        err = (a.float() - b).norm() / b.norm()
+        assert err < 2**-6, err
 
 
 @pytest.mark.parametrize(

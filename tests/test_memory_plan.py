@@ -25,6 +25,7 @@ from trainer_ext.training.memory_plan import (
     MemoryPlanCallback,
     NoPlanError,
     apply_memory_plan,
+    plan_for_preset,
     plan_memory,
     training_shape,
 )
@@ -146,7 +147,6 @@ def test_cli_prints_the_plan_as_json(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "recurrent-3.3b", "--calibration", "missing.json"], "missing.json not found.*--calibrate"),
     (["--preset", "nope"], "--preset 'nope' is not a preset"),
-    (["--preset", "transformer-3.3b"], "Transformer baseline"),
     (["--preset", "recurrent-7b", "--cap_gib", "8"], "smallest predicted peak"),
     (["--preset", "recurrent-7b", "--seq_len", "0"], "--seq_len=0"),
     (["--calibrate", "missing.jsonl"], "--calibrate needs --calibration"),
@@ -224,6 +224,23 @@ def test_an_explicit_batch_size_wins_over_the_plan(tmp_path, monkeypatch):
     assert len(plan.recompute.prelude) + len(plan.recompute.coda) < 14
     with pytest.raises(ValueError, match="--memory_plan auto: No batch size fits.*--memory_plan none"):
         apply_memory_plan(small, presets.get("recurrent-7b"), 2048, 2)
+
+
+def test_a_transformer_checkpoints_all_its_layers_or_none(tmp_path, monkeypatch):
+    # Its plan is one of the two sets transformers' checkpointing flag can carry out, the faster that fits.
+    config = presets.get("transformer-125m")
+    roomy = plan_for_preset("transformer-125m", 1024, 24, max_batch_size=16)
+    assert roomy.recompute.empty and roomy.per_device_train_batch_size == 16
+    tight = plan_for_preset("transformer-125m", 2048, 24)
+    assert tight.recompute == RecomputeSet.named("all", training_shape(config), 0)
+    assert tight.per_device_train_batch_size > roomy.per_device_train_batch_size
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", per_device_train_batch_size=32)
+    fake_24gb_cuda(monkeypatch, args)
+    callbacks = apply_memory_plan(args, config, 1024, 2)
+    assert getattr(args, _CHECKPOINTING) is False and args.per_device_train_batch_size == 32
+    assert [type(c) for c in callbacks] == [MemoryPlanCallback]  # no per-layer set: the model is not recurrent
+    with pytest.raises(ValueError, match="No batch size fits"):
+        plan_for_preset("transformer-3.3b", 2048, 4)
 
 
 def test_per_step_recompute_gives_the_loss_and_gradients_of_no_recompute():

@@ -1,11 +1,12 @@
 """One chunked LM loss for plain cross-entropy and for distillation from a teacher.
 
 The loss takes the student's last hidden states and its LM head weight instead of logits, so a
-(positions, vocab) fp32 tensor is never built for the whole batch: the non-ignored positions are
-processed `chunk_size` at a time. For a 100k vocabulary and 8k positions, full fp32 logits would be
-3.2 GB, and autograd would keep several tensors of that size alive until backward. Following
-Liger-Kernel's fused linear losses, the gradients wrt hidden states and head weight are therefore
-also computed chunk by chunk in the forward pass; backward only scales them by the incoming grad.
+(positions, vocab) fp32 tensor is never built for the whole batch: the positions are processed `chunk_size` at a
+time (by default as many as make 2**26 logits, 256 MiB in fp32: 1,024 positions of a 65,536-entry vocabulary).
+For a 100k vocabulary and 8k positions, full fp32 logits would be 3.2 GB, and autograd would keep several tensors
+of that size alive until backward. Following Liger-Kernel's fused linear losses, the gradients wrt hidden states and
+head weight are therefore also computed chunk by chunk in the forward pass; backward only scales them by the
+incoming grad.
 
 Per non-ignored position (labels == -100 are ignored), averaged over those positions:
 
@@ -49,6 +50,14 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 # cached top-k probabilities sum to 1 within rounding, and a zero tail would make reverse KL
 # infinite; 1e-6 is about the resolution of an fp32 sum of probabilities.
 TAIL_FLOOR = 1e-6
+# Logits per chunk of positions by default: 256 MiB in fp32, the 1,024 positions of a 65,536-entry vocabulary. Fewer,
+# larger chunks launch fewer kernels (a chunk is about twenty), which is what a small model's step waits on.
+CHUNK_LOGITS = 2**26
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Positions per chunk of the loss for a head of `vocab_size` rows: CHUNK_LOGITS logits, at least 64 positions."""
+    return max(64, CHUNK_LOGITS // max(vocab_size, 1))
 
 
 @dataclass
@@ -64,7 +73,7 @@ class OnlineTeacher:
     vocab_limit: int | None = None
 
     def _log_probs(self, rows, student_logits, temperature, vocab_limit):
-        hidden = _gather_rows(self.hidden, rows).to(self.lm_head_weight.dtype)  # (C, H_t)
+        hidden = _rows(self.hidden, rows).to(self.lm_head_weight.dtype)  # (C, H_t)
         teacher_logits = (hidden @ self.lm_head_weight.T)[:, :vocab_limit].float()  # (C, L)
         teacher_lp = F.log_softmax(teacher_logits.div_(temperature), dim=-1)  # in place: one less C x L
         student_lp = F.log_softmax(student_logits[:, :vocab_limit] / temperature, dim=-1)
@@ -84,8 +93,8 @@ class TopKTeacher:
     vocab_limit: int | None = None
 
     def _log_probs(self, rows, student_logits, temperature, vocab_limit):
-        ids = _gather_rows(self.ids, rows).long()  # (C, k)
-        logprobs = _gather_rows(self.logprobs, rows).float()  # (C, k)
+        ids = _rows(self.ids, rows).long()  # (C, k)
+        logprobs = _rows(self.logprobs, rows).float()  # (C, k)
         # Re-spread the top-k mass by temperature, keep its total (and so the tail) unchanged.
         top_mass = torch.logsumexp(logprobs, dim=-1, keepdim=True)
         teacher_lp = _append_tail(top_mass + F.log_softmax(logprobs / temperature, dim=-1))
@@ -131,7 +140,7 @@ def chunked_lm_loss(
     temperature: float = 1.0,
     divergence: str = "forward_kl",
     jsd_beta: float = 0.5,
-    chunk_size: int = 512,
+    chunk_size: int | None = None,
 ) -> LossOutput:
     """(1 - alpha) * CE + alpha * T^2 * D, from hidden (B, T, H), head weight (V, H), labels (B, T).
 
@@ -143,8 +152,10 @@ def chunked_lm_loss(
     Peak memory: an fp32 V x H gradient accumulator (cast to the weight's dtype at the end), a
     gradient the size of `hidden`, and per chunk about 4 (CE) to 12 (online teacher, JSD)
     chunk_size x V fp32 temporaries. Halving chunk_size halves the latter at little speed cost
-    while a chunk's matmul stays large.
+    while a chunk's matmul stays large; None takes `default_chunk_size(V)`.
     """
+    if chunk_size is None:
+        chunk_size = default_chunk_size(lm_head_weight.shape[0])
     vocab_limit = _validate(
         hidden, lm_head_weight, labels, teacher, alpha, temperature, divergence, jsd_beta, chunk_size
     )
@@ -206,18 +217,18 @@ class _ChunkedLMLoss(torch.autograd.Function):
 def _forward_and_grads(hidden, weight, labels, teacher, options):
     hidden_flat = hidden.flatten(0, 1)  # (N, H)
     labels_flat = labels.flatten()  # (N,)
-    rows = (labels_flat != IGNORE_INDEX).nonzero().squeeze(1)  # kept positions
-    num_targets = rows.numel()
+    positions = labels_flat.numel()
     device = hidden.device
-
-    # Per-token mean; with no target at all the loss is 0 rather than 0/0, so an empty micro-batch
+    # Every position runs through the head, ignored ones included (their CE and D are 0, and so are their
+    # gradients): compacting the kept positions would need their count on the host, a wait for the GPU each step.
+    # Per-token mean over the kept positions; with none the loss is 0 rather than 0/0, so an empty micro-batch
     # cannot turn the whole step into NaN.
-    inv_count = 1.0 / max(num_targets, 1)
+    inv_count = 1.0 / (labels_flat != IGNORE_INDEX).sum().clamp(min=1).float()
     ce_weight = (1.0 - options.alpha) * inv_count
     kd_weight = options.alpha * options.temperature**2 * inv_count
     needs_grad = options.grad_hidden or options.grad_weight
 
-    grad_hidden = torch.zeros_like(hidden_flat) if options.grad_hidden else None
+    grad_hidden = torch.empty_like(hidden_flat) if options.grad_hidden else None
     # fp32 accumulation across chunks; cast to the weight's dtype once at the end.
     grad_weight = (
         torch.zeros(weight.shape, dtype=torch.float32, device=device) if options.grad_weight else None
@@ -225,25 +236,23 @@ def _forward_and_grads(hidden, weight, labels, teacher, options):
     ce_sum = torch.zeros((), dtype=torch.float32, device=device)
     kd_sum = torch.zeros((), dtype=torch.float32, device=device)
 
-    for start in range(0, num_targets, options.chunk_size):
-        chunk_rows = rows[start : start + options.chunk_size]
-        chunk_hidden = hidden_flat[chunk_rows].to(weight.dtype)  # (C, H)
+    for start in range(0, positions, options.chunk_size):
+        rows = slice(start, min(start + options.chunk_size, positions))
+        chunk_hidden = hidden_flat[rows].to(weight.dtype)  # (C, H), a view where the dtypes agree
         logits = (chunk_hidden @ weight.T).float()  # (C, V): matmul in input dtype, loss in fp32
         # Autograd only over this chunk's loss wrt its logits; the head matmuls are done by hand
         # below so the weight never enters a graph and its gradient accumulates in place.
         with torch.enable_grad():
             logits.requires_grad_(needs_grad)
-            ce, kd = _chunk_loss_sums(logits, labels_flat[chunk_rows], teacher, chunk_rows, options)
+            ce, kd = _chunk_loss_sums(logits, labels_flat[rows], teacher, rows, options)
             if needs_grad:
                 (grad_logits,) = torch.autograd.grad(ce_weight * ce + kd_weight * kd, logits)
         ce_sum += ce.detach()
         kd_sum += kd.detach()
         if options.grad_hidden:
-            chunk_grad = grad_logits.to(weight.dtype) @ weight  # (C, H)
-            grad_hidden.index_copy_(0, chunk_rows, chunk_grad.to(hidden.dtype))
+            grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight  # (C, H)
         if options.grad_weight:
-            # fp32 addmm in place: no V x H temporary per chunk.
-            grad_weight.addmm_(grad_logits.T, chunk_hidden.float())
+            _accumulate_head_grad(grad_weight, grad_logits, chunk_hidden)
 
     ce_mean = ce_sum * inv_count
     kd_mean = kd_sum * inv_count
@@ -255,13 +264,27 @@ def _forward_and_grads(hidden, weight, labels, teacher, options):
     return loss, ce_mean, kd_mean, grad_hidden, grad_weight
 
 
+def _accumulate_head_grad(grad_weight, grad_logits, chunk_hidden):
+    """grad_weight (V, H) fp32 += grad_logits.T @ chunk_hidden, in place: no V x H temporary per chunk.
+
+    A bf16 head on CUDA multiplies in bf16 with fp32 accumulation and output (tensor cores at the bf16 rate, not
+    TF32's half of it); elsewhere in fp32 (fp16 would flush the small gradients of a large batch to zero).
+    """
+    if chunk_hidden.is_cuda and chunk_hidden.dtype == torch.bfloat16:
+        torch.addmm(grad_weight, grad_logits.T.to(chunk_hidden.dtype), chunk_hidden, out_dtype=torch.float32,
+                    out=grad_weight)
+    else:
+        grad_weight.addmm_(grad_logits.T, chunk_hidden.float())
+
+
 def _chunk_loss_sums(logits, targets, teacher, rows, options):
-    """Summed CE and summed D over one chunk of positions; logits (C, V) fp32."""
-    ce = F.cross_entropy(logits, targets, reduction="sum")
+    """Summed CE and summed D over the kept positions of one chunk; logits (C, V) fp32."""
+    ce = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
     if teacher is None:
         return ce, logits.new_zeros(())
     teacher_lp, student_lp = teacher._log_probs(rows, logits, options.temperature, options.vocab_limit)
-    kd = _divergence(teacher_lp, student_lp, options.divergence, options.jsd_beta).sum()
+    per_row = _divergence(teacher_lp, student_lp, options.divergence, options.jsd_beta)
+    kd = torch.where(targets != IGNORE_INDEX, per_row, 0.0).sum()  # ignored positions count in neither term
     return ce, kd
 
 
@@ -281,10 +304,9 @@ def _kl(p_lp, q_lp):
     return (p_lp.exp() * (p_lp - q_lp)).sum(-1)
 
 
-def _gather_rows(x, rows):
-    """x[b, t] for flat position indices rows = b * T + t; x is (B, T, ...), never copied whole."""
-    seq = x.shape[1]
-    return x[rows // seq, rows % seq]
+def _rows(x, rows):
+    """Positions `rows` (a slice of the flattened batch) of x (B, T, ...): a view, never a copy of x."""
+    return x.flatten(0, 1)[rows]
 
 
 def _append_tail(support_lp):

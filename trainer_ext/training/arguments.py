@@ -163,7 +163,9 @@ class RecurrentTrainingArguments(TrainingArguments):
     profile_steps: int = field(default=30, metadata={"help": "Synchronized phase timing for the first N steps."})
     peak_flops: float | None = field(
         default=None, metadata={"help": "Peak FLOP/s for MFU (default: the device's bf16 datasheet peak)."})
-    loss_chunk_size: int = field(default=1024, metadata={"help": "Positions per chunk of the LM loss."})
+    loss_chunk_size: int | None = field(
+        default=None, metadata={"help": "Positions per chunk of the LM loss (default: 2**26 logits per chunk, 256 MiB "
+                                        "in fp32; 1,024 positions of a 65,536-entry vocabulary)."})
     distill_alpha: float = field(default=0.5, metadata={"help": "Weight of the distillation term."})
     distill_temperature: float = field(default=1.0, metadata={"help": "Distillation temperature T."})
     distill_divergence: str = field(default="forward_kl", metadata={"help": f"One of {list(DIVERGENCES)}."})
@@ -325,8 +327,9 @@ class RecurrentTrainingArguments(TrainingArguments):
                   "an integer >= 1 (recurrent steps), or unset for the model config's default")
         check("profile_steps", is_int(self.profile_steps) and self.profile_steps >= 0,
               "an integer >= 0 (0 turns step profiling off)")
-        check("loss_chunk_size", is_int(self.loss_chunk_size) and self.loss_chunk_size >= 1,
-              "an integer >= 1 (positions per chunk of the loss)")
+        check("loss_chunk_size", self.loss_chunk_size is None or (is_int(self.loss_chunk_size)
+                                                                   and self.loss_chunk_size >= 1),
+              "an integer >= 1 (positions per chunk of the loss), or unset for 2**26 logits per chunk")
         check("optimizer_momentum",
               self.optimizer_momentum is None or (is_number(self.optimizer_momentum)
                                                   and 0 <= self.optimizer_momentum < 1),

@@ -72,10 +72,14 @@ class ModelShape:
 
         params = parameter_counts(config).unique if params is None else params
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if hasattr(config, "n_core_layers"):
+            layers = (config.n_prelude_layers, config.n_core_layers, config.n_coda_layers, config.mean_recurrence,
+                      graph_steps(config), 3 if config.injection == "concat" else 1)
+        else:  # a plain Transformer: its layers count as prelude layers, with no core and no adapter
+            layers = (config.num_hidden_layers, 0, 0, 0, 0, 0)
         return cls(config.hidden_size, config.intermediate_size, config.vocab_size, config.num_attention_heads,
-                   config.num_key_value_heads, head_dim, config.n_prelude_layers, config.n_core_layers,
-                   config.n_coda_layers, config.mean_recurrence, graph_steps(config),
-                   3 if config.injection == "concat" else 1, params, params * bytes_per_param, optimizer_state_bytes)
+                   config.num_key_value_heads, head_dim, *layers, params, params * bytes_per_param,
+                   optimizer_state_bytes)
 
     @classmethod
     def from_record(cls, record: dict):

@@ -133,6 +133,17 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
     `batch_sizes`: the candidates (default 1..MAX_BATCH_SIZE); `recompute`: a fixed set (the MILP then only checks
     it); `compiled`: torch.compile on or off (default: on where the calibration measured it faster)."""
     compiled = calibration.compile_is_faster if compiled is None else compiled
+    if recompute is None and not shape.n_core_layers:  # a plain Transformer checkpoints all its layers or none
+        plans, error = [], None
+        for fixed in (RecomputeSet(), RecomputeSet.named("all", shape, 0)):
+            try:
+                plans.append(plan_memory(shape, seq_len, cap_gib, calibration, margin_gib, batch_sizes, fixed,
+                                         compiled, distill_topk, preset, calibration_path))
+            except NoPlanError as no_plan:
+                error = no_plan
+        if not plans:
+            raise error
+        return max(plans, key=lambda plan: plan.predicted_tokens_per_second)
     budget = (cap_gib - margin_gib) * GIB
     best, candidates, smallest = None, [], math.inf
     for batch in batch_sizes or range(1, MAX_BATCH_SIZE + 1):
@@ -171,14 +182,12 @@ def plan_for_preset(preset: str, seq_len: int, cap_gib: float, calibration_path:
                     margin_gib: float = DEFAULT_MARGIN_GIB, momentum: float | None = None,
                     rank_fraction: float | None = None, compiled: bool | None = None, distill_topk: int = 0,
                     max_batch_size: int = MAX_BATCH_SIZE) -> MemoryPlan:
-    """The plan of a named recurrent preset (its default vocabulary), checks first (ValueError naming the fix)."""
+    """The plan of a named preset (its default vocabulary), checks first (ValueError naming the fix)."""
     from hf_recurrent import presets
 
     if preset not in presets.NAMES:
         raise ValueError(f"--preset {preset!r} is not a preset; choose one of {list(presets.NAMES)}.")
     config = presets.get(preset)
-    if not presets.is_recurrent(config):
-        raise ValueError(f"--preset {preset!r} is a Transformer baseline; the planner covers the recurrent presets.")
     check_plan_numbers(seq_len, cap_gib, margin_gib, max_batch_size)
     calibration = load_calibration(calibration_path)
     shape = training_shape(config, momentum, rank_fraction)
@@ -208,8 +217,7 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
 
     if training_args.memory_plan != "auto":
         return []
-    reason = (not is_recurrent(config) and "the model is not recurrent-depth"
-              or training_args.optimizer != "low_memory" and "--optimizer hf is not calibrated"
+    reason = (training_args.optimizer != "low_memory" and "--optimizer hf is not calibrated"
               or training_args.world_size > 1 and "several processes"
               or online_teacher and "an online teacher's memory is not modelled"
               or not torch.cuda.is_available() and "no CUDA device")
@@ -243,7 +251,7 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
     callbacks = [MemoryPlanCallback(plan, training_args.output_dir)]
     if "activation_checkpointing" not in explicit:
         setattr(training_args, _CHECKPOINTING, not plan.recompute.empty)
-        if not plan.recompute.empty:
+        if not plan.recompute.empty and is_recurrent(config):  # a Transformer's checkpointing is all or nothing
             callbacks.insert(0, RecomputeCallback(plan.recompute))
     logger.info("Memory plan (cap %.1f GiB): %s", cap, plan.describe())
     return callbacks
