@@ -150,7 +150,7 @@ def chunked_lm_loss(
     backward pass.
 
     Peak memory: an fp32 V x H gradient accumulator (cast to the weight's dtype at the end), a
-    gradient the size of `hidden`, and per chunk about 4 (CE) to 12 (online teacher, JSD)
+    gradient the size of `hidden`, and per chunk about 1 (CE) to 12 (online teacher, JSD)
     chunk_size x V fp32 temporaries. Halving chunk_size halves the latter at little speed cost
     while a chunk's matmul stays large; None takes `default_chunk_size(V)`.
     """
@@ -240,15 +240,19 @@ def _forward_and_grads(hidden, weight, labels, teacher, options):
         rows = slice(start, min(start + options.chunk_size, positions))
         chunk_hidden = hidden_flat[rows].to(weight.dtype)  # (C, H), a view where the dtypes agree
         logits = (chunk_hidden @ weight.T).float()  # (C, V): matmul in input dtype, loss in fp32
-        # Autograd only over this chunk's loss wrt its logits; the head matmuls are done by hand
-        # below so the weight never enters a graph and its gradient accumulates in place.
-        with torch.enable_grad():
-            logits.requires_grad_(needs_grad)
-            ce, kd = _chunk_loss_sums(logits, labels_flat[rows], teacher, rows, options)
-            if needs_grad:
-                (grad_logits,) = torch.autograd.grad(ce_weight * ce + kd_weight * kd, logits)
+        # The head matmuls are done by hand below, so the weight never enters a graph and its gradient accumulates
+        # in place. Plain CE has its gradient wrt the logits in closed form; with a teacher, autograd runs over this
+        # chunk's loss wrt its logits only.
+        if teacher is None:
+            ce, grad_logits = _ce_and_grad(logits, labels_flat[rows], ce_weight if needs_grad else None)
+        else:
+            with torch.enable_grad():
+                logits.requires_grad_(needs_grad)
+                ce, kd = _chunk_loss_sums(logits, labels_flat[rows], teacher, rows, options)
+                if needs_grad:
+                    (grad_logits,) = torch.autograd.grad(ce_weight * ce + kd_weight * kd, logits)
+            kd_sum += kd.detach()
         ce_sum += ce.detach()
-        kd_sum += kd.detach()
         if options.grad_hidden:
             grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight  # (C, H)
         if options.grad_weight:
@@ -277,11 +281,24 @@ def _accumulate_head_grad(grad_weight, grad_logits, chunk_hidden):
         grad_weight.addmm_(grad_logits.T, chunk_hidden.float())
 
 
+def _ce_and_grad(logits, targets, scale):
+    """Summed CE over the kept positions of one chunk and, when `scale` (a 0-d tensor) is given, its gradient wrt
+    the logits times `scale`: scale * (softmax - one-hot of the target) at kept positions, 0 at ignored ones.
+    logits (C, V) fp32, overwritten by the gradient (no second C x V tensor)."""
+    keep = targets != IGNORE_INDEX
+    safe = torch.where(keep, targets, 0)[:, None]  # (C, 1)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    ce = torch.where(keep[:, None], lse - logits.gather(1, safe), 0.0).sum()
+    if scale is None:
+        return ce, None
+    grad = logits.sub_(lse).exp_()  # softmax, in place
+    grad.scatter_add_(1, safe, torch.full_like(lse, -1.0))
+    return ce, grad.mul_(torch.where(keep, scale, 0.0)[:, None])
+
+
 def _chunk_loss_sums(logits, targets, teacher, rows, options):
-    """Summed CE and summed D over the kept positions of one chunk; logits (C, V) fp32."""
+    """Summed CE and summed D over the kept positions of one chunk; logits (C, V) fp32, teacher given."""
     ce = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    if teacher is None:
-        return ce, logits.new_zeros(())
     teacher_lp, student_lp = teacher._log_probs(rows, logits, options.temperature, options.vocab_limit)
     per_row = _divergence(teacher_lp, student_lp, options.divergence, options.jsd_beta)
     kd = torch.where(targets != IGNORE_INDEX, per_row, 0.0).sum()  # ignored positions count in neither term
