@@ -235,10 +235,13 @@ def test_a_transformer_checkpoints_all_its_layers_or_none(tmp_path, monkeypatch)
     assert tight.recompute == RecomputeSet.named("all", training_shape(config), 0)
     assert tight.per_device_train_batch_size > roomy.per_device_train_batch_size
     args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", per_device_train_batch_size=32)
-    fake_24gb_cuda(monkeypatch, args)
+    explicit = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", **{_CHECKPOINTING: True})
+    fake_24gb_cuda(monkeypatch, args, explicit)
     callbacks = apply_memory_plan(args, config, 1024, 2)
     assert getattr(args, _CHECKPOINTING) is False and args.per_device_train_batch_size == 32
     assert [type(c) for c in callbacks] == [MemoryPlanCallback]  # no per-layer set: the model is not recurrent
+    plan = next(c for c in apply_memory_plan(explicit, config, 1024, 2) if isinstance(c, MemoryPlanCallback)).plan
+    assert getattr(explicit, _CHECKPOINTING) is True and not plan.recompute.empty  # the flag given is kept
     with pytest.raises(ValueError, match="No batch size fits"):
         plan_for_preset("transformer-3.3b", 2048, 4)
 

@@ -3,8 +3,9 @@
 For each candidate batch size a mixed-integer program (`scipy.optimize.milp`, HiGHS) chooses which prelude layers,
 coda layers and graph-building core steps recompute their activations: one binary variable each, minimising the
 calibrated step time subject to the calibrated peak reserved memory <= cap - margin (`memory_estimator.py`; both are
-linear in the choice at a fixed batch size). The batch size with the highest predicted tokens per second wins.
-The plan is fixed for the run: nothing adapts during training.
+linear in the choice at a fixed batch size). The batch size with the highest predicted tokens per second wins. A plain
+Transformer's layers count as prelude layers, and its choice is all of them or none: what transformers' checkpointing
+flag carries out. The plan is fixed for the run: nothing adapts during training.
 """
 
 import json
@@ -231,7 +232,7 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
                            bytes_per_param)
     fixed_set = None
     if "activation_checkpointing" in explicit:
-        fixed_set = RecomputeSet.named("all" if getattr(training_args, _CHECKPOINTING) else "none", config,
+        fixed_set = RecomputeSet.named("all" if getattr(training_args, _CHECKPOINTING) else "none", shape,
                                        shape.graph_steps)
     batches = [training_args.per_device_train_batch_size] if "per_device_train_batch_size" in explicit else None
     calibration = load_calibration(training_args.memory_calibration)
