@@ -2,11 +2,11 @@
 
 The loss takes the student's last hidden states and its LM head weight instead of logits, so a
 (positions, vocab) fp32 tensor is never built for the whole batch: the positions are processed `chunk_size` at a
-time (by default as many as make 2**26 logits, 256 MiB in fp32: 1,024 positions of a 65,536-entry vocabulary).
-For a 100k vocabulary and 8k positions, full fp32 logits would be 3.2 GB, and autograd would keep several tensors
-of that size alive until backward. Following Liger-Kernel's fused linear losses, the gradients wrt hidden states and
-head weight are therefore also computed chunk by chunk in the forward pass; backward only scales them by the
-incoming grad.
+time (by default at most 2**26 logits, 256 MiB in fp32, in multiples of 128 positions: 1,024 positions of a
+65,536-entry vocabulary). For a 100k vocabulary and 8k positions, full fp32 logits would be 3.2 GB, and autograd
+would keep several tensors of that size alive until backward. Following Liger-Kernel's fused linear losses, the
+gradients wrt hidden states and head weight are therefore also computed chunk by chunk in the forward pass; backward
+only scales them by the incoming grad.
 
 Per non-ignored position (labels == -100 are ignored), averaged over those positions:
 
@@ -53,11 +53,13 @@ TAIL_FLOOR = 1e-6
 # Logits per chunk of positions by default: 256 MiB in fp32, the 1,024 positions of a 65,536-entry vocabulary. Fewer,
 # larger chunks launch fewer kernels (a chunk is about twenty), which is what a small model's step waits on.
 CHUNK_LOGITS = 2**26
+CHUNK_MULTIPLE = 128  # positions: whole GEMM tiles, and the same few block sizes for the allocator across vocabularies
 
 
 def default_chunk_size(vocab_size: int) -> int:
-    """Positions per chunk of the loss for a head of `vocab_size` rows: CHUNK_LOGITS logits, at least 64 positions."""
-    return max(64, CHUNK_LOGITS // max(vocab_size, 1))
+    """Positions per chunk of the loss for a head of `vocab_size` rows: at most CHUNK_LOGITS logits, in whole
+    multiples of CHUNK_MULTIPLE positions (at least one)."""
+    return max(CHUNK_MULTIPLE, CHUNK_LOGITS // max(vocab_size, 1) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
 
 
 @dataclass

@@ -164,8 +164,8 @@ class RecurrentTrainingArguments(TrainingArguments):
     peak_flops: float | None = field(
         default=None, metadata={"help": "Peak FLOP/s for MFU (default: the device's bf16 datasheet peak)."})
     loss_chunk_size: int | None = field(
-        default=None, metadata={"help": "Positions per chunk of the LM loss (default: 2**26 logits per chunk, 256 MiB "
-                                        "in fp32; 1,024 positions of a 65,536-entry vocabulary)."})
+        default=None, metadata={"help": "Positions per chunk of the LM loss (default: at most 2**26 logits, 256 MiB in "
+                                        "fp32, in multiples of 128 positions; 1,024 at a 65,536-entry vocabulary)."})
     distill_alpha: float = field(default=0.5, metadata={"help": "Weight of the distillation term."})
     distill_temperature: float = field(default=1.0, metadata={"help": "Distillation temperature T."})
     distill_divergence: str = field(default="forward_kl", metadata={"help": f"One of {list(DIVERGENCES)}."})
