@@ -7,6 +7,8 @@ torch.compile built (all shapes should share a few). Example:
     python benchmarks/bench_optimizer.py --hidden 4096 --intermediate 11008 --layers 4 --vocab 32000
     python benchmarks/bench_optimizer.py --probe --hidden 4096 --intermediate 11008 --vocab 65536 --kv_rows 1024 \
         --momentum 0.9 --momentum_rank_fraction 0.0625 [--tf32] [--no-fused]   # one tensor at a time, 7B shapes
+    python benchmarks/bench_optimizer.py --host_only --hidden 768 --intermediate 2048 --momentum 0.9
+        # no GPU: the fused path's host time per matrix, its Triton launches replaced by no-ops
 """
 
 from __future__ import annotations
@@ -124,6 +126,38 @@ def _probe(args) -> None:
         del weight, optimizer
 
 
+def _host_only(args) -> None:
+    """The fused update's host time per matrix without its kernel launches (they are replaced by no-ops), on the
+    CPU: the Python between the launches, which a small model's step waits on."""
+    import os
+
+    from trainer_ext.training import optimizer_triton as fused
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    os.environ["TRITON_INTERPRET"] = "1"  # the fused path takes CPU tensors under the interpreter
+    for name in [name for name in vars(fused) if name.endswith("_kernel")]:
+        setattr(fused, name, _NoLaunch())
+    shapes = [(args.intermediate, args.hidden), (args.hidden, args.hidden), (args.hidden, args.intermediate)]
+    weights = [nn.Parameter(torch.randn(shape, dtype=torch.bfloat16)) for shape in shapes]
+    optimizer = LowMemoryAdafactor(weights, lr=1e-3, momentum=args.momentum, compile=True,
+                                   momentum_rank_fraction=args.momentum_rank_fraction)
+    group = optimizer.param_groups[0]
+    for weight in weights:
+        weight.grad = torch.randn_like(weight)
+        optimizer._update(weight, group, optimizer._position[weight][1])
+    calls = args.steps * 20
+    start = time.perf_counter()
+    for _ in range(calls):
+        for weight in weights:
+            optimizer._update(weight, group, optimizer._position[weight][1])
+    host_us = (time.perf_counter() - start) / (calls * len(weights)) * 1e6
+    print(json.dumps({"shapes": shapes, "momentum": args.momentum, "momentum_rank_fraction":
+                      args.momentum_rank_fraction, "host_us_per_matrix_without_launches": round(host_us, 1)}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=2048)
@@ -151,7 +185,11 @@ def main() -> None:
     parser.add_argument("--release-only", action="store_true",
                         help="baseline: free each gradient in backward without any update")
     parser.add_argument("--probe", action="store_true", help="time and measure single-tensor updates instead")
+    parser.add_argument("--host_only", action="store_true",
+                        help="no GPU: the fused update's host time per matrix, its kernel launches replaced by no-ops")
     args = parser.parse_args()
+    if args.host_only:
+        return _host_only(args)
     if not torch.cuda.is_available():
         raise SystemExit("bench_optimizer needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32

@@ -18,6 +18,7 @@ operands round P and D to 8 bits, where the torch path multiplies in fp32 (tf32 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -277,6 +278,22 @@ def supports(param: torch.Tensor) -> bool:
     return on_device and param.ndim == 2 and param.dtype in (torch.bfloat16, torch.float32) and param.numel() < 2**31
 
 
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in plain Python: `triton.cdiv` called from the host costs about 15 us (a constexpr function)."""
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(R: int, C: int):
+    """The launch grid, the row factor's programs and their power-of-two bound, and the sizes of the temporaries
+    (each padded to 16 bytes) of an (R, C) matrix's update: computed once per shape."""
+    grid = (_cdiv(R, _TILE_ROWS), _cdiv(C, _TILE_COLS))
+    row_programs = _cdiv(R, _FACTOR_ROWS)
+    sizes = (grid[1] * R, grid[0] * C, grid[0] * grid[1], 4, R, row_programs, C, grid[0] * grid[1])
+    return grid, row_programs, max(16, 1 << (row_programs - 1).bit_length()), sizes, tuple(-(-n // 4) * 4
+                                                                                            for n in sizes)
+
+
 def fused_factored_update(param, grad, row, col, momentum, step, keys, hyper, totals, projector=None, *,
                           rows_per_chunk: int, beta2_decay: bool) -> None:
     """One matrix's update: param, grad (R, C); row (1, R); col (1, C); momentum (R, C), or (R, r) in the
@@ -286,28 +303,24 @@ def fused_factored_update(param, grad, row, col, momentum, step, keys, hyper, to
     small matrix is bound by."""
     grad = grad.contiguous()
     R, C = param.shape
-    grid = (triton.cdiv(R, _TILE_ROWS), triton.cdiv(C, _TILE_COLS))
-    row_programs = triton.cdiv(R, _FACTOR_ROWS)
-    P = max(16, triton.next_power_of_2(row_programs))
-    # All fp32 temporaries in one allocation, each part 16-byte aligned.
-    sizes = [grid[1] * R, grid[0] * C, grid[0] * grid[1], 4, R, row_programs, C, grid[0] * grid[1]]
-    padded = [-(-n // 4) * 4 for n in sizes]
-    buffer = torch.empty(sum(padded), dtype=torch.float32, device=param.device)
-    row_part, col_part, sq_part, scalars, row_raw, row_sums, col_factor, usq_part = (
-        t[:n] for t, n in zip(buffer.split(padded), sizes))
+    grid, row_programs, P, sizes, padded = _layout(R, C)
+    # All fp32 temporaries in one allocation; the kernels are given their sizes, and only the update-RMS partials
+    # (summed by torch) and, with subspace momentum, the column factor are cut to them.
+    row_part, col_part, sq_part, scalars, row_raw, row_sums, col_factor, usq_part = torch.empty(
+        sum(padded), dtype=torch.float32, device=param.device).split_with_sizes(padded)
     _stats_kernel[grid](grad, row_part, col_part, sq_part, R, C, BR=_TILE_ROWS, BC=_TILE_COLS)
-    _scalar_kernel[(1,)](sq_part, sq_part.numel(), step, totals, hyper, scalars, BETA2_DECAY=beta2_decay, B=1024,
+    _scalar_kernel[(1,)](sq_part, sizes[2], step, totals, hyper, scalars, BETA2_DECAY=beta2_decay, B=1024,
                          INTERPRETED=not param.is_cuda)
-    _factor_kernel[(row_programs + triton.cdiv(C, _FACTOR_COLS),)](
+    _factor_kernel[(row_programs + _cdiv(C, _FACTOR_COLS),)](
         row, col, row_part, col_part, row_raw, row_sums, col_factor, scalars, hyper, R, C, grid[0], grid[1],
         row_programs, FR=_FACTOR_ROWS, FBR=_FACTOR_ROW_BLOCK, FC=_FACTOR_COLS, FBC=_FACTOR_COL_BLOCK)
     factors = (row_raw, row_sums, row_programs)
     _update_sq_kernel[grid](grad, *factors, col_factor, scalars, usq_part, R, C, BR=_TILE_ROWS, BC=_TILE_COLS, P=P)
-    update_sq = usq_part.sum()
+    update_sq = usq_part[:sizes[-1]].sum()
     full_momentum = momentum is not None and projector is None
 
     def apply(row_start: int, row_end: int, back=None) -> None:
-        _apply_kernel[(triton.cdiv(row_end - row_start, _APPLY_ROWS), triton.cdiv(C, _APPLY_COLS))](
+        _apply_kernel[(_cdiv(row_end - row_start, _APPLY_ROWS), _cdiv(C, _APPLY_COLS))](
             param, grad, momentum if full_momentum else param, param if back is None else back, *factors,
             col_factor, update_sq, param.numel(), scalars, step, keys, rows_per_chunk, hyper, row_start, row_end, R,
             C, BR=_APPLY_ROWS, BC=_APPLY_COLS, P=P, FULL_MOMENTUM=full_momentum, SUBSPACE=back is not None,
@@ -320,13 +333,13 @@ def fused_factored_update(param, grad, row, col, momentum, step, keys, hyper, to
     # operands, fp32 accumulation), per chunk of rows; the back-projection in blocks of at most _BACK_NUMEL
     # elements, each added by the apply kernel.
     rank = projector.shape[-1]
-    scaled_basis = (col_factor[:, None] * projector).to(grad.dtype)
+    scaled_basis = (col_factor[:C, None] * projector).to(grad.dtype)
     basis_t = projector.t().to(grad.dtype)
     block = max(1, _BACK_NUMEL // C)
     for i, start in enumerate(range(0, R, rows_per_chunk)):
         end = min(start + rows_per_chunk, R)
         correction = grad[start:end] @ scaled_basis
-        _momentum_kernel[(triton.cdiv(end - start, _MOMENTUM_ROWS), triton.cdiv(rank, _MOMENTUM_RANKS))](
+        _momentum_kernel[(_cdiv(end - start, _MOMENTUM_ROWS), _cdiv(rank, _MOMENTUM_RANKS))](
             correction, *factors, momentum, update_sq, param.numel(), scalars, step, keys, i, hyper, start,
             end - start, R, rank, BR=_MOMENTUM_ROWS, BK=_MOMENTUM_RANKS, P=P,
             MOMENTUM_BF16=momentum.dtype == torch.bfloat16)
