@@ -38,7 +38,7 @@ Teachers come in two forms:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +75,7 @@ class OnlineTeacher:
     vocab_limit: int | None = None
 
     def _log_probs(self, rows, student_logits, temperature, vocab_limit):
-        hidden = _rows(self.hidden, rows).to(self.lm_head_weight.dtype)  # (C, H_t)
+        hidden = self.hidden[rows].to(self.lm_head_weight.dtype)  # (C, H_t); hidden flattened to (B * T, H_t)
         teacher_logits = (hidden @ self.lm_head_weight.T)[:, :vocab_limit].float()  # (C, L)
         teacher_lp = F.log_softmax(teacher_logits.div_(temperature), dim=-1)  # in place: one less C x L
         student_lp = F.log_softmax(student_logits[:, :vocab_limit] / temperature, dim=-1)
@@ -95,8 +95,8 @@ class TopKTeacher:
     vocab_limit: int | None = None
 
     def _log_probs(self, rows, student_logits, temperature, vocab_limit):
-        ids = _rows(self.ids, rows).long()  # (C, k)
-        logprobs = _rows(self.logprobs, rows).float()  # (C, k)
+        ids = self.ids[rows].long()  # (C, k); ids and logprobs flattened to (B * T, k)
+        logprobs = self.logprobs[rows].float()  # (C, k)
         # Re-spread the top-k mass by temperature, keep its total (and so the tail) unchanged.
         top_mass = torch.logsumexp(logprobs, dim=-1, keepdim=True)
         teacher_lp = _append_tail(top_mass + F.log_softmax(logprobs / temperature, dim=-1))
@@ -237,6 +237,7 @@ def _forward_and_grads(hidden, weight, labels, teacher, options):
     )
     ce_sum = torch.zeros((), dtype=torch.float32, device=device)
     kd_sum = torch.zeros((), dtype=torch.float32, device=device)
+    teacher = None if teacher is None else _flattened(teacher)
 
     for start in range(0, positions, options.chunk_size):
         rows = slice(start, min(start + options.chunk_size, positions))
@@ -323,9 +324,12 @@ def _kl(p_lp, q_lp):
     return (p_lp.exp() * (p_lp - q_lp)).sum(-1)
 
 
-def _rows(x, rows):
-    """Positions `rows` (a slice of the flattened batch) of x (B, T, ...): a view, never a copy of x."""
-    return x.flatten(0, 1)[rows]
+def _flattened(teacher):
+    """The teacher with its per-position tensors (B, T, ...) flattened to (B * T, ...), once per loss call: each chunk
+    of positions is then a view (a non-contiguous tensor is copied here once, not once per chunk)."""
+    if isinstance(teacher, OnlineTeacher):
+        return replace(teacher, hidden=teacher.hidden.flatten(0, 1))
+    return replace(teacher, ids=teacher.ids.flatten(0, 1), logprobs=teacher.logprobs.flatten(0, 1))
 
 
 def _append_tail(support_lp):
