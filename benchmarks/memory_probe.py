@@ -10,7 +10,8 @@
 Each probe trains a few steps of `RecurrentTrainer` (the low-memory optimizer in backward, the chunked loss, the
 depth loop; random tokens, the depth fixed at `mean_recurrence`) at one point of a grid: batch size, sequence length,
 which layers and core steps recompute their activations (`trainer_ext.training.recompute`), momentum on or off,
-`torch.compile` on or off, a cached teacher's top-k in the batch or not. It records the peak reserved and allocated
+`torch.compile` on or off, a cached teacher's top-k in the batch or not. A plain Transformer preset
+(`transformer-125m`) is probed with every layer recomputed or none, what its checkpointing flag can do. It records the peak reserved and allocated
 memory (peak counters reset and the cache emptied between probes) and the time of every step; a probe that runs out
 of memory is recorded as such. One child process per preset runs its probes in order, each preset within its share
 of `--max_seconds`; probes left when time runs out are recorded as skipped. Records are appended to --output as JSON
@@ -35,20 +36,25 @@ import tempfile
 import time
 
 # Batch unit per preset: the grid's batch sizes are multiples of it (small models need more tokens to load the GPU).
-BATCH_UNIT = {"debug": 1, "recurrent-125m": 4, "recurrent-1b": 2, "recurrent-3.3b": 1, "recurrent-7b": 1}
+BATCH_UNIT = {"debug": 1, "recurrent-125m": 4, "recurrent-1b": 2, "recurrent-3.3b": 1, "recurrent-7b": 1,
+              "transformer-125m": 4}
 # Share of --max_seconds per preset; presets not listed share the rest equally.
 TIME_SHARE = {"recurrent-125m": 0.1, "recurrent-1b": 0.15, "recurrent-3.3b": 0.4, "recurrent-7b": 0.35}
 TOPK = 64  # a teacher cache's default top-k
 
 
 def default_grid(preset: str, seq_len: int, compile_probes: bool, distill_probes: bool) -> list[dict]:
-    """Probe specs of one preset, most informative first (the time box cuts from the end)."""
+    """Probe specs of one preset, most informative first (the time box cuts from the end). A plain Transformer's
+    probes recompute every layer or none (what its checkpointing flag can do)."""
+    from hf_recurrent import presets
+
     u = BATCH_UNIT.get(preset, 1)
-    specs = []
+    specs, recurrent = [], presets.is_recurrent(presets.get(preset))
 
     def add(recompute, batch, seq=seq_len, compile=False, momentum=None, distill=False):
-        specs.append({"preset": preset, "seq_len": seq, "batch_size": batch * u, "recompute": recompute,
-                      "compile": compile, "momentum": momentum, "distill": distill})
+        if recurrent or recompute in ("all", "none"):
+            specs.append({"preset": preset, "seq_len": seq, "batch_size": batch * u, "recompute": recompute,
+                          "compile": compile, "momentum": momentum, "distill": distill})
 
     for batch in (1, 2, 4, 8):
         add("all", batch)
@@ -111,7 +117,9 @@ def _build(preset: str, device: str):
     from trainer_ext.training.arguments import ModelArguments
     from trainer_ext.training.model_setup import build_model
 
-    config = presets.get(preset, depth_distribution="fixed")
+    config = presets.get(preset)
+    if presets.is_recurrent(config):
+        config = presets.get(preset, depth_distribution="fixed")
     return build_model(ModelArguments(preset=preset), config.vocab_size, None, torch.device(device), config=config)
 
 
@@ -124,7 +132,8 @@ def _reset_model(model) -> None:
             module.gradient_checkpointing = False
         if type(module).__name__.endswith("DecoderLayer"):
             module._compiled_call_impl = None
-    model.model.recompute_core_steps = None
+    if hasattr(model.model, "recompute_core_steps"):  # a recurrent-depth model
+        model.model.recompute_core_steps = None
     model.zero_grad(set_to_none=True)
 
 
@@ -145,7 +154,9 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
     from transformers.trainer_callback import PrinterCallback
 
     from hf_recurrent.cost import graph_steps, parameter_counts
+    from hf_recurrent.presets import is_recurrent
     from trainer_ext.training.arguments import _CHECKPOINTING, resolve_momentum
+    from trainer_ext.training.memory_estimator import ModelShape
     from trainer_ext.training.optimizer_state import low_memory_state, optimizer_state_bytes
     from trainer_ext.training.recompute import RecomputeCallback, RecomputeSet
     from trainer_ext.training.trainer import RecurrentTrainer
@@ -155,8 +166,11 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
     params = parameter_counts(config).unique
     momentum, rank_fraction = resolve_momentum(0.0 if spec["momentum"] == "off" else None, None, params)
     state = low_memory_state(momentum, rank_fraction)
+    recurrent = is_recurrent(config)
+    steps_with_graphs = graph_steps(config) if recurrent else 0
     recompute = (RecomputeSet.from_dict(spec["recompute_set"]) if spec.get("recompute_set") is not None
-                 else RecomputeSet.named(spec["recompute"], config, graph_steps(config)))
+                 else RecomputeSet.named(spec["recompute"], ModelShape.from_config(config, 0, params),
+                                         steps_with_graphs))
     times = []
 
     class Timer(TrainerCallback):
@@ -186,8 +200,8 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
     args = RecurrentTrainingArguments(**args_kwargs)
     data = _RandomTokens(config.vocab_size, spec["seq_len"], steps * spec["batch_size"], TOPK if spec["distill"] else 0)
     record = {"momentum": momentum or 0.0, "momentum_rank_fraction": rank_fraction,
-              "optimizer_state_bytes": optimizer_state_bytes(model, state), "recompute_set": recompute.to_dict(), "graph_steps": graph_steps(config),
-              "num_steps": config.mean_recurrence, "params": params,
+              "optimizer_state_bytes": optimizer_state_bytes(model, state), "recompute_set": recompute.to_dict(), "graph_steps": steps_with_graphs,
+              "num_steps": config.mean_recurrence if recurrent else 0, "params": params,
               "loss_chunk_size": args.loss_chunk_size or default_chunk_size(config.vocab_size),
               "distill_topk": TOPK if spec["distill"] else 0, "config": _shape(config)}
     _reset_model(model)
@@ -198,8 +212,9 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
     trainer = None
     started = time.perf_counter()
     try:
-        trainer = RecurrentTrainer(model=model, args=args, train_dataset=data,
-                                   callbacks=[RecomputeCallback(recompute), Timer()])
+        # A Transformer's checkpointing flag recomputes every layer or none: no per-layer set to apply.
+        callbacks = [RecomputeCallback(recompute)] if recurrent else []
+        trainer = RecurrentTrainer(model=model, args=args, train_dataset=data, callbacks=callbacks + [Timer()])
         trainer.remove_callback(PrinterCallback)  # the probe prints one line per probe
         trainer.train()
         record["status"] = "ok"
@@ -224,10 +239,14 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
 
 
 def _shape(config) -> dict:
+    """The config fields the estimator reads back (`ModelShape.from_record`)."""
+    from hf_recurrent.presets import is_recurrent
+
     names = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-             "vocab_size", "n_prelude_layers", "n_core_layers", "n_coda_layers", "mean_recurrence", "backprop_depth",
-             "injection", "block_norm")
-    return {name: getattr(config, name) for name in names}
+             "vocab_size")
+    names += (("n_prelude_layers", "n_core_layers", "n_coda_layers", "mean_recurrence", "backprop_depth",
+               "injection", "block_norm") if is_recurrent(config) else ("num_hidden_layers",))
+    return {name: getattr(config, name, None) for name in names}
 
 
 def child(specs_path: str, output: str, deadline: float, steps: int, compile_steps: int, device: str,

@@ -15,6 +15,7 @@ from trainer_ext.training.arguments import _CHECKPOINTING, RecurrentTrainingArgu
 from trainer_ext.training.memory_estimator import (
     GIB,
     Calibration,
+    ModelShape,
     fit_calibration,
     load_calibration,
     read_probes,
@@ -275,3 +276,30 @@ def test_per_step_recompute_gives_the_loss_and_gradients_of_no_recompute():
             torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
     # The last set reached the depth loop's hook.
     assert model.model.recompute_core_steps == frozenset({0, 1, 2})
+
+
+@pytest.mark.parametrize("preset", ["debug", "transformer-125m"])
+def test_a_probe_record_reads_back_as_the_estimators_shape(preset, tmp_path):
+    # The probe loop on a CPU (no memory figures) for a recurrent model and a plain Transformer: the record carries
+    # what the fit needs, and a Transformer's "all" recomputes its layers as prelude layers.
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.memory_probe import default_grid, run_probe
+    from trainer_ext.training.memory_estimator import probe_recomputed
+
+    config = presets.get(preset)
+    if not presets.is_recurrent(config):
+        config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, 3
+        config.num_attention_heads = config.num_key_value_heads = 2
+        config.head_dim, config.vocab_size = 32, 256
+        assert {spec["recompute"] for spec in default_grid(preset, 64, True, True)} == {"all", "none"}
+    model = AutoModelForCausalLM.from_config(config)
+    spec = {"preset": preset, "seq_len": 16, "batch_size": 2, "recompute": "all", "compile": False,
+            "momentum": None, "distill": False}
+    record = {**spec, **run_probe(model, spec, 2, "cpu", str(tmp_path))}
+    assert record["status"] == "ok", record.get("error")
+    assert len(record["step_seconds"]) == 2
+    shape = ModelShape.from_record(record)
+    assert shape.graph_applications == probe_recomputed(record) > 0  # "all": every application recomputed
+    if not presets.is_recurrent(config):
+        assert (shape.n_prelude_layers, shape.n_core_layers, shape.graph_steps) == (3, 0, 0)

@@ -211,7 +211,8 @@ def usable_probes(records: list[dict]) -> list[dict]:
 def probe_recomputed(record: dict) -> int:
     """Layer applications a probe recomputed: one per prelude / coda layer, the core layers per core step."""
     chosen = record["recompute_set"]
-    return len(chosen["prelude"]) + len(chosen["coda"]) + record["config"]["n_core_layers"] * len(chosen["core_steps"])
+    core_layers = record["config"].get("n_core_layers", 0)  # none in a plain Transformer's record
+    return len(chosen["prelude"]) + len(chosen["coda"]) + core_layers * len(chosen["core_steps"])
 
 
 def steady_step_seconds(record: dict) -> float:
