@@ -371,7 +371,7 @@ def _verify(args) -> int:
         print(json.dumps({
             "preset": record["preset"], "status": record["status"], "error": record.get("error"),
             "cap_gib": args.cap_gib, "per_device_train_batch_size": plan.per_device_train_batch_size,
-            "recompute": plan.recompute.describe(), "torch_compile": plan.torch_compile,
+            "recompute": plan.recompute_description, "torch_compile": plan.torch_compile,
             "predicted_peak_gib": round(plan.predicted_peak_gib, 3),
             "measured_peak_gib": round(measured_peak / 2**30, 3) if measured_peak else None,
             "peak_error": round(measured_peak / 2**30 / plan.predicted_peak_gib - 1, 4) if measured_peak else None,

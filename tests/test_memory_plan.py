@@ -232,9 +232,11 @@ def test_a_transformer_checkpoints_all_its_layers_or_none(tmp_path, monkeypatch)
     config = presets.get("transformer-125m")
     roomy = plan_for_preset("transformer-125m", 1024, 24, max_batch_size=16)
     assert roomy.recompute.empty and roomy.per_device_train_batch_size == 16
+    assert "nothing recomputed" in roomy.describe() and roomy.to_dict()["recompute_description"] == "nothing recomputed"
     tight = plan_for_preset("transformer-125m", 2048, 24)
     assert tight.recompute == RecomputeSet.named("all", training_shape(config), 0)
     assert tight.per_device_train_batch_size > roomy.per_device_train_batch_size
+    assert "every layer recomputed" in tight.describe()  # not "prelude": a Transformer has none
     args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", per_device_train_batch_size=32)
     explicit = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", **{_CHECKPOINTING: True})
     fake_24gb_cuda(monkeypatch, args, explicit)

@@ -45,6 +45,13 @@ class MemoryPlan:
     preset: str | None = None
     calibration: str | None = None
     candidates: list = field(default_factory=list)
+    transformer: bool = False  # a plain Transformer: its layers, counted as prelude layers, all or none
+
+    @property
+    def recompute_description(self) -> str:
+        if self.transformer:
+            return "every layer recomputed" if not self.recompute.empty else "nothing recomputed"
+        return self.recompute.describe()
 
     @property
     def predicted_tokens_per_second(self) -> float:
@@ -53,7 +60,7 @@ class MemoryPlan:
     def to_dict(self) -> dict:
         return {"preset": self.preset, "seq_len": self.seq_len, "cap_gib": self.cap_gib, "margin_gib": self.margin_gib,
                 "per_device_train_batch_size": self.per_device_train_batch_size,
-                "recompute": self.recompute.to_dict(), "recompute_description": self.recompute.describe(),
+                "recompute": self.recompute.to_dict(), "recompute_description": self.recompute_description,
                 "activation_checkpointing": not self.recompute.empty, "torch_compile": self.torch_compile,
                 "predicted_peak_gib": round(self.predicted_peak_gib, 3),
                 "predicted_step_seconds": round(self.predicted_step_seconds, 4),
@@ -61,7 +68,7 @@ class MemoryPlan:
                 "calibration": self.calibration, "candidates": self.candidates}
 
     def describe(self) -> str:
-        return (f"batch {self.per_device_train_batch_size} x {self.seq_len} tokens, {self.recompute.describe()}, "
+        return (f"batch {self.per_device_train_batch_size} x {self.seq_len} tokens, {self.recompute_description}, "
                 f"torch.compile {'on' if self.torch_compile else 'off'}: predicted peak reserved "
                 f"{self.predicted_peak_gib:.2f} GiB (cap {self.cap_gib:g} - margin {self.margin_gib:g} GiB), "
                 f"{self.predicted_tokens_per_second:,.0f} tokens/s")
@@ -176,7 +183,7 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
             "shorten the sequence, or turn momentum off (--optimizer_momentum 0).")
     batch, chosen, peak, seconds = best
     return MemoryPlan(seq_len, cap_gib, margin_gib, batch, chosen, compiled, peak / GIB, seconds, preset,
-                      calibration_path, candidates)
+                      calibration_path, candidates, transformer=not shape.n_core_layers)
 
 
 def plan_for_preset(preset: str, seq_len: int, cap_gib: float, calibration_path: str | None = None,
