@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         return 0
     print(f"{args.preset}, {args.seq_len} tokens per sequence, cap {args.cap_gib:g} GiB:")
     print(f"  --per_device_train_batch_size {plan.per_device_train_batch_size}")
-    print(f"  {plan.recompute.describe()}")
+    print(f"  {plan.recompute_description}")
     print(f"  torch.compile {'on' if plan.torch_compile else 'off'}")
     print(f"  predicted peak reserved {plan.predicted_peak_gib:.2f} GiB, "
           f"{plan.predicted_tokens_per_second:,.0f} tokens/s ({plan.predicted_step_seconds:.3f} s per step)")
