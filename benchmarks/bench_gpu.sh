@@ -32,6 +32,10 @@
 #       APPLY_TILES: e.g. "32x256 16x128", the fused apply kernel's tile, see benchmarks/kernel_resources.py;
 #       TF32 on, as in training), and the plans for 24 GiB of PRESETS (default recurrent-7b) trained
 #       (benchmarks.memory_probe --verify); $OUT/optimizer_probe.jsonl, $OUT/verify.jsonl
+#   bash benchmarks/bench_gpu.sh probes [memory_probe args]   memory and step-time probes for the planner's calibration
+#       of PRESETS (default "recurrent-125m transformer-125m") at SEQ (default 1024), within SECONDS_LIMIT (300);
+#       $OUT/probes.jsonl, to fit with the committed ones: cat results/memory-probes/probes.jsonl probes.jsonl > all.jsonl;
+#       python3 -m benchmarks.memory_probe --fit all.jsonl
 #   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
 set -uo pipefail
@@ -165,7 +169,11 @@ case $STAGE in
     done | tee "$OUT/optimizer_probe.jsonl" | cut -c1-400
     python3 -m benchmarks.memory_probe --verify --presets ${PRESETS:-recurrent-7b} --cap_gib 24 --seq_len 2048 \
       --output "$OUT/verify.jsonl" --max_seconds "${SECONDS_LIMIT:-200}" 2>&1 | grep -E '^\{|rror' | cut -c1-600 ;;
+  probes)
+    python3 -m benchmarks.memory_probe --presets ${PRESETS:-recurrent-125m transformer-125m} --seq_len "${SEQ:-1024}" \
+      --output "$OUT/probes.jsonl" --max_seconds "${SECONDS_LIMIT:-300}" "$@" 2>&1 | grep -E '^\{|rror|probes of' \
+      | cut -c1-300 ;;
   *)
     echo "unknown stage $STAGE (train, distill, quality, compare, stability, init, peers, adaptive, ablation," \
-      "optimizer)" >&2; exit 2 ;;
+      "optimizer, probes)" >&2; exit 2 ;;
 esac

@@ -39,7 +39,8 @@ import time
 BATCH_UNIT = {"debug": 1, "recurrent-125m": 4, "recurrent-1b": 2, "recurrent-3.3b": 1, "recurrent-7b": 1,
               "transformer-125m": 4}
 # Share of --max_seconds per preset; presets not listed share the rest equally.
-TIME_SHARE = {"recurrent-125m": 0.1, "recurrent-1b": 0.15, "recurrent-3.3b": 0.4, "recurrent-7b": 0.35}
+TIME_SHARE = {"recurrent-125m": 0.1, "recurrent-1b": 0.15, "recurrent-3.3b": 0.4, "recurrent-7b": 0.35,
+              "transformer-125m": 0.1}
 TOPK = 64  # a teacher cache's default top-k
 
 
