@@ -127,8 +127,8 @@ def _probe(args) -> None:
 
 
 def _host_only(args) -> None:
-    """The fused update's host time per matrix without its kernel launches (they are replaced by no-ops), on the
-    CPU: the Python between the launches, which a small model's step waits on."""
+    """The fused update's host time per matrix and per vector without its kernel launches (they are replaced by
+    no-ops), on the CPU: the Python around the launches, which a small model's step waits on."""
     import os
 
     from trainer_ext.training import optimizer_triton as fused
@@ -141,21 +141,23 @@ def _host_only(args) -> None:
     for name in [name for name in vars(fused) if name.endswith("_kernel")]:
         setattr(fused, name, _NoLaunch())
     shapes = [(args.intermediate, args.hidden), (args.hidden, args.hidden), (args.hidden, args.intermediate)]
-    weights = [nn.Parameter(torch.randn(shape, dtype=torch.bfloat16)) for shape in shapes]
-    optimizer = LowMemoryAdafactor(weights, lr=1e-3, momentum=args.momentum, compile=True,
-                                   momentum_rank_fraction=args.momentum_rank_fraction)
-    group = optimizer.param_groups[0]
-    for weight in weights:
-        weight.grad = torch.randn_like(weight)
-        optimizer._update(weight, group, optimizer._position[weight][1])
-    calls = args.steps * 20
-    start = time.perf_counter()
-    for _ in range(calls):
+    row = {"shapes": shapes, "momentum": args.momentum, "momentum_rank_fraction": args.momentum_rank_fraction}
+    for kind, kind_shapes in (("matrix", shapes), ("vector", [(args.hidden,)])):
+        weights = [nn.Parameter(torch.randn(shape, dtype=torch.bfloat16)) for shape in kind_shapes]
+        optimizer = LowMemoryAdafactor(weights, lr=1e-3, momentum=args.momentum, compile=True,
+                                       momentum_rank_fraction=args.momentum_rank_fraction)
+        group = optimizer.param_groups[0]
         for weight in weights:
+            weight.grad = torch.randn_like(weight)
             optimizer._update(weight, group, optimizer._position[weight][1])
-    host_us = (time.perf_counter() - start) / (calls * len(weights)) * 1e6
-    print(json.dumps({"shapes": shapes, "momentum": args.momentum, "momentum_rank_fraction":
-                      args.momentum_rank_fraction, "host_us_per_matrix_without_launches": round(host_us, 1)}))
+        calls = args.steps * 20
+        start = time.perf_counter()
+        for _ in range(calls):
+            for weight in weights:
+                optimizer._update(weight, group, optimizer._position[weight][1])
+        row[f"host_us_per_{kind}_without_launches"] = round((time.perf_counter() - start) / (calls * len(weights))
+                                                            * 1e6, 1)
+    print(json.dumps(row))
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from trainer_ext.training import optimizer_triton as kernels
 # Argument types: bf16 tensors (the 3-7B presets' weights), int32 sizes and offsets, fp32 everything else.
 _BF16 = {"param", "grad", "momentum", "back", "projected"}
 _INT32 = {"R", "C", "numel", "rows_per_chunk", "row_start", "row_end", "num_parts", "tiles_r", "tiles_c",
-          "row_programs", "chunk", "rows_in_chunk", "rank"}
+          "row_programs", "chunk", "rows_in_chunk", "rank", "n"}
 
 
 def signature_of(fn, constants: dict) -> dict:
@@ -85,7 +85,10 @@ def main() -> None:
                                                  "FC": kernels._FACTOR_COLS, "FBC": kernels._FACTOR_COL_BLOCK}),
             ("subspace momentum", kernels._momentum_kernel, {"BR": kernels._MOMENTUM_ROWS,
                                                              "BK": kernels._MOMENTUM_RANKS, "P": 16,
-                                                             "MOMENTUM_BF16": True})]:
+                                                             "MOMENTUM_BF16": True}),
+            ("vector, full momentum", kernels._vector_kernel, {"BLOCK": kernels._VECTOR_BLOCK, "BETA2_DECAY": False,
+                                                               "HAS_MOMENTUM": True, "PARAM_BF16": True,
+                                                               "MOMENTUM_BF16": True, "INTERPRETED": False})]:
         print(json.dumps({"kernel": name, "warps": args.warps, "arch": args.arch,
                           **resources(fn, constants, args.warps, args.arch)}))
 

@@ -29,6 +29,15 @@ CASES = [
     ((70, 33), torch.bfloat16, None, None, 33 * 8, {}),
     ((96, 200), torch.bfloat16, 0.9, 1 / 16, 2**24, {"beta2_decay": 0.8, "beta2": 1.0, "clip_threshold": 0.5}),
 ]
+# Vectors (norm scales, biases: one program each): plain and with momentum, fp32, several blocks with a partial last
+# one, Adafactor's beta2 schedule, a 0-d tensor.
+VECTOR_CASES = [
+    ((768,), torch.bfloat16, None, None, 2**24, {}),
+    ((768,), torch.bfloat16, 0.9, None, 2**24, {}),
+    ((300,), torch.float32, 0.9, None, 2**24, {}),
+    ((2500,), torch.bfloat16, 0.9, None, 2**24, {"beta2_decay": 0.8, "beta2": 1.0, "clip_threshold": 0.5}),
+    ((), torch.float32, 0.9, None, 2**24, {}),
+]
 
 
 def _run(fused: bool, device: str, shape, dtype, momentum, fraction, max_chunk_numel, settings, steps=5, nan_step=2):
@@ -44,7 +53,7 @@ def _run(fused: bool, device: str, shape, dtype, momentum, fraction, max_chunk_n
     for step in range(steps):
         grad = torch.randn(shape, generator=generator)
         if step == nan_step:
-            grad[0, 0] = float("nan")
+            grad.view(-1)[0] = float("nan")
         weight.grad = grad.to(device=device, dtype=dtype)
         optimizer.step()
         norms.append(optimizer.last_grad_norm)
@@ -61,8 +70,9 @@ def check_all(device: str, cases=CASES) -> None:
         assert fused_state["step"].item() == reference_state["step"].item() == 4, case
         torch.testing.assert_close(torch.tensor(fused_norms[:2] + fused_norms[3:]),
                                    torch.tensor(reference_norms[:2] + reference_norms[3:]), rtol=1e-5, atol=0)
-        torch.testing.assert_close(fused_state["row"], reference_state["row"], rtol=1e-5, atol=0)
-        torch.testing.assert_close(fused_state["col"], reference_state["col"], rtol=1e-5, atol=0)
+        for name in ("row", "col", "second_moment"):  # the factors of a matrix, a vector's second moment
+            if name in reference_state:
+                torch.testing.assert_close(fused_state[name], reference_state[name], rtol=1e-5, atol=0)
         # The weights' change over the run (the weights themselves would hide an error in the update).
         pairs = [(fused, reference)] + ([(fused_state["momentum"], reference_state["momentum"])]
                                         if "momentum" in reference_state else [])
@@ -106,9 +116,14 @@ def test_fused_update_in_small_blocks_equals_the_torch_path():
         "kernels._BACK_NUMEL = 200 * 7", "[test_optim_fused.CASES[i] for i in (1, 2, 4, 5)]")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (the test extra on Linux x86-64)")
+def test_fused_vector_update_equals_the_torch_path_under_the_interpreter():
+    _check_under_the_interpreter(cases="test_optim_fused.VECTOR_CASES")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_update_matches_the_torch_path_on_gpu():
-    check_all("cuda")
+    check_all("cuda", CASES + VECTOR_CASES)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -119,8 +119,9 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         compile: run each tensor's update as ``torch.compile``d functions. None (default): for CUDA
             tensors when Triton is installed, eager otherwise; True: for all tensors (CPU tensors then
             need a C++ compiler); False: never.
-        fused: where compiled, update CUDA matrices with the Triton kernels of optimizer_triton.py (one kernel per
-            pass over the tensor, no fp32 copy of it). None (default) or True: yes; False: the compiled torch functions.
+        fused: where compiled, update CUDA matrices and vectors with the Triton kernels of optimizer_triton.py (one
+            kernel per pass over a matrix, one per vector; no fp32 copy of the gradient). None (default) or True:
+            yes; False: the compiled torch functions.
         seed: seed of the stochastic-rounding bits; saved in the state dict.
 
     Bookkeeping (``last_grad_norm``, ``last_step_skips``, ``skipped_updates``) is accumulated on the
@@ -344,7 +345,10 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         compiled = self.compile if self.compile is not None else p.is_cuda and has_triton()
 
         if p.ndim < 2:
-            update = compiled_kernels()[2] if compiled else unfactored_update
+            if compiled and self.fused is not False and _fused_kernels().supports_vector(param):
+                update = _fused_kernels().fused_vector_update
+            else:
+                update = compiled_kernels()[2] if compiled else unfactored_update
             update(param, grad, state["second_moment"], momentum, state["step"], self._keys(index, p.device, 1),
                    hyper, totals, beta2_decay=beta2_decay)
             return

@@ -1,4 +1,5 @@
-"""The factored update of `LowMemoryAdafactor` for one CUDA matrix as Triton kernels (the ``fused`` path).
+"""The factored update of `LowMemoryAdafactor` for one CUDA matrix as Triton kernels (the ``fused`` path), and the
+update of a vector (norm scales, biases: ndim < 2) as one kernel of one program.
 
 Same math and the same random bits as the torch functions in optimizer_kernels.py. Three passes over the tensor,
 each one kernel that reads the bf16 gradient once and keeps every fp32 value in registers:
@@ -50,6 +51,10 @@ _BACK_NUMEL = 2**24
 # per iteration; the subspace momentum's tile (rows, basis vectors).
 _FACTOR_ROWS, _FACTOR_ROW_BLOCK, _FACTOR_COLS, _FACTOR_COL_BLOCK = 1024, 4, 64, 32
 _MOMENTUM_ROWS, _MOMENTUM_RANKS = 32, 64
+# Vectors (ndim < 2) up to _VECTOR_NUMEL elements are updated by one program, _VECTOR_BLOCK elements at a time: the
+# presets' largest is 4,096 (a norm scale); one launch where the compiled torch function took about 230 us of host
+# time per vector (BENCHMARKS.md).
+_VECTOR_BLOCK, _VECTOR_NUMEL = 512, 2**16
 
 
 @triton.jit
@@ -267,15 +272,105 @@ def _apply_kernel(param, grad, momentum, back, row_raw, row_sums, row_programs, 
     tl.store(param + offsets, tl.where(ok, new_param, old_param.to(tl.float32)).to(old_param.dtype), mask=mask)
 
 
+@triton.jit
+def _vector_kernel(param, grad, second_moment, momentum, step_ptr, keys, totals, hyper, n, BLOCK: tl.constexpr,
+                   BETA2_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, PARAM_BF16: tl.constexpr,
+                   MOMENTUM_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A vector's whole update in one program, as optimizer_kernels.unfactored_update: the sum of g**2 (ok, step,
+    totals, bias corrections as _scalar_kernel), then the second moment (committed where ok) with the update's sum
+    of squares, then the clipped update, momentum, decay and the weight write (as _apply_kernel, element indices
+    from 0 under the tensor's one key). Three passes of BLOCK elements."""
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    start = 0
+    while start < n:
+        g = tl.load(grad + start + lanes, mask=start + lanes < n, other=0.0).to(tl.float32)
+        acc += g * g
+        start += BLOCK
+    total = tl.sum(acc, axis=0)
+    ok = (total - total) == 0.0  # false for inf and nan
+    t = tl.load(step_ptr) + 1.0
+    beta2 = tl.load(hyper + 3)
+    if BETA2_DECAY:
+        beta2 = tl.minimum(beta2, 1.0 - _pow(t, -tl.load(hyper + 4), INTERPRETED))
+        correction = beta2 * 0.0 + 1.0
+    else:
+        correction = 1.0 - _pow(beta2, t, INTERPRETED)
+    step = t - 1.0 + ok.to(tl.float32)
+    eps = tl.load(hyper + 5)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    start = 0
+    while start < n:
+        offsets = start + lanes
+        mask = offsets < n
+        g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
+        old = tl.load(second_moment + offsets, mask=mask, other=1.0)
+        new = beta2 * old + (1.0 - beta2) * (g * g + eps)
+        tl.store(second_moment + offsets, tl.where(ok, new, old), mask=mask)
+        u = g / tl.sqrt(new / correction)
+        acc += tl.where(mask, u * u, 0.0)
+        start += BLOCK
+    clip = 1.0 / tl.maximum(tl.sqrt(tl.sum(acc, axis=0) / n) / tl.load(hyper + 6), 1.0)
+    tl.debug_barrier()  # pass 3 reads the second moment pass 2 wrote
+    lr, decay, beta1 = tl.load(hyper + 0), tl.load(hyper + 1), tl.load(hyper + 2)
+    momentum_correction = 1.0 - _pow(beta1, tl.maximum(step, 1.0), INTERPRETED)
+    key, step_int = tl.load(keys), step.to(tl.int32)
+    start = 0
+    while start < n:
+        offsets = start + lanes
+        mask = offsets < n
+        g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
+        # Where ok, the second moment is the new one; elsewhere nothing below is written.
+        update = g / tl.sqrt(tl.load(second_moment + offsets, mask=mask, other=1.0) / correction) * clip
+        if HAS_MOMENTUM:
+            old = tl.load(momentum + offsets, mask=mask, other=0.0)
+            averaged = beta1 * old.to(tl.float32) + (1.0 - beta1) * update
+            stored = averaged
+            if MOMENTUM_BF16:
+                stored = _round_bf16_stochastic(averaged, offsets, key, step_int, 0x68E31DA4)
+            tl.store(momentum + offsets, tl.where(ok, stored, old.to(tl.float32)).to(old.dtype), mask=mask)
+            update = averaged / momentum_correction
+        old_param = tl.load(param + offsets, mask=mask, other=0.0)
+        new_param = old_param.to(tl.float32) * (1.0 - lr * decay) - lr * update
+        if PARAM_BF16:
+            new_param = _round_bf16_stochastic(new_param, offsets, key, step_int, 0x1B873593)
+        tl.store(param + offsets, tl.where(ok, new_param, old_param.to(tl.float32)).to(old_param.dtype), mask=mask)
+        start += BLOCK
+    tl.store(step_ptr, step)
+    tl.store(totals, tl.load(totals) + total)
+    tl.store(totals + 1, tl.load(totals + 1) + 1.0 - ok.to(tl.float32))
+
+
 assert (WEIGHT_SALT, MOMENTUM_SALT) == (0x1B873593, 0x68E31DA4)  # spelled out in _apply_kernel
 assert (LR, WEIGHT_DECAY, BETA1, BETA2, BETA2_DECAY, EPS, CLIP) == tuple(range(7))  # hyper offsets in the kernels
+
+
+def _on_device(param: torch.Tensor) -> bool:
+    return param.is_cuda or (param.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def supports_vector(param: torch.Tensor) -> bool:
+    """Whether the one-program vector kernel takes this tensor (ndim < 2, bf16 or fp32, at most _VECTOR_NUMEL
+    elements: norm scales and biases)."""
+    return _on_device(param) and param.ndim < 2 and param.dtype in (torch.bfloat16, torch.float32) \
+        and param.numel() <= _VECTOR_NUMEL
+
+
+def fused_vector_update(param, grad, second_moment, momentum, step, keys, hyper, totals, *,
+                        beta2_decay: bool) -> None:
+    """One vector's update (optimizer_kernels.unfactored_update's arguments): one kernel launch."""
+    _vector_kernel[(1,)](param, grad.contiguous(), second_moment, param if momentum is None else momentum, step,
+                         keys, totals, hyper, param.numel(), BLOCK=_VECTOR_BLOCK, BETA2_DECAY=beta2_decay,
+                         HAS_MOMENTUM=momentum is not None, PARAM_BF16=param.dtype == torch.bfloat16,
+                         MOMENTUM_BF16=momentum is not None and momentum.dtype == torch.bfloat16,
+                         INTERPRETED=not param.is_cuda)
 
 
 def supports(param: torch.Tensor) -> bool:
     """Whether the fused kernels take this tensor: a matrix of bf16 or fp32 with int32 element indices, on CUDA
     (or on the CPU under Triton's interpreter, TRITON_INTERPRET=1, which the CPU tests use)."""
-    on_device = param.is_cuda or (param.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-    return on_device and param.ndim == 2 and param.dtype in (torch.bfloat16, torch.float32) and param.numel() < 2**31
+    return _on_device(param) and param.ndim == 2 and param.dtype in (torch.bfloat16, torch.float32) \
+        and param.numel() < 2**31
 
 
 def _cdiv(a: int, b: int) -> int:
