@@ -17,7 +17,7 @@ import torch
 from trainer_ext.distill import losses
 
 
-def _fp32_addmm(grad_weight, grad_logits, chunk_hidden):
+def _fp32_addmm(grad_weight, grad_logits, grad_cast, chunk_hidden):
     grad_weight.addmm_(grad_logits.T, chunk_hidden.float())
 
 

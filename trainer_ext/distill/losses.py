@@ -256,10 +256,12 @@ def _forward_and_grads(hidden, weight, labels, teacher, options):
                     (grad_logits,) = torch.autograd.grad(ce_weight * ce + kd_weight * kd, logits)
             kd_sum += kd.detach()
         ce_sum += ce.detach()
+        if needs_grad:
+            grad_cast = grad_logits.to(weight.dtype)  # one cast for both matmuls (no copy in an fp32 head)
         if options.grad_hidden:
-            grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight  # (C, H)
+            grad_hidden[rows] = grad_cast @ weight  # (C, H)
         if options.grad_weight:
-            _accumulate_head_grad(grad_weight, grad_logits, chunk_hidden)
+            _accumulate_head_grad(grad_weight, grad_logits, grad_cast, chunk_hidden)
 
     ce_mean = ce_sum * inv_count
     kd_mean = kd_sum * inv_count
@@ -271,15 +273,15 @@ def _forward_and_grads(hidden, weight, labels, teacher, options):
     return loss, ce_mean, kd_mean, grad_hidden, grad_weight
 
 
-def _accumulate_head_grad(grad_weight, grad_logits, chunk_hidden):
+def _accumulate_head_grad(grad_weight, grad_logits, grad_cast, chunk_hidden):
     """grad_weight (V, H) fp32 += grad_logits.T @ chunk_hidden, in place: no V x H temporary per chunk.
 
-    A bf16 head on CUDA multiplies in bf16 with fp32 accumulation and output (tensor cores at the bf16 rate, not
-    TF32's half of it); elsewhere in fp32 (fp16 would flush the small gradients of a large batch to zero).
+    A bf16 head on CUDA multiplies `grad_cast` (the logits' gradient in bf16) in bf16 with fp32 accumulation and
+    output (tensor cores at the bf16 rate, not TF32's half of it); elsewhere in fp32 (fp16 would flush the small
+    gradients of a large batch to zero).
     """
     if chunk_hidden.is_cuda and chunk_hidden.dtype == torch.bfloat16:
-        torch.addmm(grad_weight, grad_logits.T.to(chunk_hidden.dtype), chunk_hidden, out_dtype=torch.float32,
-                    out=grad_weight)
+        torch.addmm(grad_weight, grad_cast.T, chunk_hidden, out_dtype=torch.float32, out=grad_weight)
     else:
         grad_weight.addmm_(grad_logits.T, chunk_hidden.float())
 
