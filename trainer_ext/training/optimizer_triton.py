@@ -276,10 +276,10 @@ def _apply_kernel(param, grad, momentum, back, row_raw, row_sums, row_programs, 
 def _vector_kernel(param, grad, second_moment, momentum, step_ptr, keys, totals, hyper, n, BLOCK: tl.constexpr,
                    BETA2_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, PARAM_BF16: tl.constexpr,
                    MOMENTUM_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """A vector's whole update in one program, as optimizer_kernels.unfactored_update: the sum of g**2 (ok, step,
-    totals, bias corrections as _scalar_kernel), then the second moment (committed where ok) with the update's sum
-    of squares, then the clipped update, momentum, decay and the weight write (as _apply_kernel, element indices
-    from 0 under the tensor's one key). Three passes of BLOCK elements."""
+    """A vector's whole update in one program, as optimizer_kernels.unfactored_update, in three passes of BLOCK
+    elements: the sum of g**2 (ok, step, totals and bias corrections as _scalar_kernel); the update's sum of squares
+    under the new second moment; the second moment's write (where ok), the clipped update, momentum, decay and the
+    weight write (as _apply_kernel, element indices from 0 under the tensor's one key)."""
     lanes = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     start = 0
@@ -304,14 +304,11 @@ def _vector_kernel(param, grad, second_moment, momentum, step_ptr, keys, totals,
         offsets = start + lanes
         mask = offsets < n
         g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
-        old = tl.load(second_moment + offsets, mask=mask, other=1.0)
-        new = beta2 * old + (1.0 - beta2) * (g * g + eps)
-        tl.store(second_moment + offsets, tl.where(ok, new, old), mask=mask)
+        new = beta2 * tl.load(second_moment + offsets, mask=mask, other=1.0) + (1.0 - beta2) * (g * g + eps)
         u = g / tl.sqrt(new / correction)
         acc += tl.where(mask, u * u, 0.0)
         start += BLOCK
     clip = 1.0 / tl.maximum(tl.sqrt(tl.sum(acc, axis=0) / n) / tl.load(hyper + 6), 1.0)
-    tl.debug_barrier()  # pass 3 reads the second moment pass 2 wrote
     lr, decay, beta1 = tl.load(hyper + 0), tl.load(hyper + 1), tl.load(hyper + 2)
     momentum_correction = 1.0 - _pow(beta1, tl.maximum(step, 1.0), INTERPRETED)
     key, step_int = tl.load(keys), step.to(tl.int32)
@@ -320,8 +317,11 @@ def _vector_kernel(param, grad, second_moment, momentum, step_ptr, keys, totals,
         offsets = start + lanes
         mask = offsets < n
         g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
-        # Where ok, the second moment is the new one; elsewhere nothing below is written.
-        update = g / tl.sqrt(tl.load(second_moment + offsets, mask=mask, other=1.0) / correction) * clip
+        # The new second moment again, as pass 2 computed it (it is written here: no pass reads what another wrote).
+        old_moment = tl.load(second_moment + offsets, mask=mask, other=1.0)
+        new = beta2 * old_moment + (1.0 - beta2) * (g * g + eps)
+        tl.store(second_moment + offsets, tl.where(ok, new, old_moment), mask=mask)
+        update = g / tl.sqrt(new / correction) * clip
         if HAS_MOMENTUM:
             old = tl.load(momentum + offsets, mask=mask, other=0.0)
             averaged = beta1 * old.to(tl.float32) + (1.0 - beta1) * update
