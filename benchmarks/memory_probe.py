@@ -11,12 +11,13 @@ Each probe trains a few steps of `RecurrentTrainer` (the low-memory optimizer in
 depth loop; random tokens, the depth fixed at `mean_recurrence`) at one point of a grid: batch size, sequence length,
 which layers and core steps recompute their activations (`trainer_ext.training.recompute`), momentum on or off,
 `torch.compile` on or off, a cached teacher's top-k in the batch or not. A plain Transformer preset
-(`transformer-125m`) is probed with every layer recomputed or none, what its checkpointing flag can do. It records the peak reserved and allocated
-memory (peak counters reset and the cache emptied between probes) and the time of every step; a probe that runs out
-of memory is recorded as such. One child process per preset runs its probes in order, each preset within its share
-of `--max_seconds`; probes left when time runs out are recorded as skipped. Records are appended to --output as JSON
-lines as they finish. Without a cap the whole device is usable: a peak above the planned card's memory is still a
-data point. `--fit` turns a probe file into the calibration the planner reads (`hf-recurrent-plan-memory`).
+(`transformer-125m`) is probed with every layer recomputed or none, what its checkpointing flag can do. It records
+the peak reserved and allocated memory (peak counters reset and the cache emptied between probes) and the time of
+every step; a probe that runs out of memory is recorded as such. One child process per preset runs its probes in
+order, each preset within its share of `--max_seconds`; probes left when time runs out are recorded as skipped.
+Records are appended to --output as JSON lines as they finish. Without a cap the whole device is usable: a peak
+above the planned card's memory is still a data point. `--fit` turns a probe file into the calibration the planner
+reads (`hf-recurrent-plan-memory`).
 
 `--verify` checks plans instead: for each preset it computes the plan for --cap_gib and --seq_len from the
 calibration (--calibration, default the package's), trains a few steps with it the way a probe does, under the cap
@@ -201,7 +202,8 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
     args = RecurrentTrainingArguments(**args_kwargs)
     data = _RandomTokens(config.vocab_size, spec["seq_len"], steps * spec["batch_size"], TOPK if spec["distill"] else 0)
     record = {"momentum": momentum or 0.0, "momentum_rank_fraction": rank_fraction,
-              "optimizer_state_bytes": optimizer_state_bytes(model, state), "recompute_set": recompute.to_dict(), "graph_steps": steps_with_graphs,
+              "optimizer_state_bytes": optimizer_state_bytes(model, state), "recompute_set": recompute.to_dict(),
+              "graph_steps": steps_with_graphs,
               "num_steps": config.mean_recurrence if recurrent else 0, "params": params,
               "loss_chunk_size": args.loss_chunk_size or default_chunk_size(config.vocab_size),
               "distill_topk": TOPK if spec["distill"] else 0, "config": _shape(config)}

@@ -305,3 +305,23 @@ def test_a_probe_record_reads_back_as_the_estimators_shape(preset, tmp_path):
     assert shape.graph_applications == probe_recomputed(record) > 0  # "all": every application recomputed
     if not presets.is_recurrent(config):
         assert (shape.n_prelude_layers, shape.n_core_layers, shape.graph_steps) == (3, 0, 0)
+
+
+def test_pinned_batches_go_to_the_gpu_without_waiting_by_default_on_cuda(tiny_data_dir, tmp_path):
+    # The command line's CUDA default (as on a CPU-only machine it is off with pinning), an explicit setting winning,
+    # and the setting reaching accelerate's data loaders through the Trainer.
+    from test_trainer import make_trainer
+
+    from trainer_ext.training.arguments import COMMAND_LINE_DEFAULTS, DataArguments, ModelArguments
+    from trainer_ext.training.pretrain import parse_args_with_defaults
+
+    pinned = COMMAND_LINE_DEFAULTS["dataloader_pin_memory"]
+    assert COMMAND_LINE_DEFAULTS["accelerator_config"] == {"non_blocking": pinned}
+    types = (ModelArguments, DataArguments, RecurrentTrainingArguments)
+    cuda_defaults = {**COMMAND_LINE_DEFAULTS, "accelerator_config": {"non_blocking": True}}
+    argv = ["--use_cpu", "true", "--output_dir", str(tmp_path / "run")]
+    assert parse_args_with_defaults(types, argv, cuda_defaults)[2].accelerator_config.non_blocking is True
+    given = parse_args_with_defaults(types, argv + ["--accelerator_config", '{"non_blocking": false}'], cuda_defaults)
+    assert given[2].accelerator_config.non_blocking is False
+    trainer = make_trainer(tiny_data_dir, tmp_path / "trainer", accelerator_config={"non_blocking": True})
+    assert trainer.accelerator.dataloader_config.non_blocking is True

@@ -65,6 +65,9 @@ COMMAND_LINE_DEFAULTS = {
     "dataloader_num_workers": 0,
     "seed": 0,
     "dataloader_pin_memory": torch.cuda.is_available(),
+    # With pinned batches, copy them to the GPU without waiting: a blocking copy waits for all queued GPU work, a
+    # drain of the device at every step.
+    "accelerator_config": {"non_blocking": torch.cuda.is_available()},
 }
 
 
