@@ -107,6 +107,30 @@ def _pow(base, exponent, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _step_scalars(total, step_ptr, hyper, BETA2_DECAY: tl.constexpr, INTERPRETED: tl.constexpr):
+    """From the gradient's sum of squares: ok (finite), beta2 of this step, the second moment's bias correction
+    (optimizer_kernels._beta2_and_bias_correction) and the step count after it (optimizer_kernels._record)."""
+    ok = (total - total) == 0.0  # false for inf and nan
+    t = tl.load(step_ptr) + 1.0
+    beta2 = tl.load(hyper + 3)
+    if BETA2_DECAY:
+        beta2 = tl.minimum(beta2, 1.0 - _pow(t, -tl.load(hyper + 4), INTERPRETED))
+        correction = beta2 * 0.0 + 1.0
+    else:
+        correction = 1.0 - _pow(beta2, t, INTERPRETED)
+    step = t - 1.0 + ok.to(tl.float32)
+    return ok, beta2, correction, step
+
+
+@triton.jit
+def _commit_step(step_ptr, step, totals, total, ok):
+    """The step count and the grad-norm / skip totals, as optimizer_kernels._record leaves them."""
+    tl.store(step_ptr, step)
+    tl.store(totals, tl.load(totals) + total)
+    tl.store(totals + 1, tl.load(totals + 1) + 1.0 - ok.to(tl.float32))
+
+
+@triton.jit
 def _scalar_kernel(sq_part, num_parts, step_ptr, totals, hyper, scalars, BETA2_DECAY: tl.constexpr,
                    B: tl.constexpr, INTERPRETED: tl.constexpr):
     """One program: the gradient's sum of squares from pass 1's tile sums; ok (finite), the step count and the
@@ -119,18 +143,8 @@ def _scalar_kernel(sq_part, num_parts, step_ptr, totals, hyper, scalars, BETA2_D
         acc += tl.load(sq_part + offsets, mask=offsets < num_parts, other=0.0)
         start += B
     total = tl.sum(acc, axis=0)
-    ok = (total - total) == 0.0  # false for inf and nan
-    t = tl.load(step_ptr) + 1.0
-    beta2 = tl.load(hyper + 3)
-    if BETA2_DECAY:
-        beta2 = tl.minimum(beta2, 1.0 - _pow(t, -tl.load(hyper + 4), INTERPRETED))
-        correction = beta2 * 0.0 + 1.0
-    else:
-        correction = 1.0 - _pow(beta2, t, INTERPRETED)
-    step = t - 1.0 + ok.to(tl.float32)
-    tl.store(step_ptr, step)
-    tl.store(totals, tl.load(totals) + total)
-    tl.store(totals + 1, tl.load(totals + 1) + 1.0 - ok.to(tl.float32))
+    ok, beta2, correction, step = _step_scalars(total, step_ptr, hyper, BETA2_DECAY, INTERPRETED)
+    _commit_step(step_ptr, step, totals, total, ok)
     tl.store(scalars, ok.to(tl.float32))
     tl.store(scalars + 1, 1.0 - _pow(tl.load(hyper + 2), tl.maximum(step, 1.0), INTERPRETED))
     tl.store(scalars + 2, beta2)
@@ -231,6 +245,29 @@ def _momentum_kernel(projected, row_raw, row_sums, row_programs, momentum, updat
 
 
 @triton.jit
+def _momentum_update(momentum, offsets, mask, update, ok, index, key, step_int, beta1, MOMENTUM_BF16: tl.constexpr):
+    """m <- beta1 m + (1 - beta1) u, stored where ok (stochastically rounded by element ``index`` in bf16); returns
+    the new m, which divided by 1 - beta1**t replaces u (optimizer_kernels._apply_update)."""
+    old = tl.load(momentum + offsets, mask=mask, other=0.0)
+    averaged = beta1 * old.to(tl.float32) + (1.0 - beta1) * update
+    stored = averaged
+    if MOMENTUM_BF16:
+        stored = _round_bf16_stochastic(averaged, index, key, step_int, 0x68E31DA4)
+    tl.store(momentum + offsets, tl.where(ok, stored, old.to(tl.float32)).to(old.dtype), mask=mask)
+    return averaged
+
+
+@triton.jit
+def _write_param(param, offsets, mask, update, ok, index, key, step_int, lr, decay, PARAM_BF16: tl.constexpr):
+    """w <- w (1 - lr decay) - lr u, stored where ok (stochastically rounded by element ``index`` in bf16)."""
+    old_param = tl.load(param + offsets, mask=mask, other=0.0)
+    new_param = old_param.to(tl.float32) * (1.0 - lr * decay) - lr * update
+    if PARAM_BF16:
+        new_param = _round_bf16_stochastic(new_param, index, key, step_int, 0x1B873593)
+    tl.store(param + offsets, tl.where(ok, new_param, old_param.to(tl.float32)).to(old_param.dtype), mask=mask)
+
+
+@triton.jit
 def _apply_kernel(param, grad, momentum, back, row_raw, row_sums, row_programs, col_factor, update_sq, numel,
                   scalars, step_ptr, keys, rows_per_chunk, hyper, row_start, row_end, R, C, BR: tl.constexpr,
                   BC: tl.constexpr, P: tl.constexpr, FULL_MOMENTUM: tl.constexpr, SUBSPACE: tl.constexpr,
@@ -255,21 +292,11 @@ def _apply_kernel(param, grad, momentum, back, row_raw, row_sums, row_programs, 
     key = tl.load(keys + chunk, mask=rows < row_end, other=0)[:, None]
     index = (rows - chunk * rows_per_chunk)[:, None] * C + cols[None, :]
     if FULL_MOMENTUM:
-        beta1 = tl.load(hyper + 2)
-        old = tl.load(momentum + offsets, mask=mask, other=0.0)
-        averaged = beta1 * old.to(tl.float32) + (1.0 - beta1) * update
-        stored = averaged
-        if MOMENTUM_BF16:
-            stored = _round_bf16_stochastic(averaged, index, key, step_int, 0x68E31DA4)
-        tl.store(momentum + offsets, tl.where(ok, stored, old.to(tl.float32)).to(old.dtype), mask=mask)
-        update = averaged / tl.load(scalars + 1)
+        update = _momentum_update(momentum, offsets, mask, update, ok, index, key, step_int, tl.load(hyper + 2),
+                                  MOMENTUM_BF16) / tl.load(scalars + 1)
     if SUBSPACE:
         update += tl.load(back + offsets - row_start * C, mask=mask, other=0.0).to(tl.float32)
-    old_param = tl.load(param + offsets, mask=mask, other=0.0)
-    new_param = old_param.to(tl.float32) * (1.0 - lr * decay) - lr * update
-    if PARAM_BF16:
-        new_param = _round_bf16_stochastic(new_param, index, key, step_int, 0x1B873593)
-    tl.store(param + offsets, tl.where(ok, new_param, old_param.to(tl.float32)).to(old_param.dtype), mask=mask)
+    _write_param(param, offsets, mask, update, ok, index, key, step_int, lr, decay, PARAM_BF16)
 
 
 @triton.jit
@@ -288,15 +315,7 @@ def _vector_kernel(param, grad, second_moment, momentum, step_ptr, keys, totals,
         acc += g * g
         start += BLOCK
     total = tl.sum(acc, axis=0)
-    ok = (total - total) == 0.0  # false for inf and nan
-    t = tl.load(step_ptr) + 1.0
-    beta2 = tl.load(hyper + 3)
-    if BETA2_DECAY:
-        beta2 = tl.minimum(beta2, 1.0 - _pow(t, -tl.load(hyper + 4), INTERPRETED))
-        correction = beta2 * 0.0 + 1.0
-    else:
-        correction = 1.0 - _pow(beta2, t, INTERPRETED)
-    step = t - 1.0 + ok.to(tl.float32)
+    ok, beta2, correction, step = _step_scalars(total, step_ptr, hyper, BETA2_DECAY, INTERPRETED)
     eps = tl.load(hyper + 5)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     start = 0
@@ -323,25 +342,14 @@ def _vector_kernel(param, grad, second_moment, momentum, step_ptr, keys, totals,
         tl.store(second_moment + offsets, tl.where(ok, new, old_moment), mask=mask)
         update = g / tl.sqrt(new / correction) * clip
         if HAS_MOMENTUM:
-            old = tl.load(momentum + offsets, mask=mask, other=0.0)
-            averaged = beta1 * old.to(tl.float32) + (1.0 - beta1) * update
-            stored = averaged
-            if MOMENTUM_BF16:
-                stored = _round_bf16_stochastic(averaged, offsets, key, step_int, 0x68E31DA4)
-            tl.store(momentum + offsets, tl.where(ok, stored, old.to(tl.float32)).to(old.dtype), mask=mask)
-            update = averaged / momentum_correction
-        old_param = tl.load(param + offsets, mask=mask, other=0.0)
-        new_param = old_param.to(tl.float32) * (1.0 - lr * decay) - lr * update
-        if PARAM_BF16:
-            new_param = _round_bf16_stochastic(new_param, offsets, key, step_int, 0x1B873593)
-        tl.store(param + offsets, tl.where(ok, new_param, old_param.to(tl.float32)).to(old_param.dtype), mask=mask)
+            update = _momentum_update(momentum, offsets, mask, update, ok, offsets, key, step_int, beta1,
+                                      MOMENTUM_BF16) / momentum_correction
+        _write_param(param, offsets, mask, update, ok, offsets, key, step_int, lr, decay, PARAM_BF16)
         start += BLOCK
-    tl.store(step_ptr, step)
-    tl.store(totals, tl.load(totals) + total)
-    tl.store(totals + 1, tl.load(totals + 1) + 1.0 - ok.to(tl.float32))
+    _commit_step(step_ptr, step, totals, total, ok)
 
 
-assert (WEIGHT_SALT, MOMENTUM_SALT) == (0x1B873593, 0x68E31DA4)  # spelled out in _apply_kernel
+assert (WEIGHT_SALT, MOMENTUM_SALT) == (0x1B873593, 0x68E31DA4)  # spelled out in the kernels
 assert (LR, WEIGHT_DECAY, BETA1, BETA2, BETA2_DECAY, EPS, CLIP) == tuple(range(7))  # hyper offsets in the kernels
 
 
