@@ -97,7 +97,7 @@ def round_to_bf16_stochastic(x: torch.Tensor, random_bits: torch.Tensor) -> torc
 
 
 def _store_where(target: torch.Tensor, value: torch.Tensor, ok: torch.Tensor, key: torch.Tensor,
-                step: torch.Tensor, salt: int) -> None:
+                 step: torch.Tensor, salt: int) -> None:
     """Write fp32 ``value`` into ``target`` (in its own dtype) where ``ok``, else leave it unchanged."""
     if target.dtype == torch.bfloat16:
         value = round_to_bf16_stochastic(value, _random_bits(value.shape, key, step, salt))
@@ -178,8 +178,8 @@ def _grad_stats(grad: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tenso
 
 
 def _update_factors(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor,
-                   grad_sq: torch.Tensor, step: torch.Tensor, totals: torch.Tensor, hyper: torch.Tensor,
-                   beta2_decay: bool):
+                    grad_sq: torch.Tensor, step: torch.Tensor, totals: torch.Tensor, hyper: torch.Tensor,
+                    beta2_decay: bool):
     """Update the row (B, R) and column (B, C) averages; return ok and the factors of 1/sqrt(v_hat).
 
     v_hat[i, j] = row[i] * col[j] / mean(row) / bias_correction, the rank-1 estimate of Adafactor.

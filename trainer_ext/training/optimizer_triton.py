@@ -219,6 +219,19 @@ def _update_sq_kernel(grad, row_raw, row_sums, row_programs, col_factor, scalars
 
 
 @triton.jit
+def _momentum_update(momentum, offsets, mask, update, ok, index, key, step_int, beta1, MOMENTUM_BF16: tl.constexpr):
+    """m <- beta1 m + (1 - beta1) u, stored where ok (stochastically rounded by element ``index`` in bf16); returns
+    the new m, which divided by 1 - beta1**t replaces u (optimizer_kernels._apply_update)."""
+    old = tl.load(momentum + offsets, mask=mask, other=0.0)
+    averaged = beta1 * old.to(tl.float32) + (1.0 - beta1) * update
+    stored = averaged
+    if MOMENTUM_BF16:
+        stored = _round_bf16_stochastic(averaged, index, key, step_int, 0x68E31DA4)
+    tl.store(momentum + offsets, tl.where(ok, stored, old.to(tl.float32)).to(old.dtype), mask=mask)
+    return averaged
+
+
+@triton.jit
 def _momentum_kernel(projected, row_raw, row_sums, row_programs, momentum, update_sq, numel, scalars, step_ptr,
                      keys, chunk, hyper, row_start, rows_in_chunk, R, rank, BR: tl.constexpr, BK: tl.constexpr,
                      P: tl.constexpr, MOMENTUM_BF16: tl.constexpr):
@@ -231,30 +244,10 @@ def _momentum_kernel(projected, row_raw, row_sums, row_programs, momentum, updat
     ok = tl.load(scalars) != 0
     value = tl.load(projected + offsets, mask=mask, other=0.0).to(tl.float32)
     value = value * (rf[:, None] * _clip_scale(update_sq, numel, hyper))
-    beta1 = tl.load(hyper + 2)
-    old = tl.load(momentum + row_start * rank + offsets, mask=mask, other=0.0)
-    averaged = beta1 * old.to(tl.float32) + (1.0 - beta1) * value
-    stored = averaged
-    if MOMENTUM_BF16:
-        stored = _round_bf16_stochastic(averaged, offsets, tl.load(keys + chunk), tl.load(step_ptr).to(tl.int32),
-                                        0x68E31DA4)
-    tl.store(momentum + row_start * rank + offsets, tl.where(ok, stored, old.to(tl.float32)).to(old.dtype),
-             mask=mask)
+    averaged = _momentum_update(momentum + row_start * rank, offsets, mask, value, ok, offsets, tl.load(keys + chunk),
+                                tl.load(step_ptr).to(tl.int32), tl.load(hyper + 2), MOMENTUM_BF16)
     tl.store(projected + offsets, (averaged / tl.load(scalars + 1) - value).to(projected.dtype.element_ty),
              mask=mask)
-
-
-@triton.jit
-def _momentum_update(momentum, offsets, mask, update, ok, index, key, step_int, beta1, MOMENTUM_BF16: tl.constexpr):
-    """m <- beta1 m + (1 - beta1) u, stored where ok (stochastically rounded by element ``index`` in bf16); returns
-    the new m, which divided by 1 - beta1**t replaces u (optimizer_kernels._apply_update)."""
-    old = tl.load(momentum + offsets, mask=mask, other=0.0)
-    averaged = beta1 * old.to(tl.float32) + (1.0 - beta1) * update
-    stored = averaged
-    if MOMENTUM_BF16:
-        stored = _round_bf16_stochastic(averaged, index, key, step_int, 0x68E31DA4)
-    tl.store(momentum + offsets, tl.where(ok, stored, old.to(tl.float32)).to(old.dtype), mask=mask)
-    return averaged
 
 
 @triton.jit
