@@ -325,8 +325,8 @@ def test_ignored_positions_get_zero_gradient():
 
 
 def test_default_chunk_size_is_a_fixed_number_of_logits():
-    assert default_chunk_size(65536) == 1024 == default_chunk_size(59296) and default_chunk_size(32768) == 2048
-    assert default_chunk_size(99520) == 640 and default_chunk_size(10**9) == 128  # whole multiples of 128
+    assert default_chunk_size(65536) == 2048 and default_chunk_size(59296) == 2176 and default_chunk_size(32768) == 4096
+    assert default_chunk_size(99520) == 1280 and default_chunk_size(10**9) == 128  # whole multiples of 128
     hidden, weight, labels, _, _ = make_inputs()
     default = chunked_lm_loss(hidden, weight, labels)
     torch.testing.assert_close(default.loss, chunked_lm_loss(hidden, weight, labels, chunk_size=CHUNK).loss)

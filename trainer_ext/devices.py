@@ -1,4 +1,8 @@
-"""The one reading of `--device auto` and `--dtype auto` shared by every entry point."""
+"""The one reading of `--device auto` and `--dtype auto` shared by every entry point, and whether Triton (the fused
+kernels' compiler, on Linux x86-64 installs) is there."""
+
+import functools
+import importlib.util
 
 import torch
 
@@ -15,3 +19,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+@functools.cache
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None

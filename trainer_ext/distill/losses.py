@@ -2,7 +2,7 @@
 
 The loss takes the student's last hidden states and its LM head weight instead of logits, so a
 (positions, vocab) fp32 tensor is never built for the whole batch: the positions are processed `chunk_size` at a
-time (by default at most 2**26 logits, 256 MiB in fp32, in multiples of 128 positions: 1,024 positions of a
+time (by default at most 2**27 logits, 256 MiB in bf16, in multiples of 128 positions: 2,048 positions of a
 65,536-entry vocabulary). For a 100k vocabulary and 8k positions, full fp32 logits would be 3.2 GB, and autograd
 would keep several tensors of that size alive until backward. Following Liger-Kernel's fused linear losses, the
 gradients wrt hidden states and head weight are therefore also computed chunk by chunk in the forward pass; backward
@@ -37,11 +37,14 @@ Teachers come in two forms:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+
+from trainer_ext.devices import has_triton
 
 IGNORE_INDEX = -100
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -50,9 +53,11 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 # cached top-k probabilities sum to 1 within rounding, and a zero tail would make reverse KL
 # infinite; 1e-6 is about the resolution of an fp32 sum of probabilities.
 TAIL_FLOOR = 1e-6
-# Logits per chunk of positions by default: 256 MiB in fp32, the 1,024 positions of a 65,536-entry vocabulary. Fewer,
-# larger chunks launch fewer kernels (a chunk is about twenty), which is what a small model's step waits on.
-CHUNK_LOGITS = 2**26
+# Logits per chunk of positions by default: 256 MiB in bf16 (the fused kernel's one tensor of a chunk; the torch path
+# makes an fp32 copy), the 2,048 positions of a 65,536-entry vocabulary. Fewer,
+# larger chunks launch fewer kernels (a chunk is about six with the kernel, twenty without), which is what a small
+# model's step waits on.
+CHUNK_LOGITS = 2**27
 CHUNK_MULTIPLE = 128  # positions: whole GEMM tiles, and the same few block sizes for the allocator across vocabularies
 
 
@@ -242,13 +247,14 @@ def _forward_and_grads(hidden, weight, labels, teacher, options):
     for start in range(0, positions, options.chunk_size):
         rows = slice(start, min(start + options.chunk_size, positions))
         chunk_hidden = hidden_flat[rows].to(weight.dtype)  # (C, H), a view where the dtypes agree
-        logits = (chunk_hidden @ weight.T).float()  # (C, V): matmul in input dtype, loss in fp32
+        logits = chunk_hidden @ weight.T  # (C, V) in the head's dtype; the loss computes in fp32
         # The head matmuls are done by hand below, so the weight never enters a graph and its gradient accumulates
         # in place. Plain CE has its gradient wrt the logits in closed form; with a teacher, autograd runs over this
         # chunk's loss wrt its logits only.
         if teacher is None:
-            ce, grad_logits = _ce_and_grad(logits, labels_flat[rows], ce_weight if needs_grad else None)
+            ce, grad_logits = _plain_ce(logits, labels_flat[rows], ce_weight if needs_grad else None)
         else:
+            logits = logits.float()
             with torch.enable_grad():
                 logits.requires_grad_(needs_grad)
                 ce, kd = _chunk_loss_sums(logits, labels_flat[rows], teacher, rows, options)
@@ -257,7 +263,7 @@ def _forward_and_grads(hidden, weight, labels, teacher, options):
             kd_sum += kd.detach()
         ce_sum += ce.detach()
         if needs_grad:
-            grad_cast = grad_logits.to(weight.dtype)  # one cast for both matmuls (no copy in an fp32 head)
+            grad_cast = grad_logits.to(weight.dtype)  # one cast for both matmuls (none where the kernel ran)
         if options.grad_hidden:
             grad_hidden[rows] = grad_cast @ weight  # (C, H)
         if options.grad_weight:
@@ -284,6 +290,23 @@ def _accumulate_head_grad(grad_weight, grad_logits, grad_cast, chunk_hidden):
         torch.addmm(grad_weight, grad_cast.T, chunk_hidden, out_dtype=torch.float32, out=grad_weight)
     else:
         grad_weight.addmm_(grad_logits.T, chunk_hidden.float())
+
+
+def _plain_ce(logits, targets, scale):
+    """`_ce_and_grad` of a chunk of logits in the head's dtype: for a bf16 or fp32 head on CUDA one Triton kernel
+    over those logits (ce_triton.py; the same results), elsewhere the torch functions below on an fp32 copy (an fp16
+    gradient would flush the small ones of a large batch to zero, see `_accumulate_head_grad`)."""
+    if logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float32) and has_triton():
+        return _ce_kernel().ce_and_grad(logits, targets, scale, IGNORE_INDEX)
+    return _ce_and_grad(logits.float(), targets, scale)
+
+
+@functools.cache
+def _ce_kernel():
+    """ce_triton, imported on first use (it needs Triton, which CPU-only installs lack)."""
+    from trainer_ext.distill import ce_triton
+
+    return ce_triton
 
 
 def _ce_and_grad(logits, targets, scale):

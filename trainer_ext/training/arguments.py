@@ -167,8 +167,8 @@ class RecurrentTrainingArguments(TrainingArguments):
     peak_flops: float | None = field(
         default=None, metadata={"help": "Peak FLOP/s for MFU (default: the device's bf16 datasheet peak)."})
     loss_chunk_size: int | None = field(
-        default=None, metadata={"help": "Positions per chunk of the LM loss (default: at most 2**26 logits, 256 MiB in "
-                                        "fp32, in multiples of 128 positions; 1,024 at a 65,536-entry vocabulary)."})
+        default=None, metadata={"help": "Positions per chunk of the LM loss (default: at most 2**27 logits, 256 MiB in "
+                                        "bf16, in multiples of 128 positions; 2,048 at a 65,536-entry vocabulary)."})
     distill_alpha: float = field(default=0.5, metadata={"help": "Weight of the distillation term."})
     distill_temperature: float = field(default=1.0, metadata={"help": "Distillation temperature T."})
     distill_divergence: str = field(default="forward_kl", metadata={"help": f"One of {list(DIVERGENCES)}."})
@@ -332,7 +332,7 @@ class RecurrentTrainingArguments(TrainingArguments):
               "an integer >= 0 (0 turns step profiling off)")
         check("loss_chunk_size", self.loss_chunk_size is None or (is_int(self.loss_chunk_size)
                                                                    and self.loss_chunk_size >= 1),
-              "an integer >= 1 (positions per chunk of the loss), or unset for 2**26 logits per chunk")
+              "an integer >= 1 (positions per chunk of the loss), or unset for 2**27 logits per chunk")
         check("optimizer_momentum",
               self.optimizer_momentum is None or (is_number(self.optimizer_momentum)
                                                   and 0 <= self.optimizer_momentum < 1),

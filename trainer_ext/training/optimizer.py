@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer_ext.devices import has_triton
 from trainer_ext.training.optimizer_kernels import (
     EAGER_KERNELS,
     compiled_kernels,
     factored_update,
-    has_triton,
     hyper_values,
     mix32,
     range_finder,

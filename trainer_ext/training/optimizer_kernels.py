@@ -10,7 +10,6 @@ without saving any generator state.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import math
 from collections.abc import Callable
@@ -316,11 +315,6 @@ def row_chunks(num_slices: int, rows: int, cols: int, max_numel: int) -> tuple[t
     per_chunk = max(max_numel // max(cols, 1), 1)
     return tuple((slice(b, b + 1), slice(r, min(r + per_chunk, rows)))
                  for b in range(num_slices) for r in range(0, rows, per_chunk))
-
-
-@functools.cache
-def has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
