@@ -227,3 +227,45 @@ def test_large_models_get_a_conservative_schedule_unless_set():
 def test_missing_data_dir_is_named_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match="prepare_data"):
         pretrain(*parse_pretrain_args(["--data_dir", str(tmp_path / "nothing"), "--use_cpu", "true"]))
+
+
+def test_garbage_collection_runs_between_steps_only_and_is_restored(tiny_data_dir, tmp_path):
+    import gc
+
+    seen, collections = [], []
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            seen.append((gc.isenabled(), len(collections)))
+
+    def count(phase, info):
+        if phase == "stop" and info["generation"] == 2:
+            collections.append(info)
+
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=6, gc_interval=2, save_strategy="no")
+    trainer.add_callback(Watch())
+    gc.callbacks.append(count)
+    try:
+        trainer.train()
+    finally:
+        gc.callbacks.remove(count)
+    # Off during the steps; full collections after steps 2 and 4 (and 6), none inside a step.
+    first = seen[0][1]
+    assert seen == [(False, first + n) for n in (0, 0, 1, 1, 2, 2)] and first >= 1  # and one as training starts
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+    class Fail(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            raise RuntimeError("boom")
+
+    failing = make_trainer(tiny_data_dir, tmp_path / "fail", max_steps=2, save_strategy="no")
+    failing.add_callback(Fail())
+    with pytest.raises(RuntimeError, match="boom"):
+        failing.train()
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # restored after the exception
+    automatic = make_trainer(tiny_data_dir, tmp_path / "auto", max_steps=1, gc_interval=0, save_strategy="no")
+    automatic.add_callback(Watch())
+    automatic.train()
+    assert seen[-1][0] is True
+    with pytest.raises(ValueError, match="gc_interval"):
+        RecurrentTrainingArguments(output_dir=str(tmp_path), gc_interval=-1)

@@ -15,22 +15,23 @@ import torch
 import triton
 import triton.language as tl
 
-# Logits per iteration of a program (a 65,536-entry vocabulary is eight of them) and its warps.
+# Logits per iteration of a program (a 65,536-entry vocabulary is eight of them) and its warps. The vocabulary is a
+# compile-time constant (one per run), so the loops over it are static.
 _BLOCK, _WARPS = 8192, 16
 
 
 @triton.jit
-def _ce_kernel(logits_ptr, row_stride, targets_ptr, scale_ptr, loss_ptr, vocab, ignore_index,
-               HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_kernel(logits_ptr, row_stride, targets_ptr, scale_ptr, loss_ptr, ignore_index,
+               VOCAB: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * row_stride
     target = tl.load(targets_ptr + row)
     keep = target != ignore_index
     running_max = float("-inf")
     total = 0.0
-    for start in range(0, vocab, BLOCK):
+    for start in range(0, VOCAB, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
-        x = tl.load(base + offsets, mask=offsets < vocab, other=float("-inf")).to(tl.float32)
+        x = tl.load(base + offsets, mask=offsets < VOCAB, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         total = total * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
         running_max = new_max
@@ -39,9 +40,9 @@ def _ce_kernel(logits_ptr, row_stride, targets_ptr, scale_ptr, loss_ptr, vocab, 
     tl.store(loss_ptr + row, tl.where(keep, lse - target_logit, 0.0))
     if HAS_GRAD:
         scale = tl.where(keep, tl.load(scale_ptr).to(tl.float32), 0.0)
-        for start in range(0, vocab, BLOCK):
+        for start in range(0, VOCAB, BLOCK):
             offsets = start + tl.arange(0, BLOCK)
-            in_row = offsets < vocab
+            in_row = offsets < VOCAB
             x = tl.load(base + offsets, mask=in_row, other=0.0).to(tl.float32)
             grad = tl.exp(x - lse) - tl.where(offsets == target, 1.0, 0.0)
             tl.store(base + offsets, (grad * scale).to(logits_ptr.dtype.element_ty), mask=in_row)
@@ -56,6 +57,6 @@ def ce_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor
         raise ValueError(f"ce_and_grad needs logits contiguous along the vocabulary, got strides {logits.stride()}")
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     block = min(_BLOCK, triton.next_power_of_2(vocab))
-    _ce_kernel[(rows,)](logits, logits.stride(0), targets, losses if scale is None else scale, losses, vocab,
-                        ignore_index, HAS_GRAD=scale is not None, BLOCK=block, num_warps=_WARPS)
+    _ce_kernel[(rows,)](logits, logits.stride(0), targets, losses if scale is None else scale, losses, ignore_index,
+                        VOCAB=vocab, HAS_GRAD=scale is not None, BLOCK=block, num_warps=_WARPS)
     return losses.sum(), (None if scale is None else logits)

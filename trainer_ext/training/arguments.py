@@ -163,6 +163,9 @@ class RecurrentTrainingArguments(TrainingArguments):
     optimizer_fused: bool = field(
         default=True, metadata={"help": "Update CUDA weight matrices with the optimizer's fused Triton kernels (three "
                                         "passes over each tensor); false: its compiled torch functions."})
+    gc_interval: int = field(
+        default=50, metadata={"help": "Run Python's garbage collector after every N-th step and nowhere else during "
+                                      "training (its pauses would land inside steps); 0: automatic, as Python does."})
     profile_steps: int = field(default=30, metadata={"help": "Synchronized phase timing for the first N steps."})
     peak_flops: float | None = field(
         default=None, metadata={"help": "Peak FLOP/s for MFU (default: the device's bf16 datasheet peak)."})
@@ -328,6 +331,8 @@ class RecurrentTrainingArguments(TrainingArguments):
             value = getattr(self, name)
             check(name, value is None or (is_int(value) and value >= 1),
                   "an integer >= 1 (recurrent steps), or unset for the model config's default")
+        check("gc_interval", is_int(self.gc_interval) and self.gc_interval >= 0,
+              "an integer >= 0 (steps between garbage collections; 0 leaves Python's automatic collection)")
         check("profile_steps", is_int(self.profile_steps) and self.profile_steps >= 0,
               "an integer >= 0 (0 turns step profiling off)")
         check("loss_chunk_size", self.loss_chunk_size is None or (is_int(self.loss_chunk_size)

@@ -3,6 +3,7 @@ loss (plain CE or distillation), a stability guard (skipped updates on loss spik
 gradient-norm blow-up, a rollback to an earlier checkpoint after persistent trouble), and step profiling /
 throughput / MFU / memory logging."""
 
+import contextlib
 import logging
 import math
 import os
@@ -18,7 +19,7 @@ from hf_recurrent.presets import is_recurrent
 
 from trainer_ext.distill.losses import OnlineTeacher, TopKTeacher, chunked_lm_loss
 from trainer_ext.training.arguments import TARGETS, fill_unset_schedule, resolve_momentum
-from trainer_ext.training.callbacks import PhaseTimingCallback, TrainingHooksCallback
+from trainer_ext.training.callbacks import GarbageCollectionCallback, PhaseTimingCallback, TrainingHooksCallback
 from trainer_ext.training.checkpoints import (
     TRAINER_STATE_NAME,
     publish,
@@ -95,6 +96,13 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         self._reset_stability_bookkeeping()
         self._reset_health_bookkeeping()
         self.add_callback(TrainingHooksCallback(self))
+        self._gc = GarbageCollectionCallback(self.args.gc_interval) if self.args.gc_interval else None
+        if self._gc is not None:
+            self.add_callback(self._gc)
+
+    def train(self, *args, **kwargs):
+        with self._gc.during_training() if self._gc is not None else contextlib.nullcontext():
+            return super().train(*args, **kwargs)
 
     # -- optimizer
 
