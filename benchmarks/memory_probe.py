@@ -196,7 +196,7 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
         disable_tqdm=True, seed=0, use_cpu=not cuda, **{_CHECKPOINTING: not recompute.empty},
         # The CPU dry run checks the compiled path's bookkeeping without a C++ toolchain.
         **({} if cuda else {"torch_compile_backend": "eager"}))
-    from trainer_ext.distill.losses import default_chunk_size
+    from trainer_ext.distill.losses import chunk_logit_bytes, default_chunk_size
     from trainer_ext.training.arguments import RecurrentTrainingArguments
 
     args = RecurrentTrainingArguments(**args_kwargs)
@@ -205,7 +205,8 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
               "optimizer_state_bytes": optimizer_state_bytes(model, state), "recompute_set": recompute.to_dict(),
               "graph_steps": steps_with_graphs,
               "num_steps": config.mean_recurrence if recurrent else 0, "params": params,
-              "loss_chunk_size": args.loss_chunk_size or default_chunk_size(config.vocab_size),
+              "loss_chunk_size": args.loss_chunk_size or default_chunk_size(
+                  config.vocab_size, chunk_logit_bytes(model.dtype, torch.device(device), spec["distill"])),
               "distill_topk": TOPK if spec["distill"] else 0, "config": _shape(config)}
     _reset_model(model)
     _free(device)

@@ -7,12 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainer_ext.devices import has_triton
 from trainer_ext.distill.losses import (
     DIVERGENCES,
     LossOutput,
     OnlineTeacher,
     TopKTeacher,
     chunked_lm_loss,
+    chunk_logit_bytes,
     default_chunk_size,
     teacher_topk,
 )
@@ -325,8 +327,15 @@ def test_ignored_positions_get_zero_gradient():
 
 
 def test_default_chunk_size_is_a_fixed_number_of_logits():
-    assert default_chunk_size(65536) == 2048 and default_chunk_size(59296) == 2176 and default_chunk_size(32768) == 4096
-    assert default_chunk_size(99520) == 1280 and default_chunk_size(10**9) == 128  # whole multiples of 128
+    assert default_chunk_size(65536) == 1024 == default_chunk_size(59296) and default_chunk_size(32768) == 2048
+    assert default_chunk_size(99520) == 640 and default_chunk_size(10**9) == 128  # whole multiples of 128
+    # The fused kernel's bf16 chunk: twice the positions in the same bytes; its fp32 chunk and the torch path: fp32.
+    assert default_chunk_size(65536, 2) == 2048 and default_chunk_size(99520, 2) == 1280
+    cuda = torch.device("cuda")
+    assert chunk_logit_bytes(torch.bfloat16, cuda, distill=False) == (2 if has_triton() else 4)
+    assert chunk_logit_bytes(torch.float32, cuda, False) == chunk_logit_bytes(torch.float16, cuda, False) == 4
+    assert chunk_logit_bytes(torch.bfloat16, cuda, distill=True) == 4 == chunk_logit_bytes(torch.bfloat16,
+                                                                                          torch.device("cpu"), False)
     hidden, weight, labels, _, _ = make_inputs()
     default = chunked_lm_loss(hidden, weight, labels)
     torch.testing.assert_close(default.loss, chunked_lm_loss(hidden, weight, labels, chunk_size=CHUNK).loss)

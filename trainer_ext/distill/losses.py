@@ -53,18 +53,28 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 # cached top-k probabilities sum to 1 within rounding, and a zero tail would make reverse KL
 # infinite; 1e-6 is about the resolution of an fp32 sum of probabilities.
 TAIL_FLOOR = 1e-6
-# Logits per chunk of positions by default: 256 MiB in bf16 (the fused kernel's one tensor of a chunk; the torch path
-# makes an fp32 copy), the 2,048 positions of a 65,536-entry vocabulary. Fewer,
-# larger chunks launch fewer kernels (a chunk is about six with the kernel, twenty without), which is what a small
-# model's step waits on.
-CHUNK_LOGITS = 2**27
+# A chunk's largest logits tensor by default: 256 MiB, 2**27 logits in bf16 where the fused kernel runs (its one tensor
+# of a chunk), 2**26 where the torch path makes an fp32 copy: the 2,048 / 1,024 positions of a 65,536-entry
+# vocabulary. Fewer, larger chunks launch fewer kernels (a chunk is about six with the kernel, twenty without), which
+# is what a small model's step waits on; 2**27 fp32 logits raised recurrent-7b's peak by 0.7 GiB (BENCHMARKS.md).
+CHUNK_BYTES = 2**28
 CHUNK_MULTIPLE = 128  # positions: whole GEMM tiles, and the same few block sizes for the allocator across vocabularies
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """Positions per chunk of the loss for a head of `vocab_size` rows: at most CHUNK_LOGITS logits, in whole
-    multiples of CHUNK_MULTIPLE positions (at least one)."""
-    return max(CHUNK_MULTIPLE, CHUNK_LOGITS // max(vocab_size, 1) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+def default_chunk_size(vocab_size: int, logit_bytes: int = 4) -> int:
+    """Positions per chunk of the loss for a head of `vocab_size` rows: at most CHUNK_BYTES of logits of
+    `logit_bytes` each (see `chunk_logit_bytes`), in whole multiples of CHUNK_MULTIPLE positions (at least one)."""
+    logits = CHUNK_BYTES // logit_bytes
+    return max(CHUNK_MULTIPLE, logits // max(vocab_size, 1) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+
+
+def chunk_logit_bytes(head_dtype: torch.dtype, device: torch.device, distill: bool) -> int:
+    """Bytes per logit of a chunk's largest tensor: the head's dtype where the fused CE kernel runs, else fp32."""
+    return _dtype_bytes(head_dtype) if not distill and _fused_ce(head_dtype, device) else 4
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
@@ -162,7 +172,8 @@ def chunked_lm_loss(
     while a chunk's matmul stays large; None takes `default_chunk_size(V)`.
     """
     if chunk_size is None:
-        chunk_size = default_chunk_size(lm_head_weight.shape[0])
+        chunk_size = default_chunk_size(
+            lm_head_weight.shape[0], chunk_logit_bytes(lm_head_weight.dtype, lm_head_weight.device, teacher is not None))
     vocab_limit = _validate(
         hidden, lm_head_weight, labels, teacher, alpha, temperature, divergence, jsd_beta, chunk_size
     )
@@ -296,9 +307,13 @@ def _plain_ce(logits, targets, scale):
     """`_ce_and_grad` of a chunk of logits in the head's dtype: for a bf16 or fp32 head on CUDA one Triton kernel
     over those logits (ce_triton.py; the same results), elsewhere the torch functions below on an fp32 copy (an fp16
     gradient would flush the small ones of a large batch to zero, see `_accumulate_head_grad`)."""
-    if logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float32) and has_triton():
+    if _fused_ce(logits.dtype, logits.device):
         return _ce_kernel().ce_and_grad(logits, targets, scale, IGNORE_INDEX)
     return _ce_and_grad(logits.float(), targets, scale)
+
+
+def _fused_ce(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float32) and has_triton()
 
 
 @functools.cache
