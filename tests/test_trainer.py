@@ -269,3 +269,13 @@ def test_garbage_collection_runs_between_steps_only_and_is_restored(tiny_data_di
     assert seen[-1][0] is True
     with pytest.raises(ValueError, match="gc_interval"):
         RecurrentTrainingArguments(output_dir=str(tmp_path), gc_interval=-1)
+
+
+def test_worker_processes_feed_the_same_batches(tiny_data_dir, tmp_path):
+    # The CUDA default loads batches in worker processes (the dataset is pickled to them): same losses as in-process.
+    in_process = make_trainer(tiny_data_dir, tmp_path / "main", max_steps=3, save_strategy="no")
+    in_process.train()
+    workers = make_trainer(tiny_data_dir, tmp_path / "workers", max_steps=3, save_strategy="no",
+                           dataloader_num_workers=2, dataloader_persistent_workers=True)
+    workers.train()
+    assert losses(workers) == losses(in_process) and len(losses(workers)) == 3
