@@ -272,7 +272,8 @@ def test_garbage_collection_runs_between_steps_only_and_is_restored(tiny_data_di
 
 
 def test_worker_processes_feed_the_same_batches(tiny_data_dir, tmp_path):
-    # The CUDA default loads batches in worker processes (the dataset is pickled to them): same losses as in-process.
+    # `--dataloader_num_workers N` loads batches in worker processes (the dataset is pickled to them, its memory maps
+    # reopened there): the same losses as in-process.
     in_process = make_trainer(tiny_data_dir, tmp_path / "main", max_steps=3, save_strategy="no")
     in_process.train()
     workers = make_trainer(tiny_data_dir, tmp_path / "workers", max_steps=3, save_strategy="no",

@@ -51,11 +51,6 @@ SMALL_MODEL_SCHEDULE = {"learning_rate": 3e-3, "warmup_steps": 30, "max_steps": 
 LARGE_MODEL_EPOCHS = 1.0
 SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "max_steps", "num_train_epochs")
 
-# Data-loading worker processes on CUDA. In the training process a batch of 32 x 1,024 tokens took 23-54 ms to fetch on
-# the GPU machine (0.3 ms on a CPU-only one), host time the GPU waits through once a step's end has waited for it;
-# in workers the next batches are ready (BENCHMARKS.md). The workers are kept between epochs and evaluations.
-CUDA_DATALOADER_WORKERS = 2
-
 # What a bare command runs with besides the schedule: parser defaults, so anything on the command line wins.
 COMMAND_LINE_DEFAULTS = {
     "output_dir": os.path.join("outputs", "run_pretrain"),
@@ -67,8 +62,9 @@ COMMAND_LINE_DEFAULTS = {
     "save_steps": 120,
     "save_total_limit": 2,
     "report_to": "none",
-    "dataloader_num_workers": CUDA_DATALOADER_WORKERS if torch.cuda.is_available() else 0,
-    "dataloader_persistent_workers": torch.cuda.is_available(),
+    # In the training process: a batch of 32 x 1,024 tokens took 23-54 ms to fetch on the GPU machine (0.3 ms on a
+    # CPU-only one), but the one run with two worker processes did not finish in its time box (BENCHMARKS.md).
+    "dataloader_num_workers": 0,
     "seed": 0,
     "dataloader_pin_memory": torch.cuda.is_available(),
     # With pinned batches, copy them to the GPU without waiting: a blocking copy waits for all queued GPU work, a
