@@ -36,6 +36,8 @@
 #       of PRESETS (default "recurrent-125m transformer-125m") at SEQ (default 1024), within SECONDS_LIMIT (300);
 #       $OUT/probes.jsonl, to fit with the committed ones: cat results/memory-probes/probes.jsonl probes.jsonl > all.jsonl;
 #       python3 -m benchmarks.memory_probe --fit all.jsonl
+#   bash benchmarks/bench_gpu.sh waits [host_waits / run_pretrain args]   a 125M run's waits for the GPU (their Python
+#       stacks), batch fetch times and garbage collections (benchmarks/host_waits.py; seq 1024 data)
 #   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
 set -uo pipefail
@@ -173,7 +175,10 @@ case $STAGE in
     python3 -m benchmarks.memory_probe --presets ${PRESETS:-recurrent-125m transformer-125m} --seq_len "${SEQ:-1024}" \
       --output "$OUT/probes.jsonl" --max_seconds "${SECONDS_LIMIT:-300}" "$@" 2>&1 | grep -E '^\{|rror|probes of' \
       | cut -c1-300 ;;
+  waits)
+    prepare_1024
+    python3 -m benchmarks.host_waits --data_dir $DATA_1024 "$@" 2>&1 | grep -vE "it/s\]|s/it\]" | tail -"${TAIL:-80}" ;;
   *)
     echo "unknown stage $STAGE (train, distill, quality, compare, stability, init, peers, adaptive, ablation," \
-      "optimizer, probes)" >&2; exit 2 ;;
+      "optimizer, probes, waits)" >&2; exit 2 ;;
 esac

@@ -1,0 +1,101 @@
+"""Where a training step's host time goes besides launching kernels: its waits for the GPU, its batches, its garbage
+collections. For host-bound runs (the 125M presets), whose GPU idles while the host catches up.
+
+    python3 -m benchmarks.host_waits --data_dir outputs/data/py [run_pretrain args, e.g. --preset recurrent-125m]
+
+Trains `--max_steps` (16) steps through `scripts/run_pretrain.py` (default: transformer-125m at the comparison's batch
+of 32, lr 1e-3; anything given wins) and prints
+- the Python stacks of the operations that waited for the GPU in steps `--sync_from` and the one after (CUDA only:
+  torch's sync debug mode, which flags explicit waits such as `.item()`, not a driver's implicit ones),
+- the time of every batch fetch of the data loader's iterator (sampling, reading, collating, pinning),
+- every garbage collection over 2 ms (generation, milliseconds).
+"""
+
+import argparse
+import collections
+import gc
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+import torch.utils.data.dataloader as torch_dataloader
+from transformers import TrainerCallback
+
+from scripts import run_pretrain
+
+DEFAULTS = ["--preset", "transformer-125m", "--output_dir", "outputs/host_waits", "--max_steps", "16",
+            "--per_device_train_batch_size", "32", "--learning_rate", "1e-3", "--logging_steps", "20",
+            "--eval_strategy", "no", "--save_strategy", "no", "--save_final", "false", "--memory_cap_gib", "24",
+            "--profile_steps", "0", "--overwrite_output_dir", "true"]
+
+
+class _SyncWindow(TrainerCallback):
+    """Torch's sync debug mode (warn) for two steps from `first` (CUDA only)."""
+
+    def __init__(self, first: int):
+        self.first = first
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if torch.cuda.is_available() and state.global_step in (self.first - 1, self.first + 1):
+            torch.cuda.set_sync_debug_mode(1 if state.global_step == self.first - 1 else 0)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sync_from", type=int, default=9, help="First step whose waits are recorded.")
+    args, rest = parser.parse_known_args(argv)
+
+    waits = collections.Counter()
+
+    def record_wait(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename][-7:]
+            waits["\n".join(f"  {f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames)] += 1
+
+    fetches, collections_ = [], []
+    next_batch = torch_dataloader._BaseDataLoaderIter.__next__
+
+    def timed_next(iterator):
+        start = time.perf_counter()
+        try:
+            return next_batch(iterator)
+        finally:
+            fetches.append(time.perf_counter() - start)
+
+    started = {}
+
+    def record_collection(phase, info):
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        else:
+            collections_.append((info["generation"], time.perf_counter() - started["t"]))
+
+    def pretrain(*pretrain_args, **kwargs):
+        return original_pretrain(*pretrain_args, **kwargs, callbacks=[_SyncWindow(args.sync_from)])
+
+    original_pretrain = run_pretrain.pretrain
+    torch_dataloader._BaseDataLoaderIter.__next__ = timed_next
+    gc.callbacks.append(record_collection)
+    run_pretrain.pretrain = pretrain
+    try:
+        with warnings.catch_warnings():  # restores the filters and showwarning
+            warnings.simplefilter("always")
+            warnings.showwarning = record_wait
+            code = run_pretrain.main(DEFAULTS + rest)
+    finally:
+        run_pretrain.pretrain = original_pretrain
+        torch_dataloader._BaseDataLoaderIter.__next__ = next_batch
+        gc.callbacks.remove(record_collection)
+    print(f"Waits for the GPU in steps {args.sync_from}-{args.sync_from + 1} (count, stack):")
+    for stack, count in waits.most_common(12):
+        print(count, "\n" + stack)
+    print("batch fetch ms:", [round(1e3 * t, 1) for t in fetches])
+    print("garbage collections over 2 ms (generation, ms):",
+          [(generation, round(1e3 * t, 1)) for generation, t in collections_ if t > 0.002])
+    return {"exit_code": code, "waits": dict(waits), "fetch_seconds": fetches, "collections": collections_}
+
+
+if __name__ == "__main__":
+    sys.exit(main()["exit_code"])
