@@ -1,7 +1,8 @@
-"""Registers, spills and matrix instructions of the optimizer's Triton kernels for a GPU, without a GPU.
+"""Registers, spills and matrix instructions of our Triton kernels for a GPU, without a GPU.
 
 Compiles each kernel of trainer_ext/training/optimizer_triton.py for the target (default sm_90, the H100 / H200)
-with the tile sizes given (default: the module's), then runs the ptxas that ships with Triton on the PTX. A kernel
+with the tile sizes given (default: the module's), and the loss's CE kernel (trainer_ext/distill/ce_triton.py, bf16
+logits of a 65,536-entry vocabulary), then runs the ptxas that ships with Triton on the PTX. A kernel
 that spills registers moves more bytes than the update needs (local memory), and one at 255 registers runs few
 programs per multiprocessor: both show here before any GPU time is spent.
 
@@ -20,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from trainer_ext.distill import ce_triton
 from trainer_ext.training import optimizer_triton as kernels
 
 # Argument types: bf16 tensors (the 3-7B presets' weights), int32 sizes and offsets, fp32 everything else.
@@ -37,18 +39,27 @@ def signature_of(fn, constants: dict) -> dict:
     return {name: kind(name) for name in fn.arg_names}
 
 
-def resources(fn, constants: dict, warps: int, arch: int) -> dict:
-    """Compile `fn` for sm_`arch` and read ptxas's report."""
-    signature = signature_of(fn, constants)
+def resources(fn, constants: dict, warps: int, arch: int, signature: dict | None = None) -> dict:
+    """Compile `fn` for sm_`arch` (with `signature`, default `signature_of`) and read ptxas's report."""
+    signature = signature or signature_of(fn, constants)
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     ptx = compiled.asm["ptx"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
-    report = subprocess.run([ptxas, "-v", "--gpu-name", f"sm_{arch}{'a' if arch == 90 else ''}", f.name, "-o",
-                             os.devnull], capture_output=True, text=True, check=True).stderr
+    # The ptxas binaries Triton ships, in its order: newer Triton releases emit a PTX version that only the second
+    # (`ptxas-blackwell`) reads.
+    for name in ("ptxas", "ptxas-blackwell"):
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+        run = subprocess.run([ptxas, "-v", "--gpu-name", f"sm_{arch}{'a' if arch == 90 else ''}", f.name, "-o",
+                              os.devnull], capture_output=True, text=True) if os.path.exists(ptxas) else None
+        if run is not None and run.returncode == 0:
+            break
     os.unlink(f.name)
+    if run is None or run.returncode:
+        raise RuntimeError(f"no ptxas of Triton {triton.__version__} assembled the PTX: "
+                           f"{run.stderr.strip() if run else 'none found'}")
+    report = run.stderr
     registers = int(report.split("Used ")[1].split(" registers")[0])
     spill = int(report.split(" bytes spill stores")[0].rsplit(" ", 1)[1])
     return {"registers": registers, "spill_store_bytes": spill, "shared_bytes": compiled.metadata.shared,
@@ -91,6 +102,11 @@ def main() -> None:
                                                                "MOMENTUM_BF16": True, "INTERPRETED": False})]:
         print(json.dumps({"kernel": name, "warps": args.warps, "arch": args.arch,
                           **resources(fn, constants, args.warps, args.arch)}))
+    ce = {"VOCAB": 65536, "HAS_GRAD": True, "BLOCK": ce_triton._BLOCK}
+    ce_signature = {"logits_ptr": "*bf16", "row_stride": "i32", "targets_ptr": "*i64", "scale_ptr": "*fp32",
+                    "loss_ptr": "*fp32", "ignore_index": "i32", **{name: "constexpr" for name in ce}}
+    print(json.dumps({"kernel": "cross-entropy", "warps": ce_triton._WARPS, "arch": args.arch,
+                      **resources(ce_triton._ce_kernel, ce, ce_triton._WARPS, args.arch, ce_signature)}))
 
 
 if __name__ == "__main__":
