@@ -288,6 +288,46 @@ def test_loss_spike_and_nan_loss_skip_the_update_and_are_logged(tiny_data_dir, t
     assert math.isnan(written["interventions"][1]["value"])
 
 
+def test_the_trainers_nan_filter_is_off_inside_guarded_steps_only(tiny_data_dir, tmp_path):
+    # The guard's stand-ins make the Trainer's filter (two waits for the GPU per step) redundant inside steps; it is
+    # back for evaluation and after training, also after a failed step, and untouched without the guard.
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            seen.append(args.logging_nan_inf_filter)
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            seen.append(("eval", args.logging_nan_inf_filter))
+
+    trainer = make_trainer(tiny_data_dir, tmp_path / "guarded", max_steps=4, save_strategy="no",
+                           eval_strategy="steps", eval_steps=2)
+    inject(trainer, {3: NAN})
+    trainer.add_callback(Watch())
+    trainer.train()
+    assert seen == [False, False, ("eval", True), False, False, ("eval", True)]
+    assert trainer.args.logging_nan_inf_filter is True
+    assert math.isfinite(logs_by_step(trainer)[4]["loss"])
+
+    class Fail(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            raise RuntimeError("boom")
+
+    failing = make_trainer(tiny_data_dir, tmp_path / "failing", max_steps=2, save_strategy="no")
+    failing.add_callback(Fail())
+    with pytest.raises(RuntimeError, match="boom"):
+        failing.train()
+    assert failing.args.logging_nan_inf_filter is True
+    seen.clear()
+    unguarded = make_trainer(tiny_data_dir, tmp_path / "unguarded", max_steps=2, save_strategy="no",
+                             stability_guard=False)
+    unguarded.add_callback(Watch())
+    unguarded.train()
+    assert seen == [True, True]
+
+
 def test_skip_with_the_stock_optimizer_and_gradient_accumulation(tiny_data_dir, tmp_path):
     # The spike is in the second micro-batch: what the first one accumulated must not be applied either.
     trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=4, save_strategy="no", optimizer="hf",

@@ -1,5 +1,5 @@
 """The callbacks `RecurrentTrainer` adds to the Trainer's loop: phase timing of the optimizer step, the stability
-guard's points outside `compute_loss`, the start of the collapse / skipped-update bookkeeping, and Python's garbage
+guard's points outside `compute_loss` (and the Trainer's NaN filter off inside guarded steps), the start of the collapse / skipped-update bookkeeping, and Python's garbage
 collection between steps."""
 
 import contextlib
@@ -45,6 +45,11 @@ class TrainingHooksCallback(TrainerCallback):
 
     def __init__(self, trainer: "RecurrentTrainer"):
         self.trainer = trainer
+        self._nan_filter = None  # the user's logging_nan_inf_filter while a guarded step has it off
+
+    def restore_nan_filter(self, args) -> None:
+        if self._nan_filter is not None:
+            args.logging_nan_inf_filter, self._nan_filter = self._nan_filter, None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.stability_guard:
@@ -58,8 +63,14 @@ class TrainingHooksCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.trainer._count_warmup_step(starting=True)
+        if args.stability_guard and self._nan_filter is None:
+            # The guard has read each training loss and hands the Trainer a finite stand-in for a non-finite one, so
+            # the Trainer's NaN filter would only wait for the GPU twice per step (`isnan(loss) or isinf(loss)`, after
+            # backward: the next step's host work would wait too). Off inside steps; evaluation keeps the setting.
+            self._nan_filter, args.logging_nan_inf_filter = args.logging_nan_inf_filter, False
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.restore_nan_filter(args)
         self.trainer._count_warmup_step()
         if not args.stability_guard:
             return

@@ -84,8 +84,9 @@ class StabilityMixin:
 
     def _loss_value(self, loss) -> float:
         """The loss on the host: the guard's one device sync per step (on several processes, their mean, so that
-        every process takes the same decision). The Trainer's NaN filter, on by default, already waits for each
-        step's loss, so in the default setting this adds no wait."""
+        every process takes the same decision). It replaces the two waits of the Trainer's NaN filter after backward,
+        which is off inside guarded steps (`TrainingHooksCallback`): the guard's stand-ins keep the logged loss
+        finite."""
         if self.accelerator.num_processes > 1:
             loss = self.accelerator.reduce(loss.detach(), reduction="mean")
         return loss.detach().item()

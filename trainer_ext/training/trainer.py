@@ -95,14 +95,18 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             self.stability = StabilityGuard(**self.args.stability_settings())
         self._reset_stability_bookkeeping()
         self._reset_health_bookkeeping()
-        self.add_callback(TrainingHooksCallback(self))
+        self._hooks = TrainingHooksCallback(self)
+        self.add_callback(self._hooks)
         self._gc = GarbageCollectionCallback(self.args.gc_interval) if self.args.gc_interval else None
         if self._gc is not None:
             self.add_callback(self._gc)
 
     def train(self, *args, **kwargs):
-        with self._gc.during_training() if self._gc is not None else contextlib.nullcontext():
-            return super().train(*args, **kwargs)
+        try:
+            with self._gc.during_training() if self._gc is not None else contextlib.nullcontext():
+                return super().train(*args, **kwargs)
+        finally:
+            self._hooks.restore_nan_filter(self.args)  # also after an exception inside a step
 
     # -- optimizer
 
