@@ -1,6 +1,7 @@
 """The callbacks `RecurrentTrainer` adds to the Trainer's loop: phase timing of the optimizer step, the stability
-guard's points outside `compute_loss` (and the Trainer's NaN filter off inside guarded steps), the start of the collapse / skipped-update bookkeeping, and Python's garbage
-collection between steps."""
+guard's points outside `compute_loss` (and the Trainer's NaN filter off inside guarded steps), the start of the
+collapse / skipped-update bookkeeping, the timing of a compiled run's first steps, and Python's garbage collection
+between steps."""
 
 import contextlib
 import gc
