@@ -172,8 +172,8 @@ def chunked_lm_loss(
     while a chunk's matmul stays large; None takes `default_chunk_size(V)`.
     """
     if chunk_size is None:
-        chunk_size = default_chunk_size(
-            lm_head_weight.shape[0], chunk_logit_bytes(lm_head_weight.dtype, lm_head_weight.device, teacher is not None))
+        logit_bytes = chunk_logit_bytes(lm_head_weight.dtype, lm_head_weight.device, distill=teacher is not None)
+        chunk_size = default_chunk_size(lm_head_weight.shape[0], logit_bytes)
     vocab_limit = _validate(
         hidden, lm_head_weight, labels, teacher, alpha, temperature, divergence, jsd_beta, chunk_size
     )
