@@ -7,7 +7,8 @@ Trains `--max_steps` (16) steps through `scripts/run_pretrain.py` (default: tran
 of 32, lr 1e-3; anything given wins) and prints
 - the Python stacks of the operations that waited for the GPU in steps `--sync_from` and the one after (CUDA only:
   torch's sync debug mode, which flags explicit waits such as `.item()`, not a driver's implicit ones),
-- the time of every batch fetch of the data loader's iterator (sampling, reading, collating, pinning),
+- the time of every batch fetch of the data loader's iterator (sampling, reading, collating, pinning), and of the
+  samples' reads (`ShardedTokenDataset.__getitem__`) and the pinning in it,
 - every garbage collection over 2 ms (generation, milliseconds).
 """
 
@@ -20,10 +21,12 @@ import traceback
 import warnings
 
 import torch
+import torch.utils.data._utils.pin_memory as torch_pin_memory
 import torch.utils.data.dataloader as torch_dataloader
 from transformers import TrainerCallback
 
 from scripts import run_pretrain
+from trainer_ext.data.shards import ShardedTokenDataset
 
 DEFAULTS = ["--preset", "transformer-125m", "--output_dir", "outputs/host_waits", "--max_steps", "16",
             "--per_device_train_batch_size", "32", "--learning_rate", "1e-3", "--logging_steps", "20",
@@ -55,14 +58,26 @@ def main(argv=None) -> dict:
             waits["\n".join(f"  {f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames)] += 1
 
     fetches, collections_ = [], []
-    next_batch = torch_dataloader._BaseDataLoaderIter.__next__
+    parts = {"read": 0.0, "pin": 0.0}  # of the fetch under way
+    next_batch, read_sample, pin = (torch_dataloader._BaseDataLoaderIter.__next__, ShardedTokenDataset.__getitem__,
+                                    torch_pin_memory.pin_memory)
+
+    def timed(function, part):
+        def call(*call_args, **call_kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*call_args, **call_kwargs)
+            finally:
+                parts[part] += time.perf_counter() - start
+        return call
 
     def timed_next(iterator):
+        parts.update(read=0.0, pin=0.0)
         start = time.perf_counter()
         try:
             return next_batch(iterator)
         finally:
-            fetches.append(time.perf_counter() - start)
+            fetches.append((time.perf_counter() - start, parts["read"], parts["pin"]))
 
     started = {}
 
@@ -77,6 +92,8 @@ def main(argv=None) -> dict:
 
     original_pretrain = run_pretrain.pretrain
     torch_dataloader._BaseDataLoaderIter.__next__ = timed_next
+    ShardedTokenDataset.__getitem__ = timed(read_sample, "read")
+    torch_pin_memory.pin_memory = timed(pin, "pin")
     gc.callbacks.append(record_collection)
     run_pretrain.pretrain = pretrain
     try:
@@ -87,11 +104,13 @@ def main(argv=None) -> dict:
     finally:
         run_pretrain.pretrain = original_pretrain
         torch_dataloader._BaseDataLoaderIter.__next__ = next_batch
+        ShardedTokenDataset.__getitem__, torch_pin_memory.pin_memory = read_sample, pin
         gc.callbacks.remove(record_collection)
     print(f"Waits for the GPU in steps {args.sync_from}-{args.sync_from + 1} (count, stack):")
     for stack, count in waits.most_common(12):
         print(count, "\n" + stack)
-    print("batch fetch ms:", [round(1e3 * t, 1) for t in fetches])
+    print("batch fetch ms (total / reading the samples / pinning):",
+          [tuple(round(1e3 * t, 1) for t in fetch) for fetch in fetches])
     print("garbage collections over 2 ms (generation, ms):",
           [(generation, round(1e3 * t, 1)) for generation, t in collections_ if t > 0.002])
     return {"exit_code": code, "waits": dict(waits), "fetch_seconds": fetches, "collections": collections_}
