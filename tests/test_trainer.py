@@ -232,11 +232,12 @@ def test_missing_data_dir_is_named_with_the_fix(tmp_path):
 def test_garbage_collection_runs_between_steps_only_and_is_restored(tiny_data_dir, tmp_path):
     import gc
 
-    seen, collections = [], []
+    seen, collections, frozen = [], [], []
 
     class Watch(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             seen.append((gc.isenabled(), len(collections)))
+            frozen.append(gc.get_freeze_count())
 
     def count(phase, info):
         if phase == "stop" and info["generation"] == 2:
@@ -252,6 +253,9 @@ def test_garbage_collection_runs_between_steps_only_and_is_restored(tiny_data_di
     # Off during the steps; full collections after steps 2 and 4 (and 6), none inside a step.
     first = seen[0][1]
     assert seen == [(False, first + n) for n in (0, 0, 1, 1, 2, 2)] and first >= 1  # and one as training starts
+    # Frozen as training starts, and what outlived the first two steps at the first collection; not again after
+    # (frozen objects freed by their reference counts leave the count).
+    assert 0 < frozen[1] <= frozen[0] < frozen[2] and max(frozen[3:]) <= frozen[2]
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
     class Fail(TrainerCallback):

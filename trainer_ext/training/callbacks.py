@@ -93,15 +93,19 @@ class GarbageCollectionCallback(TrainerCallback):
     scans every object of the process (a compiled model's are hundreds of thousands: 0.2 s on a CPU for the debug
     preset), a pause the GPU waits through. While `during_training()` holds, automatic collection is off, the objects
     that exist when training starts are frozen (never scanned again, as they outlive the run), and a full collection
-    of the rest runs after every `interval`-th step; on leaving (also on an exception) the collector is as before.
+    of the rest runs after every `interval`-th step. What outlives the first of these (the compiled graphs of the
+    first steps, hundreds of thousands of objects) is frozen too, so that the later ones scan only what the steps
+    since have left. On leaving (also on an exception) the collector is as before.
     """
 
     def __init__(self, interval: int):
         self.interval = interval
+        self._first_done = False
 
     @contextlib.contextmanager
     def during_training(self):
         enabled = gc.isenabled()
+        self._first_done = False
         gc.collect()
         gc.freeze()
         gc.disable()
@@ -115,3 +119,6 @@ class GarbageCollectionCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.interval == 0:
             gc.collect()
+            if not self._first_done:
+                gc.freeze()
+                self._first_done = True
