@@ -46,6 +46,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1
+# Every stage prepares data with `datasets`: without it each would fail only after its model had been built.
+if ! python3 -c "import datasets" 2>/dev/null; then
+  echo "bench_gpu.sh: the datasets package is missing; put the wheels this file's header lists in .whl/ and run again" >&2
+  exit 2
+fi
 STAGE=$1; shift
 OUT=${OUT:-outputs/gpu}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
