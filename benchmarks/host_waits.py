@@ -9,7 +9,7 @@ of 32, lr 1e-3; anything given wins) and prints
   torch's sync debug mode, which flags explicit waits such as `.item()`, not a driver's implicit ones),
 - the time of every batch fetch of the data loader's iterator (sampling, reading, collating, pinning), and of the
   samples' reads (`ShardedTokenDataset.__getitem__`) and the pinning in it,
-- every garbage collection over 2 ms (generation, milliseconds).
+- every garbage collection over 2 ms (generation, milliseconds, the step under way: 0 before the first).
 """
 
 import argparse
@@ -35,12 +35,14 @@ DEFAULTS = ["--preset", "transformer-125m", "--output_dir", "outputs/host_waits"
 
 
 class _SyncWindow(TrainerCallback):
-    """Torch's sync debug mode (warn) for two steps from `first` (CUDA only)."""
+    """Torch's sync debug mode (warn) for two steps from `first` (CUDA only); `step`: the step under way."""
 
     def __init__(self, first: int):
         self.first = first
+        self.step = 0
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step + 1
         if torch.cuda.is_available() and state.global_step in (self.first - 1, self.first + 1):
             torch.cuda.set_sync_debug_mode(1 if state.global_step == self.first - 1 else 0)
 
@@ -79,16 +81,16 @@ def main(argv=None) -> dict:
         finally:
             fetches.append((time.perf_counter() - start, parts["read"], parts["pin"]))
 
-    started = {}
+    started, window = {}, _SyncWindow(args.sync_from)
 
     def record_collection(phase, info):
         if phase == "start":
             started["t"] = time.perf_counter()
         else:
-            collections_.append((info["generation"], time.perf_counter() - started["t"]))
+            collections_.append((info["generation"], time.perf_counter() - started["t"], window.step))
 
     def pretrain(*pretrain_args, **kwargs):
-        return original_pretrain(*pretrain_args, **kwargs, callbacks=[_SyncWindow(args.sync_from)])
+        return original_pretrain(*pretrain_args, **kwargs, callbacks=[window])
 
     original_pretrain = run_pretrain.pretrain
     torch_dataloader._BaseDataLoaderIter.__next__ = timed_next
@@ -111,8 +113,8 @@ def main(argv=None) -> dict:
         print(count, "\n" + stack)
     print("batch fetch ms (total / reading the samples / pinning):",
           [tuple(round(1e3 * t, 1) for t in fetch) for fetch in fetches])
-    print("garbage collections over 2 ms (generation, ms):",
-          [(generation, round(1e3 * t, 1)) for generation, t in collections_ if t > 0.002])
+    print("garbage collections over 2 ms (generation, ms, step):",
+          [(generation, round(1e3 * t, 1), step) for generation, t, step in collections_ if t > 0.002])
     return {"exit_code": code, "waits": dict(waits), "fetch_seconds": fetches, "collections": collections_}
 
 
