@@ -284,3 +284,14 @@ def test_worker_processes_feed_the_same_batches(tiny_data_dir, tmp_path):
                            dataloader_num_workers=2, dataloader_persistent_workers=True)
     workers.train()
     assert losses(workers) == losses(in_process) and len(losses(workers)) == 3
+
+
+def test_batches_are_stacked_without_padding_or_an_attention_mask(tiny_data_dir, tmp_path):
+    # Fixed-length samples: the Trainer's padding collator (its default with a tokenizer) would add an all-ones
+    # attention_mask, a wait for the GPU in every forward's mask creation, and Python per sample.
+    from transformers import default_data_collator
+
+    trainer = make_trainer(tiny_data_dir, tmp_path)
+    assert trainer.data_collator is default_data_collator
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert set(batch) == {"input_ids", "shift_labels"} and batch["input_ids"].shape == (4, 32)

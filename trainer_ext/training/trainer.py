@@ -11,7 +11,7 @@ import shutil
 import time
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, default_data_collator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_recurrent import DepthSampler, flops_per_token
@@ -69,6 +69,12 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             compile_options = {"mode": args_.torch_compile_mode or "default",
                                "backend": args_.torch_compile_backend or "inductor"}
             args_.torch_compile = False
+        # The samples of the token shards have one length: stacking is all a batch needs. Given a tokenizer as
+        # processing_class, the Trainer would pick DataCollatorWithPadding: 20-30 ms of Python per batch of
+        # 32 x 1,024 tokens, and an all-ones attention_mask with which the causal mask's creation waits for the GPU
+        # in every forward (BENCHMARKS.md).
+        if len(args) < 3 and kwargs.get("data_collator") is None:
+            kwargs["data_collator"] = default_data_collator
         super().__init__(*args, **kwargs)
         if compile_options is not None:
             compile_decoder_layers(self.model, **compile_options)
