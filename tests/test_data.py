@@ -405,24 +405,6 @@ def test_dataset_pickles_without_shard_data(prepared):
     assert torch.equal(clone[5]["input_ids"], ds[5]["input_ids"])
 
 
-def test_shards_read_into_memory_give_the_same_samples_and_no_longer_read_the_file(prepared_copy):
-    # A memory map reads the file at each first touch; a shard read whole on first use does not go back to it: after
-    # the file's tokens are overwritten in place, the mapped dataset sees the change and the in-memory one does not.
-    mapped = ShardedTokenDataset(prepared_copy, verify_checksums=False)
-    in_memory = ShardedTokenDataset(prepared_copy, verify_checksums=False, in_memory=True)
-    for index in (0, 3, len(mapped) - 1):
-        assert torch.equal(mapped[index]["input_ids"], in_memory[index]["input_ids"])
-        assert torch.equal(mapped[index]["shift_labels"], in_memory[index]["shift_labels"])
-    shard = sorted(prepared_copy.glob("train-*.npy"))[0]
-    tokens = np.load(shard, mmap_mode="r+")
-    before = torch.tensor(tokens[1]).long()
-    tokens[1] = 0
-    tokens.flush()
-    assert torch.equal(in_memory[1]["input_ids"], before[:-1]) and not in_memory[1]["input_ids"].eq(0).all()
-    assert mapped[1]["input_ids"].eq(0).all()
-    assert pickle.loads(pickle.dumps(in_memory)).in_memory  # workers read their own copy
-
-
 @pytest.fixture
 def prepared_copy(prepared, tmp_path):
     out, _ = prepared

@@ -354,11 +354,7 @@ class ShardedTokenDataset(Dataset):
     not mistake them for unshifted ``labels``), so ``default_data_collator`` stacks a batch and the model
     shifts nothing. Each shard is opened once with ``np.load(mmap_mode="r")`` and wrapped by
     one ``torch.from_numpy``; a sample is a row view of that tensor converted to int64, so
-    there is no per-sample ``torch.tensor`` and no per-sample file open. With ``in_memory=True`` each
-    shard is read whole on its first use instead: one sequential read where a memory map takes a page
-    fault at the first touch of each sample, which filesystems with costly faults (virtualized ones,
-    network or Windows drives under WSL2) pay per sample; it costs the shards' size in RAM (in each
-    data-loader worker).
+    there is no per-sample ``torch.tensor`` and no per-sample file open.
 
     All validation (manifest, tokenizer hash, shard headers and sizes, max token id vs the
     model's vocabulary, and the shards' sha256 unless ``verify_checksums=False``) runs in
@@ -372,11 +368,9 @@ class ShardedTokenDataset(Dataset):
         expected_tokenizer_hash: str | None = None,
         model_vocab_size: int | None = None,
         verify_checksums: bool = True,
-        in_memory: bool = False,
     ):
         self.data_dir = os.fspath(data_dir)
         self.split = split
-        self.in_memory = in_memory
         self.manifest = validate_data_dir(
             self.data_dir,
             split=split,
@@ -408,7 +402,7 @@ class ShardedTokenDataset(Dataset):
     def _shard(self, index: int) -> torch.Tensor:
         tensor = self._tensors[index]
         if tensor is None:
-            array = np.load(self._paths[index], mmap_mode=None if self.in_memory else "r")
+            array = np.load(self._paths[index], mmap_mode="r")
             # The memmap is read-only and torch warns that it cannot mark the tensor so;
             # nothing here writes to it.
             with warnings.catch_warnings():

@@ -117,10 +117,6 @@ class DataArguments:
         default=None, metadata={"help": "Prepared shards (hf-recurrent-prepare-data). Default: the embedded corpus, "
                                         "prepared on first use."})
     max_eval_samples: int | None = field(default=256, metadata={"help": "Evaluate on at most this many samples."})
-    data_in_memory: bool = field(
-        default=False, metadata={"help": "Read each shard whole on its first use instead of memory-mapping it: for "
-                                         "filesystems where a page fault per sample is slow (network or Windows "
-                                         "drives under WSL2, sandboxes); costs the shards' size in RAM."})
     teacher_cache_dir: str | None = field(
         default=None, metadata={"help": "Offline teacher top-k cache (hf-recurrent-cache-teacher) aligned with "
                                         "--data_dir."})

@@ -61,7 +61,7 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
                     num_params / 1e6, applied)
 
     train_set = ShardedTokenDataset(data_dir, "train", expected_tokenizer_hash=tokenizer_hash(tokenizer),
-                                    model_vocab_size=config.vocab_size, in_memory=data_args.data_in_memory)
+                                    model_vocab_size=config.vocab_size)
     # The plan pretraining would apply (batch size, recompute set, compile), carried by every trial's trainer.
     plan_callbacks = apply_memory_plan(
         training_args, config, train_set.seq_len, resolve_dtype(model_args.dtype, training_args.device).itemsize,

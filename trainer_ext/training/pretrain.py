@@ -127,9 +127,9 @@ def load_datasets(data_dir: str, data_args: DataArguments, tokenizer, model_voca
     """(train, eval) sets of the shards, the train set carrying the teacher cache's top-k if one is given."""
     expected = tokenizer_hash(tokenizer)
     train_set = ShardedTokenDataset(data_dir, "train", expected_tokenizer_hash=expected,
-                                    model_vocab_size=model_vocab_size, in_memory=data_args.data_in_memory)
+                                    model_vocab_size=model_vocab_size)
     eval_set = ShardedTokenDataset(data_dir, "eval", expected_tokenizer_hash=expected,
-                                   model_vocab_size=model_vocab_size, in_memory=data_args.data_in_memory)
+                                   model_vocab_size=model_vocab_size)
     if data_args.teacher_cache_dir:
         train_set = TeacherCacheDataset(train_set, data_args.teacher_cache_dir)  # validates before training
     if data_args.max_eval_samples is not None and len(eval_set) > data_args.max_eval_samples:
