@@ -62,8 +62,8 @@ COMMAND_LINE_DEFAULTS = {
     "save_steps": 120,
     "save_total_limit": 2,
     "report_to": "none",
-    # In the training process: a batch of 32 x 1,024 tokens took 23-54 ms to fetch on the GPU machine (0.3 ms on a
-    # CPU-only one), but the one run with two worker processes did not finish in its time box (BENCHMARKS.md).
+    # In the training process: stacking fixed-length samples takes about a millisecond a batch, and the one GPU run
+    # with two worker processes did not finish in its time box (BENCHMARKS.md).
     "dataloader_num_workers": 0,
     "seed": 0,
     "dataloader_pin_memory": torch.cuda.is_available(),
