@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from test_trainer import StopAt, losses, make_trainer
+from test_trainer import FailInStep, StopAt, losses, make_trainer
 from trainer_ext.training.stability import GRAD_NORM_BLOWUP, LOSS_SPIKE, ROLLBACK, StabilityGuard, UnstableTrainingError
 from trainer_ext.training.arguments import RecurrentTrainingArguments
 from trainer_ext.training.stability_mixin import INTERVENTIONS_FILE
@@ -311,12 +311,8 @@ def test_the_trainers_nan_filter_is_off_inside_guarded_steps_only(tiny_data_dir,
     assert trainer.args.logging_nan_inf_filter is True
     assert math.isfinite(logs_by_step(trainer)[4]["loss"])
 
-    class Fail(TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            raise RuntimeError("boom")
-
     failing = make_trainer(tiny_data_dir, tmp_path / "failing", max_steps=2, save_strategy="no")
-    failing.add_callback(Fail())
+    failing.add_callback(FailInStep())
     with pytest.raises(RuntimeError, match="boom"):
         failing.train()
     assert failing.args.logging_nan_inf_filter is True

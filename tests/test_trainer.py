@@ -43,6 +43,13 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+class FailInStep(TrainerCallback):
+    """Raises inside the first step, before its optimizer step."""
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        raise RuntimeError("boom")
+
+
 def losses(trainer):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -258,12 +265,8 @@ def test_garbage_collection_runs_between_steps_only_and_is_restored(tiny_data_di
     assert 0 < frozen[1] <= frozen[0] < frozen[2] and max(frozen[3:]) <= frozen[2]
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
-    class Fail(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            raise RuntimeError("boom")
-
     failing = make_trainer(tiny_data_dir, tmp_path / "fail", max_steps=2, save_strategy="no")
-    failing.add_callback(Fail())
+    failing.add_callback(FailInStep())
     with pytest.raises(RuntimeError, match="boom"):
         failing.train()
     assert gc.isenabled() and gc.get_freeze_count() == 0  # restored after the exception
