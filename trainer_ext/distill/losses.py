@@ -70,11 +70,7 @@ def default_chunk_size(vocab_size: int, logit_bytes: int = 4) -> int:
 
 def chunk_logit_bytes(head_dtype: torch.dtype, device: torch.device, distill: bool) -> int:
     """Bytes per logit of a chunk's largest tensor: the head's dtype where the fused CE kernel runs, else fp32."""
-    return _dtype_bytes(head_dtype) if not distill and _fused_ce(head_dtype, device) else 4
-
-
-def _dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return head_dtype.itemsize if not distill and _fused_ce(head_dtype, device) else 4
 
 
 @dataclass
