@@ -130,6 +130,43 @@ def test_no_stable_rate_exits_non_zero_and_says_to_try_smaller_rates(tiny_data_d
                                                        "--use_cpu", "true"]))
 
 
+def test_sweep_start_trains_first_and_every_trial_starts_from_its_weights_on_later_samples(
+        tiny_data_dir, tmp_path, sweep_dir):
+    code = find_lr.main(["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path), "--learning_rates", "1e-3",
+                         "3e-3", "--sweep_start_steps", "12", *SWEEP])
+    assert code == 0
+    result = json.loads((tmp_path / "lr_sweep.json").read_text())
+    start = tmp_path / "sweep_start"
+    assert result["sweep_start"] == str(start) and result["sweep"]["sweep_start_steps"] == 12
+    assert (start / "config.json").is_file() and (start / "model.safetensors").is_file()
+    assert f"each from the weights of 12 steps warming up to the smallest rate ({start})" in \
+        (tmp_path / "lr_sweep.md").read_text()
+    first_losses = {trial["curve"]["loss"][0] for trial in result["trials"]}
+    assert len(first_losses) == 1  # every trial starts from the same saved weights and samples
+    # From the init (the module's sweep, same rates and batches) the first loss is about ln(vocab); 12 steps of
+    # training up to 1e-3 lower it.
+    fresh = json.loads((sweep_dir / "lr_sweep.json").read_text())["trials"][0]["curve"]["loss"][0]
+    assert first_losses.pop() < fresh - 0.2
+
+
+def test_a_sweep_start_that_fails_names_the_flag_and_runs_no_trial(tiny_data_dir, tmp_path, monkeypatch):
+    from trainer_ext.training import find_lr as find_lr_module
+
+    calls = []
+
+    def stopped(make_model, args, train_dataset, trainer_kwargs, save_to=None):
+        calls.append((args.max_steps, args.warmup_steps, args.learning_rate, save_to))
+        return {"curve": {}, "error": "RuntimeError: non-finite gradients in 20 consecutive steps"}
+
+    monkeypatch.setattr(find_lr_module, "run_trial", stopped)
+    with pytest.raises(ValueError, match="--sweep_start_steps=12") as raised:  # a console script exits 1 on it
+        find_lr.main(["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path), "--learning_rates", "3e-3", "1e-3",
+                      "--sweep_start_steps", "12", *SWEEP])
+    assert calls == [(12, 12, 1e-3, str(tmp_path / "sweep_start"))]  # warms up to the smallest rate, then stops
+    assert "non-finite gradients" in str(raised.value) and "lower --learning_rates" in str(raised.value)
+    assert not (tmp_path / "lr_sweep.json").exists()
+
+
 class _FailAbove(TrainerCallback):
     """Stops trials above a rate the way the optimizer's non-finite stop does: a RuntimeError mid-training."""
 
@@ -242,6 +279,8 @@ def test_sweep_arguments_are_checked_and_small_models_get_a_quick_sweep():
         SweepArguments(margin=0.5)
     with pytest.raises(ValueError, match="--spike_nats"):
         SweepArguments(spike_nats=0)
+    with pytest.raises(ValueError, match="--sweep_start_steps"):
+        SweepArguments(sweep_start_steps=-1)
     assert SweepArguments(learning_rates=[3e-3, 1e-3, 3e-3]).learning_rates == [1e-3, 3e-3]
     small = SweepArguments(sweep_steps=40)
     changed = resolve_sweep_defaults(small, num_params=1_000_000)

@@ -6,9 +6,11 @@ replaced by each trial's (`lr_finder.trial_arguments`). With `--memory_plan auto
 take the batch size and recompute set that pretraining's plan chooses for the same arguments, so the rate is tested
 at the batch the run will train with."""
 
+import dataclasses
 import logging
 import os
 
+from torch.utils.data import Subset
 from transformers import set_seed
 
 from hf_recurrent.cost import tokens_per_optimizer_step
@@ -21,7 +23,13 @@ from trainer_ext.training.arguments import (
     ModelArguments,
     RecurrentTrainingArguments,
 )
-from trainer_ext.training.lr_finder import SweepArguments, find_learning_rate, resolve_sweep_defaults
+from trainer_ext.training.lr_finder import (
+    SweepArguments,
+    find_learning_rate,
+    resolve_sweep_defaults,
+    run_trial,
+    trial_arguments,
+)
 from trainer_ext.training.memory_plan import MemoryPlanCallback, apply_memory_plan
 from trainer_ext.training.model_setup import build_model, load_data_tokenizer, load_teacher_for, meta_model
 from trainer_ext.training.pretrain import check_model_arguments, ensure_data, parse_args_with_defaults
@@ -29,6 +37,7 @@ from trainer_ext.training.pretrain import check_model_arguments, ensure_data, pa
 logger = logging.getLogger(__name__)
 
 FIND_LR_DEFAULTS = {**COMMAND_LINE_DEFAULTS, "output_dir": os.path.join("outputs", "find_lr")}
+START_DIR = "sweep_start"  # under --output_dir: the weights every trial starts from with --sweep_start_steps
 # Schedule fields of a training run that the trials replace; given anyway, they are named in the log.
 REPLACED_WHEN_SET = ("learning_rate", "learning_rate_from", "warmup_steps", "max_steps", "num_train_epochs")
 
@@ -74,9 +83,15 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
     if teacher is not None:
         trainer_kwargs.update(teacher=teacher, teacher_vocab_limit=len(tokenizer))
 
+    start, start_dir, trial_set = model_args, None, train_set
+
     def make_model():
         set_seed(training_args.seed)  # the seed pretrain builds its model with: every trial, the same init
-        return build_model(model_args, len(tokenizer), tokenizer, training_args.device)
+        return build_model(start, len(tokenizer), tokenizer, training_args.device)
+
+    if sweep_args.sweep_start_steps:  # from then on every trial loads the start's weights
+        start_dir, trial_set = train_sweep_start(make_model, training_args, train_set, sweep_args, trainer_kwargs)
+        start = dataclasses.replace(model_args, model_name_or_path=start_dir)
 
     info = {
         "model": model_args.model_name_or_path or model_args.preset,
@@ -93,12 +108,31 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
         "device": str(training_args.device),
         "optimizer": training_args.optimizer,
         "seed": training_args.seed,
+        "sweep_start": start_dir,
     }
     logger.info("Sweeping %s on %s (%.1fM parameters), %d steps per rate: %s", info["model"], training_args.device,
                 num_params / 1e6, sweep_args.sweep_steps, [f"{rate:g}" for rate in sweep_args.learning_rates])
-    result = find_learning_rate(make_model, training_args, train_set, sweep_args, trainer_kwargs, info)
+    result = find_learning_rate(make_model, training_args, trial_set, sweep_args, trainer_kwargs, info)
     if result["learning_rate"] is not None:
         logger.info("Chosen learning rate %.3g (largest stable %g / margin %g): train with --learning_rate_from %s",
                     result["learning_rate"], result["largest_stable_learning_rate"], sweep_args.margin,
                     os.path.join(training_args.output_dir, "lr_sweep.json"))
     return result
+
+
+def train_sweep_start(make_model, training_args, train_set, sweep_args: SweepArguments, trainer_kwargs: dict):
+    """Train `sweep_start_steps` steps warming up linearly to the smallest rate (as a run's warm-up would), save the
+    weights to --output_dir/sweep_start; returns (that folder, the samples after the ones it trained on, or all of
+    them where too few would be left for a trial). ValueError naming the fix where that training stops."""
+    steps, rate = sweep_args.sweep_start_steps, min(sweep_args.learning_rates)
+    args = dataclasses.replace(trial_arguments(training_args, rate, sweep_args), max_steps=steps, warmup_steps=steps)
+    start_dir = os.path.join(training_args.output_dir, START_DIR)
+    logger.info("Sweep start: %d steps warming up to lr %g, saved to %s", steps, rate, start_dir)
+    outcome = run_trial(make_model, args, train_set, dict(trainer_kwargs), save_to=start_dir)
+    if outcome["error"] is not None:
+        raise ValueError(f"--sweep_start_steps={steps}: training up to the smallest rate {rate:g} stopped "
+                         f"({outcome['error']}); lower --learning_rates or --sweep_start_steps.")
+    used = steps * training_args.per_device_train_batch_size * training_args.world_size
+    if len(train_set) - used >= sweep_args.sweep_steps * training_args.per_device_train_batch_size:
+        train_set = Subset(train_set, range(used, len(train_set)))
+    return start_dir, train_set

@@ -74,6 +74,10 @@ class SweepArguments:
                                         "many times that of its first quarter."})
     margin: float = field(
         default=2.0, metadata={"help": "The pick: the largest rate stable with all smaller ones, divided by this."})
+    sweep_start_steps: int = field(
+        default=0, metadata={"help": "Train this many steps first, warming up linearly to the smallest rate, and "
+                                     "start every trial from those weights (on the samples after them): a trained "
+                                     "model can break at a rate that a fresh one takes. 0: trials from the init."})
     skip_after_divergence: bool = field(
         default=True, metadata={"help": "After a trial diverges (non-finite loss or grad norm, no progress, a "
                                         "trailing median loss above the first, or a stop), record larger rates as "
@@ -94,6 +98,8 @@ class SweepArguments:
                 f"--sweep_steps={self.sweep_steps} leaves {self.sweep_steps - self.sweep_warmup_steps} steps after "
                 f"--sweep_warmup_steps={self.sweep_warmup_steps}; the summary needs at least 4 (first and last "
                 "quarters): raise --sweep_steps or lower --sweep_warmup_steps.")
+        if not isinstance(self.sweep_start_steps, int) or self.sweep_start_steps < 0:
+            raise ValueError(f"--sweep_start_steps={self.sweep_start_steps!r} must be an integer >= 0.")
         if not self.spike_nats > 0:
             raise ValueError(f"--spike_nats={self.spike_nats} must be > 0 (0.5 is a clear spike).")
         if not self.max_grad_norm_growth > 1:
@@ -384,8 +390,10 @@ def trial_arguments(training_args, learning_rate: float, sweep: SweepArguments):
     )
 
 
-def run_trial(make_model: Callable[[], torch.nn.Module], args, train_dataset, trainer_kwargs: dict) -> dict:
+def run_trial(make_model: Callable[[], torch.nn.Module], args, train_dataset, trainer_kwargs: dict,
+              save_to: str | None = None) -> dict:
     """Train one fresh model; returns its per-step curve, the error that stopped it (if any) and its peak memory.
+    With `save_to`, the trained model is saved there (`Trainer.save_model`) when no error stopped it.
 
     Nothing of the trial outlives this call: the trainer, model and optimizer are released before it returns.
     """
@@ -406,6 +414,8 @@ def run_trial(make_model: Callable[[], torch.nn.Module], args, train_dataset, tr
     except TRIAL_FAILURES as exc:
         error = f"{type(exc).__name__}: {exc}"
     curve = curve_from_log_history(trainer.state.log_history)
+    if save_to is not None and error is None:
+        trainer.save_model(save_to)
     trainer.accelerator.free_memory()
     del trainer, model
     gc.collect()

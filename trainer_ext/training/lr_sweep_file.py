@@ -36,7 +36,9 @@ def format_report(result: dict) -> str:
         "",
         f"Model {result.get('model', '?')} ({_fmt_params(result.get('num_parameters'))}), seq_len "
         f"{result.get('seq_len', '?')}, batch {result.get('per_device_train_batch_size', '?')} per device, "
-        f"{sweep['sweep_steps']} steps per trial ({sweep['sweep_warmup_steps']} warm-up, then constant).",
+        f"{sweep['sweep_steps']} steps per trial ({sweep['sweep_warmup_steps']} warm-up, then constant)"
+        + (f", each from the weights of {sweep['sweep_start_steps']} steps warming up to the smallest rate "
+           f"({result.get('sweep_start')})." if sweep.get("sweep_start_steps") else ", each from the init."),
         f"Initial / final loss: medians of the first / last {_window_text(result)} steps after warm-up. "
         + (f"Each rate is judged on its residuals: its loss minus the per-step median loss of the {_paired(result)} "
            "trials that ran every step (they drew the same batches in the same order, so this takes out each "
