@@ -132,7 +132,8 @@ def train_sweep_start(make_model, training_args, train_set, sweep_args: SweepArg
     if outcome["error"] is not None:
         raise ValueError(f"--sweep_start_steps={steps}: training up to the smallest rate {rate:g} stopped "
                          f"({outcome['error']}); lower --learning_rates or --sweep_start_steps.")
-    used = steps * training_args.per_device_train_batch_size * training_args.world_size
-    if len(train_set) - used >= sweep_args.sweep_steps * training_args.per_device_train_batch_size:
+    per_step = training_args.per_device_train_batch_size * training_args.world_size
+    used = steps * per_step
+    if len(train_set) - used >= sweep_args.sweep_steps * per_step:
         train_set = Subset(train_set, range(used, len(train_set)))
     return start_dir, train_set
