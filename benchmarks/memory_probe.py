@@ -45,9 +45,11 @@ TIME_SHARE = {"recurrent-125m": 0.1, "recurrent-1b": 0.15, "recurrent-3.3b": 0.4
 TOPK = 64  # a teacher cache's default top-k
 
 
-def default_grid(preset: str, seq_len: int, compile_probes: bool, distill_probes: bool) -> list[dict]:
+def default_grid(preset: str, seq_len: int, compile_probes: bool, distill_probes: bool,
+                 only_compiled: bool = False) -> list[dict]:
     """Probe specs of one preset, most informative first (the time box cuts from the end). A plain Transformer's
-    probes recompute every layer or none (what its checkpointing flag can do)."""
+    probes recompute every layer or none (what its checkpointing flag can do). `only_compiled`: the compiled ones
+    alone (to add them to eager probes measured before)."""
     from hf_recurrent import presets
 
     u = BATCH_UNIT.get(preset, 1)
@@ -79,9 +81,11 @@ def default_grid(preset: str, seq_len: int, compile_probes: bool, distill_probes
         add("prelude_coda", 2, compile=True)
         add("half_core", 2, compile=True)
         add("all", 8, compile=True)
+        add("none", 2, compile=True)
+        add("core", 1, compile=True)
         if distill_probes:
             add("all", 2, compile=True, distill=True)
-    return specs
+    return [spec for spec in specs if spec["compile"]] if only_compiled else specs
 
 
 # -- child: one preset's probes in one process
@@ -318,6 +322,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compile_steps", type=int, default=5, help="Steps per compiled probe (two warm-up).")
     parser.add_argument("--no_compile_probes", action="store_true")
     parser.add_argument("--no_distill_probes", action="store_true")
+    parser.add_argument("--only_compile_probes", action="store_true",
+                        help="Only the compiled probes (to add to eager probes measured before).")
     parser.add_argument("--cap_gib", type=float, default=None, help="Emulated card size (default: the device).")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a dry run of the probe loop (no memory figures), e.g. with --presets debug.")
@@ -331,6 +337,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max_batch_size", type=int, default=64, help="With --verify: the plan's largest batch.")
     parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.only_compile_probes and args.no_compile_probes:
+        parser.error("--only_compile_probes and --no_compile_probes leave no probe; give one of them.")
     if args.child:
         specs_path, output, deadline, steps, compile_steps, device, cap = args.child
         child(specs_path, output, float(deadline), int(steps), int(compile_steps), device,
@@ -397,7 +405,8 @@ def _run_all(args, specs_by_preset: dict | None = None) -> int:
     total_share, spent_share, failures = sum(share.values()) or 1.0, 0.0, 0
     for preset in args.presets:
         specs = (specs_by_preset[preset] if specs_by_preset is not None
-                 else default_grid(preset, args.seq_len, compile_probes, not args.no_distill_probes))
+                 else default_grid(preset, args.seq_len, compile_probes, not args.no_distill_probes,
+                                   args.only_compile_probes))
         spent_share += share[preset]
         deadline = start + args.max_seconds * spent_share / total_share  # time left over carries to later presets
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

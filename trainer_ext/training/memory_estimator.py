@@ -5,14 +5,20 @@ applications that recompute their activations, the optimizer state, a cached tea
 
     peak = weights + optimizer state                                         (known: bytes per parameter, accountant)
          + c . [1, N * kept * I, N * kept * H, N * recomputed * H, N * graph steps * adapter width, N * H,
-                N * top-k, max(theta * V * H, N * (H + I))]
+                N * top-k, max(theta * V * H, N * (H + I)), C * V]
 
 with N = batch * sequence tokens, H / I / V the hidden, MLP and vocabulary sizes, `kept` / `recomputed` the layer
-applications of the graph-building part of the loop that keep their activations / only their input. The last term is
-the larger of two transients: the head's update at the start of backward (about V x H) and one layer's workspace
-(about N x (H + I)); it is why the peak grows faster from batch 8 up. The coefficients c >= 0 and theta are fitted to
-the probes' peak reserved memory (`scipy.optimize.nnls`, theta by a grid search for the smallest maximum relative
-error); the features carry the model's shape, so every preset shares them.
+applications of the graph-building part of the loop that keep their activations / only their input. The eighth term
+is the larger of two transients: the head's update at the start of backward (about V x H) and one layer's workspace
+(about N x (H + I)); it is why the peak grows faster from batch 8 up. With a cached teacher the loss takes its torch
+path, whose fp32 temporaries scale with a chunk of C positions' logits: a last term C x V, zero without a teacher. A
+compiled step fuses elementwise work, so it keeps other buffers than an eager one: the kept-activation, teacher and
+transient terms have coefficients of their own for compiled steps (the features' `compiled_` entries; an eager
+configuration's are zero, and the other way round). The coefficients c >= 0 and theta are fitted to the probes' peak
+reserved memory (`scipy.optimize.nnls`, theta by a grid search for the smallest maximum relative error); the features
+carry the model's shape, so every preset of a family shares them. The two families, our recurrent-depth model and a
+plain Transformer (transformers' Llama code, other saved tensors), are fitted apart: one set of coefficients for
+both missed the measured peaks of both by 3-9% where each fitted alone is within 0.1-4% (2026-12-02).
 
     step time = t . [1, N * training FLOPs / token, N * recompute FLOPs / token, training FLOPs / token,
                      layer applications, parameters]          (x a fitted factor with torch.compile)
@@ -39,10 +45,12 @@ CALIBRATE_COMMAND = "hf-recurrent-plan-memory --calibrate probes.jsonl --calibra
 PROBE_COMMAND = ("python3 -m benchmarks.memory_probe --presets recurrent-125m recurrent-1b recurrent-3.3b "
                  "recurrent-7b --output probes.jsonl --max_seconds 330")
 MEMORY_FEATURES = ("constant", "kept_intermediate", "kept_hidden", "recomputed_hidden", "adapter", "unique_hidden",
-                   "distill_topk", "transient")
+                   "distill_topk", "transient", "distill_chunk", "compiled_kept_intermediate", "compiled_kept_hidden",
+                   "compiled_distill_topk", "compiled_transient", "compiled_distill_chunk")
+_COMPILE_DEPENDENT = (1, 2, 6, 7, 8)  # the features whose compiled counterparts follow the shared ones, in this order
 TIME_FEATURES = ("constant", "training_flops", "recompute_flops", "flops_per_token", "layer_applications",
                  "parameters")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _THETAS = tuple(round(0.01 * i, 2) for i in range(0, 801, 2))  # grid of the transient's V x H multiple
 
 
@@ -100,13 +108,24 @@ class ModelShape:
 
 
 def memory_features(shape: ModelShape, batch_size: int, seq_len: int, recomputed: float, theta: float,
-                    distill_topk: int = 0) -> np.ndarray:
+                    distill_topk: int = 0, compiled: bool = False) -> np.ndarray:
     """The memory features (GiB units) of a configuration with `recomputed` layer applications recomputed."""
     tokens, h, i = batch_size * seq_len, shape.hidden_size, shape.intermediate_size
     kept = shape.graph_applications - recomputed
-    return np.array([GIB, tokens * kept * i, tokens * kept * h, tokens * recomputed * h,
-                     tokens * shape.graph_steps * shape.adapter_width * h, tokens * h, tokens * distill_topk,
-                     max(theta * shape.vocab_size * h, tokens * (h + i))], dtype=float) / GIB
+    # With a teacher the loss takes the torch path: fp32 temporaries of a chunk of the logits (`losses.py`).
+    chunk = 0
+    if distill_topk:
+        from trainer_ext.distill.losses import default_chunk_size
+
+        chunk = min(tokens, default_chunk_size(shape.vocab_size, 4)) * shape.vocab_size
+    shared = np.array([GIB, tokens * kept * i, tokens * kept * h, tokens * recomputed * h,
+                       tokens * shape.graph_steps * shape.adapter_width * h, tokens * h, tokens * distill_topk,
+                       max(theta * shape.vocab_size * h, tokens * (h + i)), chunk], dtype=float) / GIB
+    dependent = list(_COMPILE_DEPENDENT)
+    own = shared[dependent].copy() if compiled else np.zeros(len(dependent))
+    if compiled:
+        shared[dependent] = 0.0
+    return np.concatenate([shared, own])
 
 
 def time_features(shape: ModelShape, batch_size: int, seq_len: int, recomputed: float) -> np.ndarray:
@@ -121,50 +140,83 @@ def time_features(shape: ModelShape, batch_size: int, seq_len: int, recomputed: 
                      applications + recomputed, shape.params / 1e9], dtype=float)
 
 
+def model_family(shape: "ModelShape") -> str:
+    """The family whose coefficients estimate `shape`: our recurrent-depth model, or a plain Transformer
+    (transformers' Llama code: other layers, other saved tensors)."""
+    return "recurrent" if shape.n_core_layers else "transformer"
+
+
 @dataclass
-class Calibration:
+class FamilyFit:
+    """The fitted coefficients of one model family."""
+
     memory_coefficients: list[float]
     theta: float
     time_coefficients: list[float]
     compile_factor: float
+
+    def to_dict(self) -> dict:
+        return {"memory_coefficients": self.memory_coefficients, "transient_theta": self.theta,
+                "time_coefficients": self.time_coefficients, "compile_factor": self.compile_factor}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "FamilyFit":
+        memory, time = [float(c) for c in data["memory_coefficients"]], [float(c) for c in data["time_coefficients"]]
+        if len(memory) != len(MEMORY_FEATURES) or len(time) != len(TIME_FEATURES):
+            raise ValueError("its coefficients do not match this version's features")
+        return cls(memory, float(data["transient_theta"]), time, float(data["compile_factor"]))
+
+
+@dataclass
+class Calibration:
+    families: dict[str, FamilyFit]  # by `model_family`
     info: dict
 
+    def fit_for(self, shape: ModelShape) -> FamilyFit:
+        family = model_family(shape)
+        if family not in self.families:
+            kind = "plain Transformer (transformer-*)" if family == "transformer" else "recurrent-depth (recurrent-*)"
+            raise ValueError(f"The memory calibration has no probes of a {kind} model; add probes of such a preset "
+                             f"and fit again with `{CALIBRATE_COMMAND}`, or leave the calibration unset for the "
+                             "committed one.")
+        return self.families[family]
+
     def peak_bytes(self, shape: ModelShape, batch_size: int, seq_len: int, recomputed: float,
-                   distill_topk: int = 0) -> float:
+                   distill_topk: int = 0, compiled: bool = False) -> float:
         """Predicted peak reserved memory in bytes."""
-        variable = memory_features(shape, batch_size, seq_len, recomputed, self.theta, distill_topk)
-        return shape.weight_bytes + shape.optimizer_state_bytes + float(variable @ self.memory_coefficients) * GIB
+        fit = self.fit_for(shape)
+        variable = memory_features(shape, batch_size, seq_len, recomputed, fit.theta, distill_topk, compiled)
+        return shape.weight_bytes + shape.optimizer_state_bytes + float(variable @ fit.memory_coefficients) * GIB
 
     def step_seconds(self, shape: ModelShape, batch_size: int, seq_len: int, recomputed: float,
                      compiled: bool = False) -> float:
         """Predicted steady-state seconds of one optimizer step."""
-        seconds = float(time_features(shape, batch_size, seq_len, recomputed) @ self.time_coefficients)
-        return seconds * (self.compile_factor if compiled else 1.0)
+        fit = self.fit_for(shape)
+        seconds = float(time_features(shape, batch_size, seq_len, recomputed) @ fit.time_coefficients)
+        return seconds * (fit.compile_factor if compiled else 1.0)
 
-    @property
-    def compile_is_faster(self) -> bool:
-        return self.compile_factor < 1.0
+    def compile_is_faster(self, shape: ModelShape) -> bool:
+        return self.fit_for(shape).compile_factor < 1.0
 
     def to_dict(self) -> dict:
-        return {"format_version": FORMAT_VERSION, **self.info,
-                "memory": {"features": list(MEMORY_FEATURES), "coefficients": self.memory_coefficients,
-                           "transient_theta": self.theta,
-                           "units": "GiB per feature unit; peak = weights + optimizer state + sum"},
-                "time": {"features": list(TIME_FEATURES), "coefficients": self.time_coefficients,
-                         "compile_factor": self.compile_factor}}
+        return {"format_version": FORMAT_VERSION, **self.info, "memory_features": list(MEMORY_FEATURES),
+                "time_features": list(TIME_FEATURES),
+                "units": "memory: GiB per feature unit, peak = weights + optimizer state + sum; time: seconds",
+                "families": {name: fit.to_dict() for name, fit in self.families.items()}}
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "calibration") -> "Calibration":
         try:
             if data["format_version"] != FORMAT_VERSION:
                 raise ValueError(f"format_version {data['format_version']!r}, expected {FORMAT_VERSION}")
-            memory, time = data["memory"], data["time"]
-            if list(memory["features"]) != list(MEMORY_FEATURES) or list(time["features"]) != list(TIME_FEATURES):
+            if (list(data["memory_features"]) != list(MEMORY_FEATURES)
+                    or list(data["time_features"]) != list(TIME_FEATURES)):
                 raise ValueError("its features are not this version's")
-            info = {k: v for k, v in data.items() if k not in ("format_version", "memory", "time")}
-            return cls([float(c) for c in memory["coefficients"]], float(memory["transient_theta"]),
-                       [float(c) for c in time["coefficients"]], float(time["compile_factor"]), info)
-        except (KeyError, TypeError, ValueError) as error:
+            families = {name: FamilyFit.from_dict(fit) for name, fit in data["families"].items()}
+            info = {k: v for k, v in data.items()
+                    if k not in ("format_version", "memory_features", "time_features", "units", "families")}
+            return cls(families, info)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"{source} is not a memory calibration of this version ({error}); make one with "
                              f"`{CALIBRATE_COMMAND}` from probes of `{PROBE_COMMAND}`.") from error
 
@@ -228,7 +280,8 @@ def _fit_memory(shapes, probes, thetas=_THETAS):
     best = None
     for theta in thetas:
         features = np.array([memory_features(s, p["batch_size"], p["seq_len"], probe_recomputed(p), theta,
-                                              p.get("distill_topk", 0)) for s, p in zip(shapes, probes)])
+                                              p.get("distill_topk", 0), bool(p.get("compile")))
+                             for s, p in zip(shapes, probes)])
         weights = 1 / measured  # relative error
         coefficients, _ = nnls(features * weights[:, None], (measured - fixed) * weights)
         error = np.abs(fixed + features @ coefficients - measured) / measured
@@ -252,15 +305,25 @@ def _fit_time(shapes, probes):
 
 def fit_calibration(records: list[dict], probe_command: str | None = None, fit_command: str | None = None,
                     source: str = "probes", leave_one_out: bool = True) -> Calibration:
-    """A calibration fitted to the usable probe records, with its residuals on them (and, with `leave_one_out`, the
-    peak error of each probe predicted by a fit without it)."""
+    """A calibration fitted to the usable probe records, each model family's coefficients to its own probes, with
+    its residuals on them (and, with `leave_one_out`, the peak error of each probe predicted by a fit without it)."""
     probes = usable_probes(records)
-    if len(probes) < len(MEMORY_FEATURES):
-        raise ValueError(f"{source}: {len(probes)} usable probes (status ok, CUDA memory figures); a fit needs at "
-                         f"least {len(MEMORY_FEATURES)}. Measure more with `{PROBE_COMMAND}`.")
-    shapes = [ModelShape.from_record(p) for p in probes]
-    memory, theta = _fit_memory(shapes, probes)
-    time, compile_factor = _fit_time(shapes, probes)
+    by_family = {}
+    for p in probes:
+        by_family.setdefault(model_family(ModelShape.from_record(p)), []).append(p)
+    if not by_family:
+        raise ValueError(f"{source}: no usable probes (status ok, CUDA memory figures). Measure them with "
+                         f"`{PROBE_COMMAND}`.")
+    families = {}
+    for family, members in by_family.items():
+        if len(members) < len(MEMORY_FEATURES):
+            raise ValueError(f"{source}: {len(members)} usable probes of {family} models (status ok, CUDA memory "
+                             f"figures); a fit needs at least {len(MEMORY_FEATURES)}. Measure more with "
+                             f"`{PROBE_COMMAND}`, or leave that family's presets out of the probe file.")
+        shapes = [ModelShape.from_record(p) for p in members]
+        memory, theta = _fit_memory(shapes, members)
+        time, compile_factor = _fit_time(shapes, members)
+        families[family] = FamilyFit(memory, theta, time, compile_factor)
     first = probes[0]
     info = {"device_name": first.get("device_name"), "device_total_bytes": first.get("device_total_bytes"),
             "torch": first.get("torch"), "transformers": first.get("transformers"),
@@ -269,7 +332,7 @@ def fit_calibration(records: list[dict], probe_command: str | None = None, fit_c
             "probes_per_preset": {}}
     for p in probes:
         info["probes_per_preset"][p["preset"]] = info["probes_per_preset"].get(p["preset"], 0) + 1
-    calibration = Calibration(memory, theta, time, compile_factor, info)
+    calibration = Calibration(families, info)
     calibration.info["residuals"] = residuals(calibration, probes, leave_one_out)
     return calibration
 
@@ -279,7 +342,8 @@ def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool 
     rows, held_out = [], []
     for index, p in enumerate(probes):
         shape, recomputed = ModelShape.from_record(p), probe_recomputed(p)
-        peak = calibration.peak_bytes(shape, p["batch_size"], p["seq_len"], recomputed, p.get("distill_topk", 0))
+        peak = calibration.peak_bytes(shape, p["batch_size"], p["seq_len"], recomputed, p.get("distill_topk", 0),
+                                      bool(p.get("compile")))
         seconds = calibration.step_seconds(shape, p["batch_size"], p["seq_len"], recomputed, bool(p.get("compile")))
         rows.append({"preset": p["preset"], "batch_size": p["batch_size"], "seq_len": p["seq_len"],
                      "recompute": p.get("recompute"), "compile": bool(p.get("compile")),
@@ -288,13 +352,16 @@ def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool 
                      "peak_error": round(peak / p["peak_reserved_bytes"] - 1, 4),
                      "measured_step_seconds": round(steady_step_seconds(p), 4),
                      "step_time_error": round(seconds / steady_step_seconds(p) - 1, 4)})
-        if leave_one_out:
-            others = probes[:index] + probes[index + 1:]
-            shapes = [ModelShape.from_record(o) for o in others]
-            memory, theta = _fit_memory(shapes, others, thetas=(calibration.theta,))
-            fit = Calibration(memory, theta, calibration.time_coefficients, 1.0, {})
+        if leave_one_out:  # the probe's family fitted again without it
+            family = model_family(shape)
+            others = [o for o in probes[:index] + probes[index + 1:]
+                      if model_family(ModelShape.from_record(o)) == family]
+            full = calibration.families[family]
+            memory, theta = _fit_memory([ModelShape.from_record(o) for o in others], others, thetas=(full.theta,))
+            fit = Calibration({family: FamilyFit(memory, theta, full.time_coefficients, 1.0)}, {})
             held_out.append(abs(fit.peak_bytes(shape, p["batch_size"], p["seq_len"], recomputed,
-                                               p.get("distill_topk", 0)) / p["peak_reserved_bytes"] - 1))
+                                               p.get("distill_topk", 0), bool(p.get("compile")))
+                                / p["peak_reserved_bytes"] - 1))
     peak = [abs(r["peak_error"]) for r in rows]
     time = [abs(r["step_time_error"]) for r in rows]
     summary = {"peak_max_relative_error": round(max(peak), 4),
@@ -303,6 +370,10 @@ def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool 
                "step_time_median_relative_error": round(statistics.median(time), 4)}
     if held_out:
         summary["peak_leave_one_out_max_relative_error"] = round(max(held_out), 4)
+    summary["peak_max_relative_error_per_family"] = {
+        family: round(max(abs(r["peak_error"]) for r, p in zip(rows, probes)
+                          if model_family(ModelShape.from_record(p)) == family), 4)
+        for family in calibration.families if any(model_family(ModelShape.from_record(p)) == family for p in probes)}
     return {**summary, "per_probe": rows}
 
 

@@ -112,8 +112,8 @@ def _solve(shape, calibration, batch, seq_len, budget_bytes, compiled, distill_t
     """The fastest recompute set of this batch size under the budget (MILP), or None if none fits."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    peak0 = calibration.peak_bytes(shape, batch, seq_len, 0, distill_topk)
-    peak_per_app = calibration.peak_bytes(shape, batch, seq_len, 1, distill_topk) - peak0
+    peak0 = calibration.peak_bytes(shape, batch, seq_len, 0, distill_topk, compiled)
+    peak_per_app = calibration.peak_bytes(shape, batch, seq_len, 1, distill_topk, compiled) - peak0
     time0 = calibration.step_seconds(shape, batch, seq_len, 0, compiled)
     time_per_app = calibration.step_seconds(shape, batch, seq_len, 1, compiled) - time0
     items = _items(shape)
@@ -128,7 +128,7 @@ def _solve(shape, calibration, batch, seq_len, budget_bytes, compiled, distill_t
         return None
     recompute = _set_of(items, np.round(result.x) > 0.5)
     recomputed = _recomputed(shape, recompute)
-    return (recompute, calibration.peak_bytes(shape, batch, seq_len, recomputed, distill_topk),
+    return (recompute, calibration.peak_bytes(shape, batch, seq_len, recomputed, distill_topk, compiled),
             calibration.step_seconds(shape, batch, seq_len, recomputed, compiled))
 
 
@@ -140,7 +140,7 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
 
     `batch_sizes`: the candidates (default 1..MAX_BATCH_SIZE); `recompute`: a fixed set (the MILP then only checks
     it); `compiled`: torch.compile on or off (default: on where the calibration measured it faster)."""
-    compiled = calibration.compile_is_faster if compiled is None else compiled
+    compiled = calibration.compile_is_faster(shape) if compiled is None else compiled
     if recompute is None and not shape.n_core_layers:  # a plain Transformer checkpoints all its layers or none
         plans, error = [], None
         for fixed in (RecomputeSet(), RecomputeSet.named("all", shape, 0)):
@@ -160,10 +160,10 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
             every = _recomputed(shape, RecomputeSet.named("all", shape, shape.graph_steps))
         else:
             every = _recomputed(shape, recompute)
-            peak = calibration.peak_bytes(shape, batch, seq_len, every, distill_topk)
+            peak = calibration.peak_bytes(shape, batch, seq_len, every, distill_topk, compiled)
             solved = (recompute, peak, calibration.step_seconds(shape, batch, seq_len, every, compiled)) \
                 if peak <= budget else None
-        smallest = min(smallest, calibration.peak_bytes(shape, batch, seq_len, every, distill_topk))
+        smallest = min(smallest, calibration.peak_bytes(shape, batch, seq_len, every, distill_topk, compiled))
         if solved is None:
             if batch_sizes is None:
                 break  # the peak only grows with the batch
