@@ -415,7 +415,8 @@ def run_trial(make_model: Callable[[], torch.nn.Module], args, train_dataset, tr
         error = f"{type(exc).__name__}: {exc}"
     curve = curve_from_log_history(trainer.state.log_history)
     if save_to is not None and error is None:
-        trainer.save_model(save_to)
+        trainer.save_model(save_to)  # by the main process; every process then loads it
+        trainer.accelerator.wait_for_everyone()
     trainer.accelerator.free_memory()
     del trainer, model
     gc.collect()
