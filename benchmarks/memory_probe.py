@@ -1,7 +1,7 @@
 """Memory and step-time probes of the real training step, the data the memory planner is calibrated from.
 
     python3 -m benchmarks.memory_probe --presets recurrent-125m recurrent-1b recurrent-3.3b recurrent-7b \
-        --output probes.jsonl --max_seconds 450
+        transformer-125m --output probes.jsonl --max_seconds 450
     python3 -m benchmarks.memory_probe --presets debug --device cpu --output probes.jsonl    # dry run of the loop
     python3 -m benchmarks.memory_probe --fit probes.jsonl [--calibration memory_calibration.json]
     python3 -m benchmarks.memory_probe --verify --presets recurrent-3.3b recurrent-7b --cap_gib 24 \
@@ -314,7 +314,9 @@ def _append(path: str, record: dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["recurrent-125m", "recurrent-1b", "recurrent-3.3b",
-                                                         "recurrent-7b"])
+                                                         "recurrent-7b", "transformer-125m"],
+                        help="The presets to probe; plain Transformers (transformer-*) are fitted apart, so plans "
+                             "of a Transformer baseline need one of them here.")
     parser.add_argument("--output", default="probes.jsonl", help="JSON lines, appended to.")
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--max_seconds", type=float, default=450.0, help="Time box of all probes.")

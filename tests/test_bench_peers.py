@@ -80,3 +80,12 @@ def test_a_peer_started_aside_is_collected_with_its_record(bench, tmp_path):
     assert record["run"] == "peer-b" and record["steps"] == 4 and record["tokens_per_second"] > 0
     stuck = bench._start("import time; time.sleep(60)", str(tmp_path / "stuck.log"))
     assert bench._collect("stuck", args, stuck, 1)["error"] == "timeout after 1 s (raise --max_seconds)"
+
+
+def test_a_call_without_our_presets_prints_no_ratio_for_them(bench, tmp_path, capsys):
+    # `--runs peak peer-b` measures the peer alone: no "n/a" ratio lines for presets that did not run.
+    records = bench.main(["--device", "cpu", "--runs", "peak", "--steps", "4", "--max_seconds", "120",
+                          "--output_dir", str(tmp_path)])
+    summary = records[-1]
+    assert summary["run"] == "summary" and not any(key.startswith("recurrent") or key == "debug" for key in summary)
+    assert "/ peer-a" not in capsys.readouterr().out

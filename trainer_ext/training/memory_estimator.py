@@ -43,7 +43,7 @@ GIB = 2**30
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_calibration.json")
 CALIBRATE_COMMAND = "hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json"
 PROBE_COMMAND = ("python3 -m benchmarks.memory_probe --presets recurrent-125m recurrent-1b recurrent-3.3b "
-                 "recurrent-7b --output probes.jsonl --max_seconds 330")
+                 "recurrent-7b transformer-125m --output probes.jsonl --max_seconds 450")
 MEMORY_FEATURES = ("constant", "kept_intermediate", "kept_hidden", "recomputed_hidden", "adapter", "unique_hidden",
                    "distill_topk", "transient", "distill_chunk", "compiled_kept_intermediate", "compiled_kept_hidden",
                    "compiled_distill_topk", "compiled_transient", "compiled_distill_chunk")
