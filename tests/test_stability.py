@@ -421,6 +421,36 @@ def test_persistent_trouble_rolls_back_to_an_older_checkpoint_at_a_lower_rate(ti
     assert any("step 7: 3 steps in a row were skipped" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("at_warmup_end", [True, False])
+def test_a_checkpoint_where_the_warm_up_ends_is_the_rollback_before_the_first_regular_save(
+        tiny_data_dir, tmp_path, at_warmup_end):
+    # The measured failure: a run that breaks a few steps after its warm-up, long before --save_steps. With the
+    # warm-up's checkpoint (the default) the guard rolls back to it and trains on at half the rate; without, it stops.
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=10, warmup_steps=3, save_steps=100,
+                           stability_max_consecutive_skips=3, stability_checkpoint_after_warmup=at_warmup_end)
+    inject(trainer, {step: NAN for step in range(5, 8)})
+    snapshots = Snapshots(trainer)
+    trainer.add_callback(snapshots)
+    if not at_warmup_end:
+        with pytest.raises(UnstableTrainingError, match="no checkpoint had been saved yet"):
+            trainer.train()
+        assert not list(tmp_path.glob("checkpoint-*"))
+        return
+    trainer.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-3"]
+    assert trainer.state.global_step == 10 and snapshots.same(3, 7)  # step 7 restored checkpoint-3's state
+    assert not snapshots.same(3, 4) and not snapshots.same(7, 8)  # step 4's update was undone; step 8 trains
+    written = json.loads((tmp_path / INTERVENTIONS_FILE).read_text())["interventions"]
+    assert written[-1]["kind"] == ROLLBACK and str(tmp_path / "checkpoint-3") in written[-1]["action"]
+    assert logs_by_step(trainer)[8]["stability/lr_scale"] == 0.5
+
+
+def test_the_warm_up_checkpoint_needs_saving_on(tiny_data_dir, tmp_path):
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=4, warmup_steps=2, save_strategy="no")
+    trainer.train()
+    assert not list(tmp_path.glob("checkpoint-*"))
+
+
 def test_trouble_that_outlasts_the_rollbacks_stops_training_and_says_so(tiny_data_dir, tmp_path):
     trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=12, save_steps=2, stability_max_consecutive_skips=3,
                            stability_max_rollbacks=1)

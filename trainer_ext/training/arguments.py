@@ -199,6 +199,11 @@ class RecurrentTrainingArguments(TrainingArguments):
     stability_max_rollbacks: int = field(
         default=2, metadata={"help": "Rollbacks allowed in a run (each multiplies the learning rate by "
                                      "--stability_lr_factor from then on); 0: stop instead."})
+    stability_checkpoint_after_warmup: bool = field(
+        default=True, metadata={"help": "With the guard on and checkpoints saved, also save one at the step the "
+                                        "learning-rate warm-up ends: runs most often break soon after it, before the "
+                                        "first regular save, and a rollback needs a checkpoint from before the "
+                                        "trouble."})
     collapse_check_steps: int = field(
         default=10, metadata={"help": "Stop training (an error) once the training cross-entropy has stayed within "
                                       "--collapse_margin nats of ln(vocab_size), the loss of uniform predictions, "

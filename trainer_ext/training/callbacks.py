@@ -1,7 +1,7 @@
 """The callbacks `RecurrentTrainer` adds to the Trainer's loop: phase timing of the optimizer step, the stability
 guard's points outside `compute_loss` (and the Trainer's NaN filter off inside guarded steps), the start of the
-collapse / skipped-update bookkeeping, the timing of a compiled run's first steps, and Python's garbage collection
-between steps."""
+collapse / skipped-update bookkeeping, the timing of a compiled run's first steps, a checkpoint where the warm-up
+ends, and Python's garbage collection between steps."""
 
 import contextlib
 import gc
@@ -122,3 +122,20 @@ class GarbageCollectionCallback(TrainerCallback):
             if not self._first_done:
                 gc.freeze()
                 self._first_done = True
+
+
+class WarmupEndCheckpointCallback(TrainerCallback):
+    """Saves a checkpoint at the step the learning-rate warm-up ends (`--stability_checkpoint_after_warmup`), where
+    checkpoints are saved at all. Runs break most often in the first steps at the full rate (recurrent-7b at 2e-4
+    broke 5 steps after its 100-step warm-up, BENCHMARKS.md), before the first regular save: this is the checkpoint
+    the stability guard can roll back to then. A resumed run past that step saves nothing extra."""
+
+    def __init__(self):
+        self.step = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step = args.get_warmup_steps(state.max_steps) if args.save_strategy != "no" else 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.step and state.global_step == self.step:
+            control.should_save = True

@@ -19,7 +19,12 @@ from hf_recurrent.presets import is_recurrent
 
 from trainer_ext.distill.losses import OnlineTeacher, TopKTeacher, chunked_lm_loss
 from trainer_ext.training.arguments import TARGETS, fill_unset_schedule, resolve_momentum
-from trainer_ext.training.callbacks import GarbageCollectionCallback, PhaseTimingCallback, TrainingHooksCallback
+from trainer_ext.training.callbacks import (
+    GarbageCollectionCallback,
+    PhaseTimingCallback,
+    TrainingHooksCallback,
+    WarmupEndCheckpointCallback,
+)
 from trainer_ext.training.checkpoints import (
     TRAINER_STATE_NAME,
     publish,
@@ -103,6 +108,8 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         self._reset_health_bookkeeping()
         self._hooks = TrainingHooksCallback(self)
         self.add_callback(self._hooks)
+        if self.args.stability_guard and self.args.stability_checkpoint_after_warmup:
+            self.add_callback(WarmupEndCheckpointCallback())
         self._gc = GarbageCollectionCallback(self.args.gc_interval) if self.args.gc_interval else None
         if self._gc is not None:
             self.add_callback(self._gc)
