@@ -73,7 +73,8 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
     with open(os.path.join(out_dir, "log_history.json")) as f:
         history = json.load(f)
     logs = [e for e in history if "loss" in e and "tokens_per_second" in e]
-    evals = [e["eval_loss"] for e in history if "eval_loss" in e]
+    evaluated = [(e.get("step", 0), e["eval_loss"]) for e in history if "eval_loss" in e]
+    evals = [loss for _, loss in evaluated]
     losses = [e["loss"] for e in logs]
     steady = logs[warmup:] or logs
     row = {
@@ -90,6 +91,9 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
         "grad_norm_max": max((e.get("grad_norm") or 0) for e in logs),
         "loss_rise_over_min": rise_over_running_min(losses, spike_from),
         "loss_rise_over_min_10": rise_over_running_min(losses, spike_from, window=10),
+        # The held-out curve (with --eval_strategy steps): a spike of the model, not of the batches drawn.
+        "eval_rise_over_min": rise_over_running_min(evals, next(
+            (i for i, (step, _) in enumerate(evaluated) if step >= spike_from), len(evals))) if evals else None,
     }
     row.update({k: v for e in logs for k, v in e.items() if k.startswith("profile/")})
     plan_path = os.path.join(out_dir, "memory_plan.json")  # written where the memory plan applied

@@ -1,0 +1,18 @@
+"""The training benchmark's summary of a run (benchmarks/bench_train.py), from a synthetic log history."""
+
+import json
+
+from benchmarks.bench_train import rise_over_running_min, summarize
+
+
+def test_the_summary_measures_spikes_of_the_training_and_the_held_out_curves(tmp_path):
+    # Training losses with one hard stretch of batches; a held-out curve that rises once after step 20.
+    losses = [6.0, 5.0, 4.0, 4.5, 3.5, 5.5, 3.4, 3.3]
+    history = [{"step": i + 1, "loss": loss, "tokens_per_second": 100.0 + i, "mfu": 0.5, "peak_reserved_gib": 1.0}
+               for i, loss in enumerate(losses)]
+    history += [{"step": s, "eval_loss": e} for s, e in ((10, 5.0), (20, 4.0), (30, 4.6), (40, 3.9))]
+    (tmp_path / "log_history.json").write_text(json.dumps(history))
+    row = summarize("debug", str(tmp_path), warmup=2, spike_from=2)
+    assert row["loss_rise_over_min"] == rise_over_running_min(losses, 2) == 2.0  # 5.5 over the 3.5 before it
+    assert row["eval_rise_over_min"] == 0.6 and row["eval_loss"] == 3.9  # 4.6 over 4.0, counted from step 20 on
+    assert summarize("debug", str(tmp_path), warmup=2, spike_from=35)["eval_rise_over_min"] == 0.0
