@@ -201,7 +201,7 @@ class RecurrentTrainingArguments(TrainingArguments):
                                      "--stability_lr_factor from then on); 0: stop instead."})
     stability_checkpoint_after_warmup: bool = field(
         default=True, metadata={"help": "With the guard on and checkpoints saved, also save one at the step the "
-                                        "learning-rate warm-up ends: runs most often break soon after it, before the "
+                                        "learning-rate warm-up ends: a run can break soon after it, before the "
                                         "first regular save, and a rollback needs a checkpoint from before the "
                                         "trouble."})
     collapse_check_steps: int = field(

@@ -126,7 +126,7 @@ class GarbageCollectionCallback(TrainerCallback):
 
 class WarmupEndCheckpointCallback(TrainerCallback):
     """Saves a checkpoint at the step the learning-rate warm-up ends (`--stability_checkpoint_after_warmup`), where
-    checkpoints are saved at all. Runs break most often in the first steps at the full rate (recurrent-7b at 2e-4
+    checkpoints are saved at all. A run can break in its first steps at the full rate (recurrent-7b at 2e-4
     broke 5 steps after its 100-step warm-up, BENCHMARKS.md), before the first regular save: this is the checkpoint
     the stability guard can roll back to then. A resumed run past that step saves nothing extra."""
 
