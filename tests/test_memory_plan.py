@@ -219,6 +219,11 @@ def test_cli_recalibrates_from_a_probe_file(tmp_path, capsys):
     assert main(["--preset", "recurrent-3.3b", "--calibration", str(out), "--json"]) == 0
     assert main(["--preset", "recurrent-3.3b", "--calibration", str(tmp_path / "bad.json")]) != 0
     assert "not a memory calibration" in capsys.readouterr().err
+    # A calibration of the previous format (one set of coefficients, no compiled terms) is refused with the fix.
+    old = {**json.loads(out.read_text()), "format_version": 1}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert main(["--preset", "recurrent-3.3b", "--calibration", str(tmp_path / "old.json")]) != 0
+    assert re.search(r"format_version 1, expected 2.*hf-recurrent-plan-memory --calibrate", capsys.readouterr().err)
 
 
 def test_defaults_resolve_to_no_plan_and_no_compile_on_cpu(tmp_path):
