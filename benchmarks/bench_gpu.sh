@@ -17,9 +17,11 @@
 #   bash benchmarks/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
 #   bash benchmarks/bench_gpu.sh stability PRESET [find_lr args]   threshold test, then 300 steps at its rate with the
 #       defaults and with pre-norm blocks + the old init, both at the memory plan's batch size for --cap_gib 24 (the
-#       test's trials too), the held-out loss every EVAL_STEPS (25) steps (STEPS, WARMUP: default 300, 100; LR=x
-#       skips the test; ARMS: default "defaults old", one arm per call where 300 steps of both do not fit one; with
-#       several GPUs the arms run at once, one GPU each)
+#       test's trials too), the held-out loss every EVAL_STEPS (25) steps, a checkpoint where the warm-up ends (the
+#       stability guard's rollback target; the Trainer saves one more at the end, which replaces it: for recurrent-7b
+#       about 16 GB written twice per arm) (STEPS, WARMUP: default 300, 100; LR=x skips the test; ARMS: default
+#       "defaults old", one arm per call where 300 steps of both do not fit one; with several GPUs the arms run at
+#       once, one GPU each)
 #   bash benchmarks/bench_gpu.sh init [init_grad_norm args]   first-step gradient norm of the full 3.3b and 7b presets
 #   bash benchmarks/bench_gpu.sh peers [bench_peers args]   one call: the matmul peak, Llama-7B with GaLore 8-bit + Liger
 #       and with HF Adafactor (both in backward, batch 4), our 3.3b and 7b presets with the defaults, all under a
@@ -127,7 +129,8 @@ case $STAGE in
         --cap_gib 24 --steps "${STEPS:-300}" --warmup 5 --spike_from "${WARMUP:-100}" --peak_flops 780e12 \
         --output_dir outputs/stability_$arm --extra --learning_rate $LR --warmup_steps "${WARMUP:-100}" \
         --lr_scheduler_type constant_with_warmup --max_eval_samples 16 --eval_strategy steps \
-        --eval_steps "${EVAL_STEPS:-25}" "${overrides[@]}" 2>&1 | grep -E '^\{|rror'
+        --eval_steps "${EVAL_STEPS:-25}" --save_strategy steps --save_steps 100000 --save_total_limit 1 \
+        "${overrides[@]}" 2>&1 | grep -E '^\{|rror'
        cp outputs/stability_$arm/$preset/log_history.json "$OUT/log_history_${preset}_$arm.json") &
       i=$((i + 1)); [ $((i % gpus)) = 0 ] && wait
     done; wait ;;
