@@ -122,9 +122,9 @@ def memory_features(shape: ModelShape, batch_size: int, seq_len: int, recomputed
                        tokens * shape.graph_steps * shape.adapter_width * h, tokens * h, tokens * distill_topk,
                        max(theta * shape.vocab_size * h, tokens * (h + i)), chunk], dtype=float) / GIB
     dependent = list(_COMPILE_DEPENDENT)
-    own = shared[dependent].copy() if compiled else np.zeros(len(dependent))
-    if compiled:
-        shared[dependent] = 0.0
+    own = np.zeros(len(dependent))
+    if compiled:  # the compiled coefficients carry these terms instead of the shared ones
+        own, shared[dependent] = shared[dependent].copy(), 0.0
     return np.concatenate([shared, own])
 
 
@@ -308,19 +308,21 @@ def fit_calibration(records: list[dict], probe_command: str | None = None, fit_c
     """A calibration fitted to the usable probe records, each model family's coefficients to its own probes, with
     its residuals on them (and, with `leave_one_out`, the peak error of each probe predicted by a fit without it)."""
     probes = usable_probes(records)
-    by_family = {}
+    by_family = {}  # family -> (shapes, probes)
     for p in probes:
-        by_family.setdefault(model_family(ModelShape.from_record(p)), []).append(p)
+        shape = ModelShape.from_record(p)
+        shapes, members = by_family.setdefault(model_family(shape), ([], []))
+        shapes.append(shape)
+        members.append(p)
     if not by_family:
         raise ValueError(f"{source}: no usable probes (status ok, CUDA memory figures). Measure them with "
                          f"`{PROBE_COMMAND}`.")
     families = {}
-    for family, members in by_family.items():
+    for family, (shapes, members) in by_family.items():
         if len(members) < len(MEMORY_FEATURES):
             raise ValueError(f"{source}: {len(members)} usable probes of {family} models (status ok, CUDA memory "
                              f"figures); a fit needs at least {len(MEMORY_FEATURES)}. Measure more with "
                              f"`{PROBE_COMMAND}`, or leave that family's presets out of the probe file.")
-        shapes = [ModelShape.from_record(p) for p in members]
         memory, theta = _fit_memory(shapes, members)
         time, compile_factor = _fit_time(shapes, members)
         families[family] = FamilyFit(memory, theta, time, compile_factor)
@@ -340,8 +342,10 @@ def fit_calibration(records: list[dict], probe_command: str | None = None, fit_c
 def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool = False) -> dict:
     """Relative errors of the predicted peak and step time on `probes` (signed, predicted / measured - 1)."""
     rows, held_out = [], []
-    for index, p in enumerate(probes):
-        shape, recomputed = ModelShape.from_record(p), probe_recomputed(p)
+    shapes = [ModelShape.from_record(p) for p in probes]
+    families = [model_family(shape) for shape in shapes]
+    for index, (p, shape, family) in enumerate(zip(probes, shapes, families)):
+        recomputed = probe_recomputed(p)
         peak = calibration.peak_bytes(shape, p["batch_size"], p["seq_len"], recomputed, p.get("distill_topk", 0),
                                       bool(p.get("compile")))
         seconds = calibration.step_seconds(shape, p["batch_size"], p["seq_len"], recomputed, bool(p.get("compile")))
@@ -353,11 +357,10 @@ def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool 
                      "measured_step_seconds": round(steady_step_seconds(p), 4),
                      "step_time_error": round(seconds / steady_step_seconds(p) - 1, 4)})
         if leave_one_out:  # the probe's family fitted again without it
-            family = model_family(shape)
-            others = [o for o in probes[:index] + probes[index + 1:]
-                      if model_family(ModelShape.from_record(o)) == family]
+            others = [j for j, other in enumerate(families) if other == family and j != index]
             full = calibration.families[family]
-            memory, theta = _fit_memory([ModelShape.from_record(o) for o in others], others, thetas=(full.theta,))
+            memory, theta = _fit_memory([shapes[j] for j in others], [probes[j] for j in others],
+                                        thetas=(full.theta,))
             fit = Calibration({family: FamilyFit(memory, theta, full.time_coefficients, 1.0)}, {})
             held_out.append(abs(fit.peak_bytes(shape, p["batch_size"], p["seq_len"], recomputed,
                                                p.get("distill_topk", 0), bool(p.get("compile")))
@@ -371,9 +374,8 @@ def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool 
     if held_out:
         summary["peak_leave_one_out_max_relative_error"] = round(max(held_out), 4)
     summary["peak_max_relative_error_per_family"] = {
-        family: round(max(abs(r["peak_error"]) for r, p in zip(rows, probes)
-                          if model_family(ModelShape.from_record(p)) == family), 4)
-        for family in calibration.families if any(model_family(ModelShape.from_record(p)) == family for p in probes)}
+        name: round(max(abs(r["peak_error"]) for r, family in zip(rows, families) if family == name), 4)
+        for name in calibration.families if name in families}
     return {**summary, "per_probe": rows}
 
 
