@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from hf_recurrent import presets
 from trainer_ext.cli import find_lr
 from trainer_ext.data.shards import ShardedTokenDataset
-from trainer_ext.training import lr_finder
+from trainer_ext.training import lr_finder, lr_trials
 from trainer_ext.training.arguments import RecurrentTrainingArguments, resolve_schedule_defaults
 from trainer_ext.training.lr_finder import SweepArguments, pick_learning_rate, resolve_sweep_defaults, summarize_trial
 from trainer_ext.training.pretrain import check_pretrain_arguments, parse_pretrain_args, pretrain
@@ -147,6 +147,25 @@ def test_sweep_start_trains_first_and_every_trial_starts_from_its_weights_on_lat
     # training up to 1e-3 lower it.
     fresh = json.loads((sweep_dir / "lr_sweep.json").read_text())["trials"][0]["curve"]["loss"][0]
     assert first_losses.pop() < fresh - 0.2
+    # The start and every trial end with an evaluation on the same held-out samples, which judges the trials.
+    start_held_out = result["start_held_out_loss"]
+    assert math.isfinite(start_held_out) and start_held_out < fresh
+    for trial in result["trials"]:
+        assert math.isfinite(trial["held_out_loss"])
+        assert trial["held_out_rise"] == pytest.approx(trial["held_out_loss"] - start_held_out)
+        assert trial["stable"] == (trial["unstable_reasons"] == [])
+        assert not any("first step" in reason or "did not fall" in reason for reason in trial["unstable_reasons"])
+
+
+def test_a_sweep_start_without_held_out_samples_is_refused_before_training(tmp_path):
+    from trainer_ext.data.prepare import PrepareDataArguments, prepare
+
+    data = tmp_path / "no-eval"
+    prepare(PrepareDataArguments(output_dir=str(data), max_documents=40, vocab_size=300, seq_len=32, eval_samples=0))
+    with pytest.raises(ValueError, match="--sweep_start_steps=12 judges the trials on the data's held-out .* split 'eval' has no samples.*--eval_samples"):
+        find_lr.main(["--data_dir", str(data), "--output_dir", str(tmp_path / "out"), "--learning_rates", "1e-3",
+                      "--sweep_start_steps", "12", *SWEEP])
+    assert not (tmp_path / "out" / "sweep_start").exists()
 
 
 def test_a_sweep_start_that_fails_names_the_flag_and_runs_no_trial(tiny_data_dir, tmp_path, monkeypatch):
@@ -154,7 +173,7 @@ def test_a_sweep_start_that_fails_names_the_flag_and_runs_no_trial(tiny_data_dir
 
     calls = []
 
-    def stopped(make_model, args, train_dataset, trainer_kwargs, save_to=None):
+    def stopped(make_model, args, train_dataset, trainer_kwargs, save_to=None, eval_dataset=None):
         calls.append((args.max_steps, args.warmup_steps, args.learning_rate, save_to))
         return {"curve": {}, "error": "RuntimeError: non-finite gradients in 20 consecutive steps"}
 
@@ -191,7 +210,7 @@ def test_a_trial_that_raises_is_unstable_larger_rates_are_skipped_and_models_are
     args = RecurrentTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, report_to="none",
                                       seed=0, dataloader_pin_memory=False, use_cpu=True)
     sweep = SweepArguments(learning_rates=[4e-3, 1e-3, 2e-3], sweep_steps=10, sweep_warmup_steps=2)
-    result = lr_finder.run_sweep(make_model, args, ShardedTokenDataset(tiny_data_dir, "train"), sweep,
+    result = lr_trials.run_sweep(make_model, args, ShardedTokenDataset(tiny_data_dir, "train"), sweep,
                                  trainer_kwargs={"processing_class": tokenizer, "callbacks": [_FailAbove(1.5e-3)]})
     low, failed, skipped = result["trials"]
     assert low["stable"] and low["steps_run"] == 10
@@ -235,6 +254,47 @@ def test_summary_counts_spikes_above_the_running_minimum_after_warm_up_only():
     summary = _summary(losses)
     assert summary["spikes"] > 0 and not summary["stable"] and not summary["diverged"]
     assert summary["unstable_reasons"] == [f"{summary['spikes']} spikes"]
+
+
+def test_a_trial_from_trained_weights_is_judged_on_its_held_out_loss_not_on_its_own_fall():
+    rng = random.Random(0)
+    flat = [4.5 + rng.uniform(-0.4, 0.4) for _ in range(30)]  # a trained model: batches move it, it hardly falls
+    flat[0] = 3.5  # an easy first batch
+    alone = _summary(flat)
+    assert alone["diverged"] and "loss did not fall after warm-up" in alone["unstable_reasons"]
+    kept = summarize_trial(flat, [1.0] * 30, planned_steps=30, warmup_steps=8, spike_nats=0.5,
+                           max_grad_norm_growth=10.0, held_out=(4.2, 4.15))
+    assert kept["stable"] and not kept["diverged"] and kept["held_out_rise"] == pytest.approx(-0.05)
+    broken = summarize_trial(flat, [1.0] * 30, planned_steps=30, warmup_steps=8, spike_nats=0.5,
+                             max_grad_norm_growth=10.0, held_out=(4.2, 4.9))
+    assert broken["diverged"] and broken["unstable_reasons"] == ["held-out loss +0.70 nats against the start's"]
+    unmeasured = summarize_trial(flat[:12], [1.0] * 12, planned_steps=30, warmup_steps=8, spike_nats=0.5,
+                                 max_grad_norm_growth=10.0, error="RuntimeError: stop", held_out=(4.2, None))
+    assert unmeasured["diverged"] and unmeasured["held_out_loss"] is None
+    assert "held-out loss not measured (the trial stopped) against the start's" in unmeasured["unstable_reasons"]
+
+
+def test_a_trial_releases_its_tensors_even_where_its_model_is_still_referenced(tiny_data_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_data_dir)
+    kept = []
+
+    def make_model():
+        torch.manual_seed(0)
+        kept.append(AutoModelForCausalLM.from_config(presets.get("debug", vocab_size=len(tokenizer))))
+        return kept[-1]
+
+    args = lr_trials.trial_arguments(
+        RecurrentTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, report_to="none", seed=0,
+                                   dataloader_pin_memory=False, use_cpu=True),
+        1e-3, SweepArguments(learning_rates=[1e-3], sweep_steps=6, sweep_warmup_steps=2))
+    eval_set = torch.utils.data.Subset(ShardedTokenDataset(tiny_data_dir, "eval"), range(8))
+    outcome = lr_trials.run_trial(make_model, args, ShardedTokenDataset(tiny_data_dir, "train"),
+                                  {"processing_class": tokenizer}, eval_dataset=eval_set)
+    assert outcome["error"] is None and len(outcome["curve"]["loss"]) == 6
+    assert 0 < outcome["held_out_loss"] < math.log(len(tokenizer)) + 1
+    (model,) = kept  # a reference the trial does not know of: its weights, gradients and hooks are gone anyway
+    assert all(p.numel() == 0 and p.grad is None for p in model.parameters())
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
 
 
 def test_summary_flags_divergence_blow_up_and_early_stops():

@@ -2,7 +2,7 @@
 sweep_args)` takes pretrain's model, data and training arguments (the trials use its optimizer, precision, batch
 size and checkpointing, so they fit the same memory) plus the sweep's own (`lr_finder.SweepArguments`), and writes
 lr_sweep.json / .md / .png into --output_dir. The schedule, evaluation and saving arguments of a training run are
-replaced by each trial's (`lr_finder.trial_arguments`). With `--memory_plan auto` (the default on CUDA) the trials
+replaced by each trial's (`lr_trials.trial_arguments`). With `--memory_plan auto` (the default on CUDA) the trials
 take the batch size and recompute set that pretraining's plan chooses for the same arguments, so the rate is tested
 at the batch the run will train with."""
 
@@ -14,8 +14,8 @@ from torch.utils.data import Subset
 from transformers import set_seed
 
 from hf_recurrent.cost import tokens_per_optimizer_step
-from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.devices import resolve_dtype
+from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.distill.cache import TeacherCacheDataset, read_teacher_manifest
 from trainer_ext.training.arguments import (
     COMMAND_LINE_DEFAULTS,
@@ -23,13 +23,8 @@ from trainer_ext.training.arguments import (
     ModelArguments,
     RecurrentTrainingArguments,
 )
-from trainer_ext.training.lr_finder import (
-    SweepArguments,
-    find_learning_rate,
-    resolve_sweep_defaults,
-    run_trial,
-    trial_arguments,
-)
+from trainer_ext.training.lr_finder import SweepArguments, resolve_sweep_defaults
+from trainer_ext.training.lr_trials import find_learning_rate, run_trial, trial_arguments
 from trainer_ext.training.memory_plan import MemoryPlanCallback, apply_memory_plan
 from trainer_ext.training.model_setup import build_model, load_data_tokenizer, load_teacher_for, meta_model
 from trainer_ext.training.pretrain import check_model_arguments, ensure_data, parse_args_with_defaults
@@ -71,6 +66,15 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
 
     train_set = ShardedTokenDataset(data_dir, "train", expected_tokenizer_hash=tokenizer_hash(tokenizer),
                                     model_vocab_size=config.vocab_size)
+    eval_set = None
+    if sweep_args.sweep_start_steps:  # trials from trained weights are judged on held-out samples
+        try:
+            eval_set = ShardedTokenDataset(data_dir, "eval", expected_tokenizer_hash=tokenizer_hash(tokenizer),
+                                           model_vocab_size=config.vocab_size)
+        except ValueError as exc:
+            raise ValueError(f"--sweep_start_steps={sweep_args.sweep_start_steps} judges the trials on the data's "
+                             f"held-out samples (or set --sweep_start_steps 0): {exc}") from exc
+        eval_set = Subset(eval_set, range(min(sweep_args.sweep_eval_samples, len(eval_set))))
     # The plan pretraining would apply (batch size, recompute set, compile), carried by every trial's trainer.
     plan_callbacks = apply_memory_plan(
         training_args, config, train_set.seq_len, resolve_dtype(model_args.dtype, training_args.device).itemsize,
@@ -83,15 +87,17 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
     if teacher is not None:
         trainer_kwargs.update(teacher=teacher, teacher_vocab_limit=len(tokenizer))
 
-    start, start_dir, trial_set = model_args, None, train_set
+    start, start_dir, trial_set, held_out = model_args, None, train_set, {}
 
     def make_model():
         set_seed(training_args.seed)  # the seed pretrain builds its model with: every trial, the same init
         return build_model(start, len(tokenizer), tokenizer, training_args.device)
 
     if sweep_args.sweep_start_steps:  # from then on every trial loads the start's weights
-        start_dir, trial_set = train_sweep_start(make_model, training_args, train_set, sweep_args, trainer_kwargs)
+        start_dir, trial_set, start_held_out = train_sweep_start(make_model, training_args, train_set, eval_set,
+                                                                 sweep_args, trainer_kwargs)
         start = dataclasses.replace(model_args, model_name_or_path=start_dir)
+        held_out = {"eval_dataset": eval_set, "start_held_out": start_held_out}
 
     info = {
         "model": model_args.model_name_or_path or model_args.preset,
@@ -112,7 +118,7 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
     }
     logger.info("Sweeping %s on %s (%.1fM parameters), %d steps per rate: %s", info["model"], training_args.device,
                 num_params / 1e6, sweep_args.sweep_steps, [f"{rate:g}" for rate in sweep_args.learning_rates])
-    result = find_learning_rate(make_model, training_args, trial_set, sweep_args, trainer_kwargs, info)
+    result = find_learning_rate(make_model, training_args, trial_set, sweep_args, trainer_kwargs, info, **held_out)
     if result["learning_rate"] is not None:
         logger.info("Chosen learning rate %.3g (largest stable %g / margin %g): train with --learning_rate_from %s",
                     result["learning_rate"], result["largest_stable_learning_rate"], sweep_args.margin,
@@ -120,15 +126,17 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
     return result
 
 
-def train_sweep_start(make_model, training_args, train_set, sweep_args: SweepArguments, trainer_kwargs: dict):
+def train_sweep_start(make_model, training_args, train_set, eval_set, sweep_args: SweepArguments,
+                      trainer_kwargs: dict):
     """Train `sweep_start_steps` steps warming up linearly to the smallest rate (as a run's warm-up would), save the
     weights to --output_dir/sweep_start; returns (that folder, the samples after the ones it trained on, or all of
-    them where too few would be left for a trial). ValueError naming the fix where that training stops."""
+    them where too few would be left for a trial, its loss on `eval_set`). ValueError naming the fix where that
+    training stops."""
     steps, rate = sweep_args.sweep_start_steps, min(sweep_args.learning_rates)
     args = dataclasses.replace(trial_arguments(training_args, rate, sweep_args), max_steps=steps, warmup_steps=steps)
     start_dir = os.path.join(training_args.output_dir, START_DIR)
     logger.info("Sweep start: %d steps warming up to lr %g, saved to %s", steps, rate, start_dir)
-    outcome = run_trial(make_model, args, train_set, dict(trainer_kwargs), save_to=start_dir)
+    outcome = run_trial(make_model, args, train_set, dict(trainer_kwargs), save_to=start_dir, eval_dataset=eval_set)
     if outcome["error"] is not None:
         raise ValueError(f"--sweep_start_steps={steps}: training up to the smallest rate {rate:g} stopped "
                          f"({outcome['error']}); lower --learning_rates or --sweep_start_steps.")
@@ -136,4 +144,5 @@ def train_sweep_start(make_model, training_args, train_set, sweep_args: SweepArg
     used = steps * per_step
     if len(train_set) - used >= sweep_args.sweep_steps * per_step:
         train_set = Subset(train_set, range(used, len(train_set)))
-    return start_dir, train_set
+    logger.info("Sweep start: held-out loss %.3f on %d samples", outcome["held_out_loss"], len(eval_set))
+    return start_dir, train_set, outcome["held_out_loss"]

@@ -12,30 +12,20 @@ batches in the same order: rates are therefore judged on their residuals against
 trials (`judge_trials`), which takes each batch's difficulty out; trailing medians, not means, so that one outlier
 step is not a lasting rise. Divergence (an error, non-finite values, no progress, a collapse) is judged per trial.
 
-The sweep's files (lr_sweep.json / .md / .png) are written and read in trainer_ext/training/lr_sweep_file.py.
+The trials are run in trainer_ext/training/lr_trials.py; the sweep's files (lr_sweep.json / .md / .png) are written
+and read in trainer_ext/training/lr_sweep_file.py.
 The summary, judgement and pick functions are pure (lists and dicts in, dicts out): they are tested on synthetic
 curves and on the curves of a GPU sweep.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import gc
-import logging
 import math
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-from transformers import PrinterCallback, ProgressCallback
-
-from trainer_ext.training.lr_sweep_file import FORMAT_VERSION, format_optional, write_sweep
 from trainer_ext.training.arguments import LARGE_MODEL_PARAMS
-from trainer_ext.training.trainer import RecurrentTrainer
-
-logger = logging.getLogger(__name__)
 
 # Around the 3e-4 default for large models, up to where billion-scale runs are known to diverge.
 DEFAULT_LEARNING_RATES = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3)
@@ -78,6 +68,12 @@ class SweepArguments:
         default=0, metadata={"help": "Train this many steps first, warming up linearly to the smallest rate, and "
                                      "start every trial from those weights (on the samples after them): a trained "
                                      "model can break at a rate that a fresh one takes. 0: trials from the init."})
+    # A trained model's loss falls less within a trial than the batch drawn moves it: its own losses cannot tell
+    # whether an update broke it, a fixed held-out set can.
+    sweep_eval_samples: int = field(
+        default=8, metadata={"help": "With --sweep_start_steps: held-out samples (the data's eval split) on which "
+                                     "the start and each trial are evaluated at their end; a trial that ends more "
+                                     "than --spike_nats above the start's held-out loss broke the model."})
     skip_after_divergence: bool = field(
         default=True, metadata={"help": "After a trial diverges (non-finite loss or grad norm, no progress, a "
                                         "trailing median loss above the first, or a stop), record larger rates as "
@@ -100,6 +96,8 @@ class SweepArguments:
                 "quarters): raise --sweep_steps or lower --sweep_warmup_steps.")
         if not isinstance(self.sweep_start_steps, int) or self.sweep_start_steps < 0:
             raise ValueError(f"--sweep_start_steps={self.sweep_start_steps!r} must be an integer >= 0.")
+        if not isinstance(self.sweep_eval_samples, int) or self.sweep_eval_samples < 1:
+            raise ValueError(f"--sweep_eval_samples={self.sweep_eval_samples!r} must be an integer >= 1.")
         if not self.spike_nats > 0:
             raise ValueError(f"--spike_nats={self.spike_nats} must be > 0 (0.5 is a clear spike).")
         if not self.max_grad_norm_growth > 1:
@@ -207,6 +205,7 @@ def summarize_trial(
     error: str | None = None,
     reference: Sequence[float] | None = None,
     smaller: Sequence[Sequence[float]] = (),
+    held_out: tuple[float | None, float | None] | None = None,
 ) -> dict:
     """What one trial says about its rate. Stable means: it ran all `planned_steps` without an error, no loss or
     grad norm was non-finite, no lasting rise after warm-up (`lasting_rise`: against `reference` and the `smaller`
@@ -221,6 +220,10 @@ def summarize_trial(
     error, a non-finite loss or grad norm, no progress after warm-up (final >= initial), or a trailing median after
     warm-up more than `spike_nats` above the first loss (whatever was learnt is gone: a collapsed model can settle
     below its initial loss again, so a falling loss alone does not clear it).
+
+    `held_out`: (the start's, the trial's) held-out loss, for a trial from trained weights. Its losses then need
+    not fall or stay below its first (one batch of a model that has learnt most of what a few steps teach);
+    instead it diverged where its held-out loss ended more than `spike_nats` above the start's, or is missing.
     """
     losses = [math.nan if loss is None else float(loss) for loss in losses]
     grad_norms = list(grad_norms)
@@ -236,10 +239,17 @@ def summarize_trial(
     spikes = rise["spikes"]
     # Over the whole trial, warm-up included: a blow-up that starts during warm-up counts too.
     growth = grad_norm_growth(grad_norms)
-    fell = math.isfinite(final) and math.isfinite(initial) and final < initial
-    below_start = bool(losses) and math.isfinite(final) and final < losses[0]
-    above_start = bool(finite) and any(
-        median > finite[0] + spike_nats for median in trailing_median(losses, window, warmup_steps).values())
+    held_out_rise = math.nan
+    if held_out is None:
+        fell = math.isfinite(final) and math.isfinite(initial) and final < initial
+        below_start = bool(losses) and math.isfinite(final) and final < losses[0]
+        above_start = bool(finite) and any(
+            median > finite[0] + spike_nats for median in trailing_median(losses, window, warmup_steps).values())
+    else:  # from trained weights the held-out set judges: above_start where it rose, or was not measured (NaN)
+        start_held_out, end_held_out = (math.nan if value is None else value for value in held_out)
+        held_out_rise = end_held_out - start_held_out
+        fell = below_start = True
+        above_start = not held_out_rise <= spike_nats
     behind = math.nan
     if reference is not None and after:
         behind = _median_of_finite([loss - ref for loss, ref in zip(losses, reference)][-window:])
@@ -255,7 +265,9 @@ def summarize_trial(
         reasons.append(f"{nonfinite_grad_norms} non-finite grad norms")
     if spikes:
         reasons.append(f"{spikes} spike{'s' if spikes > 1 else ''}")
-    if above_start:
+    if above_start and held_out is not None:
+        reasons.append(f"held-out loss {format_rise(held_out_rise)} against the start's")
+    elif above_start:
         reasons.append(f"loss rose over {spike_nats:g} nats above the first step's")
     if not fell:
         reasons.append("loss did not fall after warm-up")
@@ -265,15 +277,17 @@ def summarize_trial(
         reasons.append(f"grad norm grew x{growth:.3g}")
     return {
         "steps_run": len(losses),
-        "start_loss": _finite_or_none(losses[0]) if losses else None,
-        "initial_loss": _finite_or_none(initial),
-        "final_loss": _finite_or_none(final),
-        "loss_trend": _finite_or_none(final - initial),
-        "grad_norm_ratio": _finite_or_none(growth),
+        "start_loss": finite_or_none(losses[0]) if losses else None,
+        "initial_loss": finite_or_none(initial),
+        "final_loss": finite_or_none(final),
+        "loss_trend": finite_or_none(final - initial),
+        "grad_norm_ratio": finite_or_none(growth),
         "paired": reference is not None,
         "window": window,
-        "final_vs_reference": _finite_or_none(behind),
-        "largest_rise": _finite_or_none(rise["largest_rise"]),
+        "final_vs_reference": finite_or_none(behind),
+        "largest_rise": finite_or_none(rise["largest_rise"]),
+        "held_out_loss": None if held_out is None else finite_or_none(held_out[1]),
+        "held_out_rise": finite_or_none(held_out_rise),
         "spikes": spikes,
         "nonfinite_losses": nonfinite_losses,
         "nonfinite_grad_norms": nonfinite_grad_norms,
@@ -301,10 +315,12 @@ def reference_losses(trials: Sequence[dict], planned_steps: int) -> list[float] 
     return [statistics.median(step_losses) for step_losses in zip(*curves)]
 
 
-def judge_trials(trials: Sequence[dict], sweep: SweepArguments) -> tuple[list[dict], list[float] | None]:
+def judge_trials(trials: Sequence[dict], sweep: SweepArguments,
+                 start_held_out: float | None = None) -> tuple[list[dict], list[float] | None]:
     """Every trial that ran, summarised against the other trials (`reference_losses`) where it is comparable, else
     on its own; skipped trials are returned as they are. Returns (the trials in ascending rate order, the
-    reference or None).
+    reference or None). `start_held_out`: the held-out loss of the weights the trials started from (with a sweep
+    start; each trial then carries its own as `held_out_loss`).
 
     At batch 1 the batch drawn moves one step's loss by more than a spike's size, and every trial draws the same
     batches: the rise that judges a rate is measured on its residuals, which the shared batches do not move."""
@@ -319,7 +335,8 @@ def judge_trials(trials: Sequence[dict], sweep: SweepArguments) -> tuple[list[di
             trial["curve"]["loss"], trial["curve"]["grad_norm"], planned_steps=sweep.sweep_steps,
             warmup_steps=sweep.sweep_warmup_steps, spike_nats=sweep.spike_nats,
             max_grad_norm_growth=sweep.max_grad_norm_growth, error=trial.get("error"),
-            reference=reference if paired else None, smaller=list(smaller) if paired else ())
+            reference=reference if paired else None, smaller=list(smaller) if paired else (),
+            held_out=None if start_held_out is None else (start_held_out, trial.get("held_out_loss")))
         judged.append({**trial, **summary})
         if paired:
             smaller.append(trial["curve"]["loss"])
@@ -355,152 +372,10 @@ def _median_of_finite(values: Sequence[float]) -> float:
     return statistics.median(finite) if finite else math.nan
 
 
-def _finite_or_none(value: float) -> float | None:
+def format_rise(rise: float) -> str:
+    return f"{rise:+.2f} nats" if math.isfinite(rise) else "not measured (the trial stopped)"
+
+
+def finite_or_none(value: float) -> float | None:
     """JSON has no NaN/Inf: a non-finite number is stored as null."""
     return float(value) if value is not None and math.isfinite(value) else None
-
-
-# ----------------------------------------------------------------------------- running the trials
-
-
-def trial_arguments(training_args, learning_rate: float, sweep: SweepArguments):
-    """The production arguments (optimizer, precision, checkpointing, batch size) with a trial's schedule: constant
-    rate after a linear warm-up, a log entry every step, no evaluation, no checkpoints, no hub push, and no
-    stability guard: it skips spiking updates and lowers the rate, which would hide what the trial measures."""
-    return dataclasses.replace(
-        training_args,
-        stability_guard=False,
-        learning_rate=learning_rate,
-        max_steps=sweep.sweep_steps,
-        lr_scheduler_type="constant_with_warmup",
-        lr_scheduler_kwargs={},
-        warmup_steps=sweep.sweep_warmup_steps,
-        logging_strategy="steps",
-        logging_steps=1,
-        logging_first_step=False,
-        # The Trainer's filter replaces a NaN/Inf loss with the running mean: the sweep must see it.
-        logging_nan_inf_filter=False,
-        eval_strategy="no",
-        eval_on_start=False,
-        save_strategy="no",
-        load_best_model_at_end=False,
-        push_to_hub=False,
-        resume_from_checkpoint=None,
-        disable_tqdm=True,
-    )
-
-
-def run_trial(make_model: Callable[[], torch.nn.Module], args, train_dataset, trainer_kwargs: dict,
-              save_to: str | None = None) -> dict:
-    """Train one fresh model; returns its per-step curve, the error that stopped it (if any) and its peak memory.
-    With `save_to`, the trained model is saved there (`Trainer.save_model`) when no error stopped it.
-
-    Nothing of the trial outlives this call: the trainer, model and optimizer are released before it returns.
-    """
-    on_cuda = args.device.type == "cuda"
-    if on_cuda:
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    model = make_model()
-    trainer = RecurrentTrainer(model=model, args=args, train_dataset=train_dataset, **trainer_kwargs)
-    # One progress line per trial instead of the Trainer's line per step.
-    trainer.remove_callback(PrinterCallback)
-    trainer.remove_callback(ProgressCallback)
-    error = None
-    try:
-        trainer.train()
-    except torch.cuda.OutOfMemoryError:
-        raise  # the setting does not fit at any rate: not a verdict on this one
-    except TRIAL_FAILURES as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    curve = curve_from_log_history(trainer.state.log_history)
-    if save_to is not None and error is None:
-        trainer.save_model(save_to)  # by the main process; every process then loads it
-        trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.free_memory()
-    del trainer, model
-    gc.collect()
-    peak = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
-    if on_cuda:
-        torch.cuda.empty_cache()
-    return {"curve": curve, "error": error, "seconds": round(time.perf_counter() - start, 2),
-            "peak_reserved_gib": None if peak is None else round(peak, 3)}
-
-
-def run_sweep(
-    make_model: Callable[[], torch.nn.Module],
-    training_args,
-    train_dataset,
-    sweep: SweepArguments,
-    trainer_kwargs: dict | None = None,
-    info: dict | None = None,
-) -> dict:
-    """Run the trials in ascending rate order, judge them (`judge_trials`), pick a rate; returns the lr_sweep.json
-    record. Divergence is judged after each trial on its own (to skip larger rates); the rest once all have run.
-
-    `make_model` must return the same initial weights each call (seed it): the trials then differ only in rate.
-    `trainer_kwargs` go to each RecurrentTrainer (processing_class, teacher, ...). Writes nothing.
-    """
-    unset = [f.name for f in dataclasses.fields(sweep) if getattr(sweep, f.name) is None]
-    if unset:
-        raise ValueError(f"SweepArguments {unset} unset: call resolve_sweep_defaults(sweep, num_params) first.")
-    trials, diverged_at = [], None
-    total = len(sweep.learning_rates)
-    for index, rate in enumerate(sweep.learning_rates, 1):
-        if diverged_at is not None and sweep.skip_after_divergence:
-            trials.append({"learning_rate": rate, "skipped": True, "stable": False,
-                           "unstable_reasons": [f"skipped: {diverged_at:g} diverged"]})
-            logger.info("[%d/%d] lr %.3g: skipped (lr %.3g diverged)", index, total, rate, diverged_at)
-            continue
-        outcome = run_trial(make_model, trial_arguments(training_args, rate, sweep), train_dataset,
-                            dict(trainer_kwargs or {}))
-        curve = outcome["curve"]
-        summary = summarize_trial(curve["loss"], curve["grad_norm"], planned_steps=sweep.sweep_steps,
-                                  warmup_steps=sweep.sweep_warmup_steps, spike_nats=sweep.spike_nats,
-                                  max_grad_norm_growth=sweep.max_grad_norm_growth, error=outcome["error"])
-        trial = {"learning_rate": rate, "skipped": False, **summary, "seconds": outcome["seconds"],
-                 "peak_reserved_gib": outcome["peak_reserved_gib"],
-                 "curve": {key: [_finite_or_none(v) if isinstance(v, float) else v for v in values]
-                           for key, values in curve.items()}}
-        trials.append(trial)
-        logger.info("[%d/%d] lr %.3g: loss %s -> %s, %s [%.0fs]", index, total, rate,
-                    format_optional(trial["initial_loss"]), format_optional(trial["final_loss"]),
-                    f"DIVERGED ({', '.join(trial['unstable_reasons'])})" if trial["diverged"] else "no divergence",
-                    trial["seconds"])
-        if trial["diverged"] and diverged_at is None:
-            diverged_at = rate
-    trials, reference = judge_trials(trials, sweep)
-    compared = sum(bool(trial.get("paired")) for trial in trials)
-    logger.info("Verdicts (%s):", f"residuals against the per-step median of {compared} trials" if reference
-                else "each trial on its own: fewer than %d comparable trials" % MIN_PAIRED_TRIALS)
-    for trial in trials:
-        if not trial.get("skipped"):
-            logger.info("  %s", _progress_line(trial))
-    return {
-        "format_version": FORMAT_VERSION,
-        **(info or {}),
-        "sweep": dataclasses.asdict(sweep),
-        "trials": trials,
-        "reference_loss": reference,
-        **pick_learning_rate(trials, sweep.margin),
-    }
-
-
-def _progress_line(trial: dict) -> str:
-    verdict = "stable" if trial["stable"] else f"UNSTABLE ({', '.join(trial['unstable_reasons'])})"
-    behind = trial.get("final_vs_reference")
-    return (f"lr {trial['learning_rate']:.3g}: loss {format_optional(trial['initial_loss'])} -> "
-            f"{format_optional(trial['final_loss'])}"
-            + ("" if behind is None else f" ({behind:+.3f} against the others)")
-            + f", largest rise {format_optional(trial['largest_rise'], '.2f')}, grad-norm ratio "
-            f"{format_optional(trial['grad_norm_ratio'], '.2f')}: {verdict}")
-
-
-def find_learning_rate(make_model, training_args, train_dataset, sweep: SweepArguments,
-                       trainer_kwargs: dict | None = None, info: dict | None = None) -> dict:
-    """run_sweep, then lr_sweep.json / .md / .png into `training_args.output_dir` (main process only)."""
-    result = run_sweep(make_model, training_args, train_dataset, sweep, trainer_kwargs, info)
-    if training_args.process_index == 0:
-        paths = write_sweep(training_args.output_dir, result)
-        logger.info("Wrote %s", ", ".join(paths))
-    return result
