@@ -16,6 +16,8 @@ import statistics
 import subprocess
 import sys
 
+from benchmarks.capped import set_memory_cap
+
 
 class TorchProfileCallback:
     """Records steps [start, start + count) with torch.profiler; prints the top ops by GPU time and by host time."""
@@ -45,11 +47,7 @@ class TorchProfileCallback:
 
 
 def child(cap_gib: float, run_args: list[str], profile_path: str | None = None) -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(cap_gib * 2**30 / total, 1.0))
+    set_memory_cap(cap_gib)
     from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
 
     callbacks = [TorchProfileCallback(start=6, count=2, path=profile_path)] if profile_path else None
@@ -76,6 +74,8 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
     evaluated = [(e.get("step", 0), e["eval_loss"]) for e in history if "eval_loss" in e]
     evals = [loss for _, loss in evaluated]
     losses = [e["loss"] for e in logs]
+    # Rises are counted at the steps after the first `spike_from` (the warm-up), over the minimum of all before.
+    after_warmup = next((i for i, e in enumerate(logs) if e.get("step", i + 1) > spike_from), len(logs))
     steady = logs[warmup:] or logs
     row = {
         "preset": preset,
@@ -89,11 +89,11 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
         "eval_loss": evals[-1] if evals else None,
         "grad_norm_first": logs[0].get("grad_norm"),
         "grad_norm_max": max((e.get("grad_norm") or 0) for e in logs),
-        "loss_rise_over_min": rise_over_running_min(losses, spike_from),
-        "loss_rise_over_min_10": rise_over_running_min(losses, spike_from, window=10),
+        "loss_rise_over_min": rise_over_running_min(losses, after_warmup),
+        "loss_rise_over_min_10": rise_over_running_min(losses, after_warmup, window=10),
         # The held-out curve (with --eval_strategy steps): a spike of the model, not of the batches drawn.
         "eval_rise_over_min": rise_over_running_min(evals, next(
-            (i for i, (step, _) in enumerate(evaluated) if step >= spike_from), len(evals))) if evals else None,
+            (i for i, (step, _) in enumerate(evaluated) if step > spike_from), len(evals))) if evals else None,
     }
     row.update({k: v for e in logs for k, v in e.items() if k.startswith("profile/")})
     plan_path = os.path.join(out_dir, "memory_plan.json")  # written where the memory plan applied
@@ -129,7 +129,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3, help="Logged steps left out of the medians.")
     parser.add_argument("--spike_from", type=int, default=0,
-                        help="Count loss rises over the running minimum from this step on (after warm-up).")
+                        help="Count loss rises over the running minimum at the steps after this one (the warm-up's last).")
     parser.add_argument("--batch_size", type=int, default=None,
                         help="Per-device batch size (default: not given, so the defaults decide: on CUDA the memory "
                              "plan for --cap_gib, with torch.compile).")

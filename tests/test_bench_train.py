@@ -14,5 +14,28 @@ def test_the_summary_measures_spikes_of_the_training_and_the_held_out_curves(tmp
     (tmp_path / "log_history.json").write_text(json.dumps(history))
     row = summarize("debug", str(tmp_path), warmup=2, spike_from=2)
     assert row["loss_rise_over_min"] == rise_over_running_min(losses, 2) == 2.0  # 5.5 over the 3.5 before it
-    assert row["eval_rise_over_min"] == 0.6 and row["eval_loss"] == 3.9  # 4.6 over 4.0, counted from step 20 on
-    assert summarize("debug", str(tmp_path), warmup=2, spike_from=35)["eval_rise_over_min"] == 0.0
+    assert row["eval_rise_over_min"] == 0.6 and row["eval_loss"] == 3.9  # 4.6 over 4.0
+    # Counted at the steps after the warm-up only (against the minimum of all before): the evaluation at step 30,
+    # the warm-up's last, is not; nor is a training loss at the warm-up's last step.
+    assert summarize("debug", str(tmp_path), warmup=2, spike_from=20)["eval_rise_over_min"] == 0.6
+    assert summarize("debug", str(tmp_path), warmup=2, spike_from=30)["eval_rise_over_min"] == 0.0
+    assert summarize("debug", str(tmp_path), warmup=2, spike_from=6)["loss_rise_over_min"] == 0.0
+
+
+def test_the_capped_runner_runs_a_module_as_main_with_its_arguments_and_exit_code(tmp_path, monkeypatch):
+    import sys
+
+    import pytest
+
+    from benchmarks import capped
+
+    (tmp_path / "echo_args.py").write_text(
+        "import sys, pathlib\npathlib.Path(sys.argv[1]).write_text(' '.join(sys.argv[2:]))\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    out = tmp_path / "args.txt"
+    with pytest.raises(SystemExit) as exited:
+        capped.main(["24", "echo_args", str(out), "--preset", "debug"])
+    assert exited.value.code == 3 and out.read_text() == "--preset debug"
+    with pytest.raises(SystemExit, match="CAP_GIB must be a number of GiB"):
+        capped.main(["lots", "echo_args"])

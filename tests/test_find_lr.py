@@ -139,8 +139,9 @@ def test_sweep_start_trains_first_and_every_trial_starts_from_its_weights_on_lat
     start = tmp_path / "sweep_start"
     assert result["sweep_start"] == str(start) and result["sweep"]["sweep_start_steps"] == 12
     assert (start / "config.json").is_file() and (start / "model.safetensors").is_file()
-    assert f"each from the weights of 12 steps warming up to the smallest rate ({start})" in \
-        (tmp_path / "lr_sweep.md").read_text()
+    report = (tmp_path / "lr_sweep.md").read_text()
+    assert f"each from the weights of 12 steps warming up to the smallest rate ({start})" in report
+    assert "| grad-norm ratio | held-out loss | stable |" in report and "above the start's" in report
     first_losses = {trial["curve"]["loss"][0] for trial in result["trials"]}
     assert len(first_losses) == 1  # every trial starts from the same saved weights and samples
     # From the init (the module's sweep, same rates and batches) the first loss is about ln(vocab); 12 steps of
@@ -268,6 +269,14 @@ def test_a_trial_from_trained_weights_is_judged_on_its_held_out_loss_not_on_its_
     broken = summarize_trial(flat, [1.0] * 30, planned_steps=30, warmup_steps=8, spike_nats=0.5,
                              max_grad_norm_growth=10.0, held_out=(4.2, 4.9))
     assert broken["diverged"] and broken["unstable_reasons"] == ["held-out loss +0.70 nats against the start's"]
+    spiky = list(flat)
+    spiky[12:20] = [6.5] * 8  # a stretch of hard batches, as one trial alone cannot tell from a break
+    alone = summarize_trial(spiky, [1.0] * 30, planned_steps=30, warmup_steps=8, spike_nats=0.5,
+                            max_grad_norm_growth=10.0, held_out=(4.2, 4.15))
+    assert alone["spikes"] > 0 and alone["stable"]  # the held-out loss judges it
+    paired = summarize_trial(spiky, [1.0] * 30, planned_steps=30, warmup_steps=8, spike_nats=0.5,
+                             max_grad_norm_growth=10.0, held_out=(4.2, 4.15), reference=flat, smaller=[flat])
+    assert paired["spikes"] > 0 and not paired["stable"]  # against the other rates on the same batches it counts
     unmeasured = summarize_trial(flat[:12], [1.0] * 12, planned_steps=30, warmup_steps=8, spike_nats=0.5,
                                  max_grad_norm_growth=10.0, error="RuntimeError: stop", held_out=(4.2, None))
     assert unmeasured["diverged"] and unmeasured["held_out_loss"] is None
@@ -349,6 +358,7 @@ def test_sweep_arguments_are_checked_and_small_models_get_a_quick_sweep():
     large = SweepArguments()
     assert resolve_sweep_defaults(large, num_params=3_000_000_000) == {}
     assert large.learning_rates == list(lr_finder.DEFAULT_LEARNING_RATES) and large.sweep_steps == 60
+    assert large.sweep_start_steps == 100 and small.sweep_start_steps == 0  # large models: trials from trained weights
 
 
 # ----------------------------------------------------------------------------- judged against the other trials

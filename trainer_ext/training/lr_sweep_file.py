@@ -31,6 +31,7 @@ def write_sweep(output_dir: str, result: dict) -> list[str]:
 
 def format_report(result: dict) -> str:
     sweep = result["sweep"]
+    from_start = result.get("start_held_out_loss") is not None  # trials from trained weights, judged held out
     lines = [
         "# Learning-rate sweep",
         "",
@@ -49,23 +50,31 @@ def format_report(result: dict) -> str:
         + f"Spike: a step after warm-up at which the trailing median is more than {sweep['spike_nats']} nats above "
         "its lowest over the last two windows (against the others, only where a smaller rate is ahead and the rise "
         "exceeds the others' fall meanwhile: a slower fall is not instability); largest rise: the largest such "
-        "rise. Divergence (an error, non-finite values, no fall after warm-up, a trailing median above the first "
-        "loss) is judged per trial; larger rates are skipped after it. "
+        "rise. "
+        + ("Divergence (an error, non-finite values, a held-out loss at the trial's end more than "
+           f"{sweep['spike_nats']} nats above the start's {format_optional(result.get('start_held_out_loss'))} on "
+           f"{sweep.get('sweep_eval_samples')} held-out samples) " if from_start else
+           "Divergence (an error, non-finite values, no fall after warm-up, a trailing median above the first "
+           "loss) ")
+        + "is judged per trial; larger rates are skipped after it. "
         f"Grad-norm ratio: median of the last quarter of the trial / median of its first quarter (unstable from "
         f"{sweep['max_grad_norm_growth']:g}).",
         "",
-        "| lr | initial loss | final loss | vs others | largest rise | spikes | grad-norm ratio | stable |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| lr | initial loss | final loss | vs others | largest rise | spikes | grad-norm ratio |"
+        + (" held-out loss |" if from_start else "") + " stable |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if from_start else "") + " --- |",
     ]
     for trial in result["trials"]:
         if trial.get("skipped"):
-            lines.append(f"| {trial['learning_rate']:g} | - | - | - | - | - | - | {trial['unstable_reasons'][0]} |")
+            lines.append(f"| {trial['learning_rate']:g} |" + " - |" * (7 if from_start else 6)
+                         + f" {trial['unstable_reasons'][0]} |")
             continue
         verdict = "yes" if trial["stable"] else f"no: {', '.join(trial['unstable_reasons'])}"
         cells = [f"{trial['learning_rate']:g}", format_optional(trial["initial_loss"]),
                  format_optional(trial["final_loss"]), format_optional(trial["final_vs_reference"], "+.3f"),
                  format_optional(trial["largest_rise"], ".2f"), str(trial["spikes"]),
-                 format_optional(trial["grad_norm_ratio"], ".2f"), verdict]
+                 format_optional(trial["grad_norm_ratio"], ".2f"),
+                 *([format_optional(trial.get("held_out_loss"))] if from_start else []), verdict]
         lines.append(f"| {' | '.join(cells)} |")
     lines.append("")
     if result["learning_rate"] is None:

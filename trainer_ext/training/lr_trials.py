@@ -132,7 +132,7 @@ def run_sweep(
     `make_model` must return the same initial weights each call (seed it): the trials then differ only in rate.
     `trainer_kwargs` go to each RecurrentTrainer (processing_class, teacher, ...). Writes nothing.
     """
-    unset = [f.name for f in dataclasses.fields(sweep) if getattr(sweep, f.name) is None]
+    unset = [name for name in ("learning_rates", "sweep_steps", "sweep_warmup_steps") if getattr(sweep, name) is None]
     if unset:
         raise ValueError(f"SweepArguments {unset} unset: call resolve_sweep_defaults(sweep, num_params) first.")
     trials, diverged_at = [], None
