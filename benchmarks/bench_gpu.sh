@@ -17,11 +17,12 @@
 #   bash benchmarks/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
 #   bash benchmarks/bench_gpu.sh stability PRESET [find_lr args]   threshold test, then 300 steps at its rate with the
 #       defaults and with pre-norm blocks + the old init, both at the memory plan's batch size for --cap_gib 24 (the
-#       test's trials too), the held-out loss every EVAL_STEPS (25) steps, a checkpoint where the warm-up ends (the
-#       stability guard's rollback target; the Trainer saves one more at the end, which replaces it: for recurrent-7b
-#       about 16 GB written twice per arm) (STEPS, WARMUP: default 300, 100; LR=x skips the test; ARMS: default
-#       "defaults old", one arm per call where 300 steps of both do not fit one; with several GPUs the arms run at
-#       once, one GPU each)
+#       test's trials too, under that cap: benchmarks/capped.py), the held-out loss every EVAL_STEPS (25) steps, a
+#       checkpoint where the warm-up ends (the stability guard's rollback target; the Trainer saves one more at the
+#       end, which replaces it: for recurrent-7b about 16 GB written twice per arm) (STEPS, WARMUP: default 300, 100;
+#       LR=x skips the test; ARMS: default "defaults old", also qknorm: the defaults with qk_norm=true, whose test
+#       takes --config_overrides qk_norm=true; one arm per call where 300 steps of both do not fit one; with several
+#       GPUs the arms run at once, one GPU each)
 #   bash benchmarks/bench_gpu.sh init [init_grad_norm args]   first-step gradient norm of the full 3.3b and 7b presets
 #   bash benchmarks/bench_gpu.sh peers [bench_peers args]   one call: the matmul peak, Llama-7B with GaLore 8-bit + Liger
 #       and with HF Adafactor (both in backward, batch 4), our 3.3b and 7b presets with the defaults, all under a
@@ -116,8 +117,9 @@ case $STAGE in
   stability)
     prepare_2048
     preset=$1; shift
-    [ -n "${LR:-}" ] || python3 -m scripts.find_lr --preset $preset --data_dir $DATA --bf16 true --memory_cap_gib 24 \
-      --stability_guard false --output_dir outputs/find_lr_$preset "$@" 2>&1 | grep -E "lr_finder:|Chosen|Memory plan|rror"
+    [ -n "${LR:-}" ] || python3 -m benchmarks.capped 24 scripts.find_lr --preset $preset --data_dir $DATA --bf16 true \
+      --memory_cap_gib 24 --stability_guard false --output_dir outputs/find_lr_$preset "$@" 2>&1 \
+      | grep -E "lr_finder:|lr_trials:|find_lr:|Chosen|Memory plan|rror"
     [ -n "${LR:-}" ] || cp outputs/find_lr_$preset/lr_sweep.md outputs/find_lr_$preset/lr_sweep.png "$OUT/"
     [ -n "${LR:-}" ] || LR=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['learning_rate'])" \
       outputs/find_lr_$preset/lr_sweep.json) || exit 1
@@ -125,6 +127,7 @@ case $STAGE in
     gpus=$(nvidia-smi -L | wc -l); i=0
     for arm in ${ARMS:-defaults old}; do
       overrides=(); [ $arm = old ] && overrides=(--config_overrides block_norm=pre,init_scheme=normal)
+      [ $arm = qknorm ] && overrides=(--config_overrides qk_norm=true)
       (CUDA_VISIBLE_DEVICES=$((i % gpus)) python3 -m benchmarks.bench_train --data_dir $DATA --presets $preset \
         --cap_gib 24 --steps "${STEPS:-300}" --warmup 5 --spike_from "${WARMUP:-100}" --peak_flops 780e12 \
         --output_dir outputs/stability_$arm --extra --learning_rate $LR --warmup_steps "${WARMUP:-100}" \

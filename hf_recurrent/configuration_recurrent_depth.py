@@ -48,6 +48,9 @@ class RecurrentDepthConfig(PreTrainedConfig):
             channel seeded by `state_init_seed`, so a forward pass is reproducible and cache-exact).
         block_norm: `pre` (Llama: x + f(norm(x))) or `sandwich` (Huginn: the residual stream is normalised
             after every attention and MLP, x = norm(x + f(norm(x))), which keeps a deep unrolled core stable).
+        qk_norm: RMS-normalise each head's queries and keys before the rotary embedding (as OLMo 2 and Qwen 3),
+            which bounds the attention logits whatever the projections' scale. Off by default: the presets train
+            without it, and it has not been measured here yet (results/training-control says what was).
         init_scheme: `normal` (transformers' default: every weight N(0, `initializer_range`)) or `scaled` (std
             sqrt(2 / (5 * hidden_size)) whatever the width, attention and MLP output projections further divided by
             sqrt(2 * unrolled layers at `mean_recurrence`), as Huginn and "Spike No More": the first step's gradient
@@ -105,6 +108,7 @@ class RecurrentDepthConfig(PreTrainedConfig):
     exit_threshold: float | int | None = None
     exit_criterion: str = "state"
     block_norm: str = "pre"
+    qk_norm: bool = False
     init_scheme: str = "normal"
     embedding_scale: float | None = None
     max_position_embeddings: int = 4096
@@ -186,6 +190,8 @@ class RecurrentDepthConfig(PreTrainedConfig):
             raise ValueError(f"RecurrentDepthConfig.exit_threshold={self.exit_threshold!r} must be >= 0 (or None).")
         _check_choice("depth_distribution", self.depth_distribution, DEPTH_DISTRIBUTIONS)
         _check_choice("block_norm", self.block_norm, BLOCK_NORMS)
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"RecurrentDepthConfig.qk_norm={self.qk_norm!r} must be true or false.")
         _check_choice("init_scheme", self.init_scheme, INIT_SCHEMES)
         if self.embedding_scale is not None and not self.embedding_scale > 0:
             raise ValueError(f"RecurrentDepthConfig.embedding_scale={self.embedding_scale!r} must be > 0 (or None).")

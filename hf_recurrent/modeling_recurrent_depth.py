@@ -120,6 +120,9 @@ class RecurrentDepthAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
         self.o_proj.writes_residual = True  # scaled down by the unrolled depth under init_scheme="scaled"
+        # Per-head RMSNorm of queries and keys (config.qk_norm); without it no weights, so old checkpoints match.
+        self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else nn.Identity()
 
     def forward(
         self,
@@ -134,8 +137,8 @@ class RecurrentDepthAttention(nn.Module):
     ) -> torch.Tensor:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, nh, T, hd)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, nkv, T, hd)
+        query = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, nh, T, hd)
+        key = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, nkv, T, hd)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)

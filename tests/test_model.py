@@ -158,6 +158,38 @@ def test_recurrent_presets_use_sandwich_blocks_and_old_configs_load_as_pre_norm(
     assert RecurrentDepthConfig(**saved).block_norm == "pre"
 
 
+def test_qk_norm_makes_attention_independent_of_the_query_and_key_scale_and_is_off_by_default(tmp_path):
+    assert presets.get("recurrent-7b").qk_norm is False and RecurrentDepthConfig().qk_norm is False
+    assert not any("q_norm" in key or "k_norm" in key for key in tiny().state_dict())  # old checkpoints match
+    x = tokens()
+    for qk_norm in (True, False):
+        model = tiny(qk_norm=qk_norm)
+        with torch.no_grad():
+            before = model(x, num_steps=3, use_cache=False).logits
+            for module in model.modules():
+                if type(module).__name__ == "RecurrentDepthAttention":
+                    module.q_proj.weight.mul_(30.0)
+                    module.k_proj.weight.mul_(30.0)
+            after = model(x, num_steps=3, use_cache=False).logits
+        assert torch.allclose(before, after, atol=1e-4) == qk_norm, qk_norm
+    model = tiny(qk_norm=True)
+    layers = len(model.model.prelude) + len(model.model.core) + len(model.model.coda)
+    norms = [key for key in model.state_dict() if key.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 2 * layers
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.qk_norm is True
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(x, num_steps=3).logits, model(x, num_steps=3).logits)
+        full = model(x, num_steps=4, use_cache=False).logits  # the cache stays exact with normalised keys
+        prefix = model(x[:, :7], num_steps=4, use_cache=True)
+        step = model(x[:, 7:], num_steps=4, **{CACHE_FIELD: getattr(prefix, CACHE_FIELD)})
+    torch.testing.assert_close(step.logits, full[:, 7:], atol=1e-5, rtol=1e-4)
+    # Named by our check, or first by the strict config base of newer transformers (its own error class).
+    with pytest.raises(Exception, match="qk_norm"):
+        RecurrentDepthConfig(qk_norm="yes")
+
+
 @pytest.mark.parametrize("num_steps", [1, 4, 8])
 def test_per_step_cache_generation_equals_uncached(num_steps):
     model = tiny(kv_cache_mode="per_step")
