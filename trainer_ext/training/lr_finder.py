@@ -2,7 +2,8 @@
 
 Why: the rate that diverges a billion-parameter run shows itself within tens of steps as loss spikes or a
 growing gradient norm, long before the run's budget is spent. Each trial trains a fresh model from the same
-initial weights on the same batches with the production optimizer and memory settings (one trial at a time,
+weights (the init, or for large models weights trained `sweep_start_steps`, since a trained model breaks at rates a
+fresh one takes) on the same batches with the production optimizer and memory settings (one trial at a time,
 so the sweep fits the memory budget of the run it prepares), at a constant rate after a linear warm-up. The
 pick is the largest rate that was stable, with every smaller rate stable too, divided by `margin`: a long
 run at its threshold rate would ride the edge, and a short trial can miss slow instabilities.
@@ -10,7 +11,8 @@ run at its threshold rate would ride the edge, and a short trial can miss slow i
 At batch 1 the batch drawn moves one step's loss by more than a spike's size, and every trial draws the same
 batches in the same order: rates are therefore judged on their residuals against the per-step median loss of the
 trials (`judge_trials`), which takes each batch's difficulty out; trailing medians, not means, so that one outlier
-step is not a lasting rise. Divergence (an error, non-finite values, no progress, a collapse) is judged per trial.
+step is not a lasting rise. Divergence (an error, non-finite values, no progress, a collapse; from trained weights,
+a rise of the loss on fixed held-out samples) is judged per trial.
 
 The trials are run in trainer_ext/training/lr_trials.py; the sweep's files (lr_sweep.json / .md / .png) are written
 and read in trainer_ext/training/lr_sweep_file.py.
