@@ -181,8 +181,8 @@ def test_torch_compile_compiles_each_layer_and_keeps_state_dict_keys(tiny_data_d
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Inductor's Triton kernels)")
-@pytest.mark.parametrize("preset", ["debug", "transformer-debug"])
-def test_compiled_layers_fuse_rmsnorm_swiglu_rotary_with_the_numerics_of_eager_on_gpu(preset):
+@pytest.mark.parametrize("preset, overrides", [("debug", {}), ("debug", {"qk_norm": True}), ("transformer-debug", {})])
+def test_compiled_layers_fuse_rmsnorm_swiglu_rotary_with_the_numerics_of_eager_on_gpu(preset, overrides):
     # What training compiles on CUDA by default: each decoder layer through Inductor, which fuses RMSNorm, the SwiGLU
     # gate and the rotary embedding into Triton kernels. Its bf16 loss and gradients match the eager layers'.
     import copy
@@ -190,7 +190,7 @@ def test_compiled_layers_fuse_rmsnorm_swiglu_rotary_with_the_numerics_of_eager_o
     from trainer_ext.training.trainer import compile_decoder_layers
 
     torch.manual_seed(0)
-    config = presets.get(preset)
+    config = presets.get(preset, **overrides)
     config.hidden_size, config.intermediate_size, config.vocab_size = 256, 704, 1024
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 64
     eager = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).train()
