@@ -9,7 +9,8 @@ Takes hf-recurrent-pretrain's model, data and training arguments (the trials use
 size and checkpointing, so they fit the same memory) plus the sweep's own (trainer_ext/training/lr_finder.py). The
 schedule, evaluation and saving arguments of a training run are replaced by each trial's. Models under 50M
 parameters get a quicker sweep around their 3e-3 default where the sweep's settings are not given. Writes
-lr_sweep.json / .md / .png into --output_dir; exits 1 when no rate was stable.
+lr_sweep.json / .md / .png into --output_dir; exits 1 when no rate was stable. Run again with the same arguments,
+a sweep stopped midway resumes from --output_dir/lr_sweep.progress.json (the start and the finished trials).
 """
 
 import logging

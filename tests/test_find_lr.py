@@ -509,7 +509,7 @@ def test_the_trials_train_with_the_memory_plan_pretraining_would_apply(tiny_data
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # seen by the planner only
     seen = {}
 
-    def capture(make_model, args, train_set, sweep, trainer_kwargs, info):
+    def capture(make_model, args, train_set, sweep, trainer_kwargs, info, **resumable):
         seen.update(args=args, callbacks=trainer_kwargs["callbacks"], info=info, seq_len=train_set.seq_len)
         return {"learning_rate": None}
 
@@ -526,3 +526,50 @@ def test_the_trials_train_with_the_memory_plan_pretraining_would_apply(tiny_data
         chosen = next(c.plan for c in seen["callbacks"] if isinstance(c, MemoryPlanCallback))
         assert chosen.per_device_train_batch_size == batch != 8 and chosen.predicted_peak_gib <= 0.5 - 0.1
         assert seen["info"]["memory_plan"] == chosen.describe()
+
+
+def test_a_sweep_stopped_midway_resumes_with_its_start_and_finished_trials(tiny_data_dir, tmp_path, monkeypatch):
+    from trainer_ext.training import find_lr as find_lr_module
+
+    real_trial, real_start = lr_trials.run_trial, find_lr_module.train_sweep_start
+    calls = {"trials": 0, "starts": 0}
+
+    def stop_at_second_trial(*args, **kwargs):
+        calls["trials"] += 1
+        if calls["trials"] == 2:
+            raise KeyboardInterrupt  # a crash, a lost machine, Ctrl-C
+        return real_trial(*args, **kwargs)
+
+    def counted_start(*args, **kwargs):
+        calls["starts"] += 1
+        return real_start(*args, **kwargs)
+
+    monkeypatch.setattr(find_lr_module, "train_sweep_start", counted_start)
+    monkeypatch.setattr(lr_trials, "run_trial", stop_at_second_trial)
+    argv = ["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path), "--learning_rates", "1e-3", "2e-3", "3e-3",
+            "--sweep_start_steps", "8", *SWEEP]
+    with pytest.raises(KeyboardInterrupt):
+        find_lr.main(argv)
+    progress = json.loads((tmp_path / "lr_sweep.progress.json").read_text())
+    assert [trial["learning_rate"] for trial in progress["trials"]] == [1e-3] and calls["starts"] == 1
+    assert math.isfinite(progress["start_held_out_loss"]) and not (tmp_path / "lr_sweep.json").exists()
+
+    calls["trials"] = -100  # no more stops
+    assert find_lr.main(argv) == 0
+    assert calls == {"trials": -98, "starts": 1}  # the start and the first trial are not run again
+    result = json.loads((tmp_path / "lr_sweep.json").read_text())
+    assert [trial["learning_rate"] for trial in result["trials"]] == [1e-3, 2e-3, 3e-3]
+    assert result["trials"][0]["curve"] == progress["trials"][0]["curve"]
+    assert result["start_held_out_loss"] == progress["start_held_out_loss"]
+    assert not (tmp_path / "lr_sweep.progress.json").exists()  # removed once the sweep's files are written
+
+
+def test_a_sweep_left_with_other_settings_is_refused_naming_them(tiny_data_dir, tmp_path):
+    from trainer_ext.training.lr_sweep_file import write_progress
+
+    write_progress(str(tmp_path), {"seed": 0, "sweep": {"learning_rates": [5e-4]}}, None, [])
+    with pytest.raises(ValueError, match=r"part of a sweep with other settings \(differs in: .*learning_rates"):
+        find_lr.main(["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path), "--learning_rates", "1e-3", *SWEEP])
+    assert find_lr.main(["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path), "--learning_rates", "1e-3",
+                         "--overwrite_output_dir", "true", *SWEEP]) in (0, 1)
+    assert (tmp_path / "lr_sweep.json").exists() and not (tmp_path / "lr_sweep.progress.json").exists()

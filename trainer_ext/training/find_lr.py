@@ -4,7 +4,8 @@ size and checkpointing, so they fit the same memory) plus the sweep's own (`lr_f
 lr_sweep.json / .md / .png into --output_dir. The schedule, evaluation and saving arguments of a training run are
 replaced by each trial's (`lr_trials.trial_arguments`). With `--memory_plan auto` (the default on CUDA) the trials
 take the batch size and recompute set that pretraining's plan chooses for the same arguments, so the rate is tested
-at the batch the run will train with."""
+at the batch the run will train with. A sweep stopped midway resumes from lr_sweep.progress.json (the start's
+weights and held-out loss, the finished trials) when run again with the same settings."""
 
 import dataclasses
 import logging
@@ -24,6 +25,7 @@ from trainer_ext.training.arguments import (
     RecurrentTrainingArguments,
 )
 from trainer_ext.training.lr_finder import SweepArguments, resolve_sweep_defaults
+from trainer_ext.training.lr_sweep_file import read_progress, remove_progress, write_progress
 from trainer_ext.training.lr_trials import find_learning_rate, run_trial, trial_arguments
 from trainer_ext.training.memory_plan import MemoryPlanCallback, apply_memory_plan
 from trainer_ext.training.model_setup import build_model, load_data_tokenizer, load_teacher_for, meta_model
@@ -87,18 +89,7 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
     if teacher is not None:
         trainer_kwargs.update(teacher=teacher, teacher_vocab_limit=len(tokenizer))
 
-    start, start_dir, trial_set, held_out = model_args, None, train_set, {}
-
-    def make_model():
-        set_seed(training_args.seed)  # the seed pretrain builds its model with: every trial, the same init
-        return build_model(start, len(tokenizer), tokenizer, training_args.device)
-
-    if sweep_args.sweep_start_steps:  # from then on every trial loads the start's weights
-        start_dir, trial_set, start_held_out = train_sweep_start(make_model, training_args, train_set, eval_set,
-                                                                 sweep_args, trainer_kwargs)
-        start = dataclasses.replace(model_args, model_name_or_path=start_dir)
-        held_out = {"eval_dataset": eval_set, "start_held_out": start_held_out}
-
+    start_dir = os.path.join(training_args.output_dir, START_DIR) if sweep_args.sweep_start_steps else None
     info = {
         "model": model_args.model_name_or_path or model_args.preset,
         "preset": None if model_args.model_name_or_path else model_args.preset,
@@ -116,9 +107,38 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
         "seed": training_args.seed,
         "sweep_start": start_dir,
     }
+    # A sweep stopped midway resumes from its progress file: the start's weights and the trials it finished.
+    settings = {**{k: v for k, v in info.items() if k != "device"}, "sweep": dataclasses.asdict(sweep_args)}
+    progress = None if training_args.overwrite_output_dir else read_progress(training_args.output_dir, settings)
+    main_process = training_args.process_index == 0
+    start, trial_set, resumable = model_args, train_set, {"start_held_out": None}
+
+    def save_progress(trials):
+        if main_process:
+            write_progress(training_args.output_dir, settings, resumable["start_held_out"], trials)
+
+    def make_model():
+        set_seed(training_args.seed)  # the seed pretrain builds its model with: every trial, the same init
+        return build_model(start, len(tokenizer), tokenizer, training_args.device)
+
+    if sweep_args.sweep_start_steps:  # from then on every trial loads the start's weights
+        start_held_out = progress["start_held_out_loss"] if progress else None
+        if start_held_out is not None and os.path.isfile(os.path.join(start_dir, "config.json")):
+            logger.info("Sweep start: the weights an earlier run trained (%s; held-out loss %.3f)", start_dir,
+                        start_held_out)
+        else:
+            start_held_out = train_sweep_start(make_model, training_args, train_set, eval_set, sweep_args,
+                                               trainer_kwargs, start_dir)
+        resumable.update(eval_dataset=eval_set, start_held_out=start_held_out)
+        save_progress(progress["trials"] if progress else [])
+        trial_set = samples_after_start(train_set, training_args, sweep_args)
+        start = dataclasses.replace(model_args, model_name_or_path=start_dir)
+    resumable.update(finished=progress["trials"] if progress else (), on_trial=save_progress)
     logger.info("Sweeping %s on %s (%.1fM parameters), %d steps per rate: %s", info["model"], training_args.device,
                 num_params / 1e6, sweep_args.sweep_steps, [f"{rate:g}" for rate in sweep_args.learning_rates])
-    result = find_learning_rate(make_model, training_args, trial_set, sweep_args, trainer_kwargs, info, **held_out)
+    result = find_learning_rate(make_model, training_args, trial_set, sweep_args, trainer_kwargs, info, **resumable)
+    if main_process:
+        remove_progress(training_args.output_dir)
     if result["learning_rate"] is not None:
         logger.info("Chosen learning rate %.3g (largest stable %g / margin %g): train with --learning_rate_from %s",
                     result["learning_rate"], result["largest_stable_learning_rate"], sweep_args.margin,
@@ -127,22 +147,24 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
 
 
 def train_sweep_start(make_model, training_args, train_set, eval_set, sweep_args: SweepArguments,
-                      trainer_kwargs: dict):
+                      trainer_kwargs: dict, start_dir: str) -> float:
     """Train `sweep_start_steps` steps warming up linearly to the smallest rate (as a run's warm-up would), save the
-    weights to --output_dir/sweep_start; returns (that folder, the samples after the ones it trained on, or all of
-    them where too few would be left for a trial, its loss on `eval_set`). ValueError naming the fix where that
-    training stops."""
+    weights to `start_dir`; returns their loss on `eval_set`. ValueError naming the fix where that training stops."""
     steps, rate = sweep_args.sweep_start_steps, min(sweep_args.learning_rates)
     args = dataclasses.replace(trial_arguments(training_args, rate, sweep_args), max_steps=steps, warmup_steps=steps)
-    start_dir = os.path.join(training_args.output_dir, START_DIR)
     logger.info("Sweep start: %d steps warming up to lr %g, saved to %s", steps, rate, start_dir)
     outcome = run_trial(make_model, args, train_set, dict(trainer_kwargs), save_to=start_dir, eval_dataset=eval_set)
     if outcome["error"] is not None:
         raise ValueError(f"--sweep_start_steps={steps}: training up to the smallest rate {rate:g} stopped "
                          f"({outcome['error']}); lower --learning_rates or --sweep_start_steps.")
-    per_step = training_args.per_device_train_batch_size * training_args.world_size
-    used = steps * per_step
-    if len(train_set) - used >= sweep_args.sweep_steps * per_step:
-        train_set = Subset(train_set, range(used, len(train_set)))
     logger.info("Sweep start: held-out loss %.3f on %d samples", outcome["held_out_loss"], len(eval_set))
-    return start_dir, train_set, outcome["held_out_loss"]
+    return outcome["held_out_loss"]
+
+
+def samples_after_start(train_set, training_args, sweep_args: SweepArguments):
+    """The samples after those the start trained on, or all of them where too few would be left for a trial."""
+    per_step = training_args.per_device_train_batch_size * training_args.world_size
+    used = sweep_args.sweep_start_steps * per_step
+    if len(train_set) - used >= sweep_args.sweep_steps * per_step:
+        return Subset(train_set, range(used, len(train_set)))
+    return train_set

@@ -1,5 +1,6 @@
 """The files of a learning-rate sweep, written and read here: lr_sweep.json (the record, and the `learning_rate`
-that `hf-recurrent-pretrain --learning_rate_from` takes), lr_sweep.md (a table) and lr_sweep.png (the curves)."""
+that `hf-recurrent-pretrain --learning_rate_from` takes), lr_sweep.md (a table) and lr_sweep.png (the curves); while
+it runs, lr_sweep.progress.json (the finished trials, so that a sweep stopped midway resumes where it was)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import math
 import os
 
 from trainer_ext.data.shards import load_manifest
-from trainer_ext.files import atomic_open, write_json, write_text
+from trainer_ext.files import atomic_open, check_same_run, write_json, write_text
 
 SWEEP_FILE, REPORT_FILE, PLOT_FILE = "lr_sweep.json", "lr_sweep.md", "lr_sweep.png"
+PROGRESS_FILE = "lr_sweep.progress.json"
 # 2: rates judged on residuals against the per-step median of the trials (`reference_loss`, per trial `paired`,
 # `final_vs_reference`, `largest_rise`); initial / final losses and rises are medians. Version 1 files were
 # judged on raw batch losses, so their picks are not read.
@@ -159,6 +161,37 @@ def plot_sweep(result: dict, path: str) -> str:
 def _points(steps: list, values: list) -> tuple[list, list]:
     pairs = [(s, v) for s, v in zip(steps, values) if v is not None]
     return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+# ----------------------------------------------------------------------------- progress of a running sweep
+
+
+def write_progress(output_dir: str, settings: dict, start_held_out: float | None, trials: list[dict]) -> str:
+    """What a sweep has finished so far: the held-out loss of its start (None: no start, or not trained yet) and
+    its trials as run (before the judgement against each other), with the settings they were run with."""
+    return write_json(os.path.join(output_dir, PROGRESS_FILE), {
+        "format_version": FORMAT_VERSION, "settings": settings, "start_held_out_loss": start_held_out,
+        "trials": trials})
+
+
+def read_progress(output_dir: str, settings: dict) -> dict | None:
+    """The progress an earlier run of the same sweep left in `output_dir` (None where there is none). ValueError
+    naming the differing settings where it was run with others."""
+    path = os.path.join(output_dir, PROGRESS_FILE)
+    if not os.path.isfile(path):
+        return None
+    fix = f"remove {path} (or pass --overwrite_output_dir true) to start the sweep afresh"
+    progress = load_manifest(path, ("format_version", "settings", "start_held_out_loss", "trials"), FORMAT_VERSION,
+                             not_found=fix, fix=fix)
+    check_same_run(f"{path}: this --output_dir holds part of a sweep", progress["settings"], settings,
+                   f"Rerun with the same settings to resume it; or {fix}, or choose another --output_dir.")
+    return progress
+
+
+def remove_progress(output_dir: str) -> None:
+    path = os.path.join(output_dir, PROGRESS_FILE)
+    if os.path.exists(path):
+        os.remove(path)
 
 
 # ----------------------------------------------------------------------------- reading the pick

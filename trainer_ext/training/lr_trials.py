@@ -9,7 +9,7 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import PrinterCallback, ProgressCallback
@@ -125,6 +125,8 @@ def run_sweep(
     info: dict | None = None,
     eval_dataset=None,
     start_held_out: float | None = None,
+    finished: Sequence[dict] = (),
+    on_trial: Callable[[list[dict]], None] | None = None,
 ) -> dict:
     """Run the trials in ascending rate order, judge them (`judge_trials`), pick a rate; returns the lr_sweep.json
     record. Divergence is judged after each trial on its own (to skip larger rates); the rest once all have run.
@@ -132,14 +134,23 @@ def run_sweep(
     trained weights that `make_model` returns) that evaluation judges divergence instead of the trial's own fall.
 
     `make_model` must return the same initial weights each call (seed it): the trials then differ only in rate.
-    `trainer_kwargs` go to each RecurrentTrainer (processing_class, teacher, ...). Writes nothing.
+    `trainer_kwargs` go to each RecurrentTrainer (processing_class, teacher, ...). Writes nothing: `on_trial` gets
+    the trials run so far after each new one, and `finished` (what it got in an earlier run) is not run again.
     """
     unset = [name for name in ("learning_rates", "sweep_steps", "sweep_warmup_steps") if getattr(sweep, name) is None]
     if unset:
         raise ValueError(f"SweepArguments {unset} unset: call resolve_sweep_defaults(sweep, num_params) first.")
     trials, diverged_at = [], None
+    earlier = {trial["learning_rate"]: trial for trial in finished if not trial.get("skipped")}
     total = len(sweep.learning_rates)
     for index, rate in enumerate(sweep.learning_rates, 1):
+        if rate in earlier and not (diverged_at is not None and sweep.skip_after_divergence):
+            trials.append(earlier[rate])
+            logger.info("[%d/%d] lr %.3g: run before (%s)", index, total, rate,
+                        "diverged" if earlier[rate]["diverged"] else "no divergence")
+            if earlier[rate]["diverged"] and diverged_at is None:
+                diverged_at = rate
+            continue
         if diverged_at is not None and sweep.skip_after_divergence:
             trials.append({"learning_rate": rate, "skipped": True, "stable": False,
                            "unstable_reasons": [f"skipped: {diverged_at:g} diverged"]})
@@ -158,6 +169,8 @@ def run_sweep(
                  "curve": {key: [finite_or_none(v) if isinstance(v, float) else v for v in values]
                            for key, values in curve.items()}}
         trials.append(trial)
+        if on_trial is not None:
+            on_trial(trials)
         logger.info("[%d/%d] lr %.3g: loss %s -> %s, %s [%.0fs]", index, total, rate,
                     format_optional(trial["initial_loss"]), format_optional(trial["final_loss"]),
                     f"DIVERGED ({', '.join(trial['unstable_reasons'])})" if trial["diverged"] else "no divergence",
@@ -193,10 +206,10 @@ def _progress_line(trial: dict) -> str:
 
 
 def find_learning_rate(make_model, training_args, train_dataset, sweep: SweepArguments,
-                       trainer_kwargs: dict | None = None, info: dict | None = None, **held_out) -> dict:
-    """run_sweep (`held_out`: its eval_dataset and start_held_out), then lr_sweep.json / .md / .png into
-    `training_args.output_dir` (main process only)."""
-    result = run_sweep(make_model, training_args, train_dataset, sweep, trainer_kwargs, info, **held_out)
+                       trainer_kwargs: dict | None = None, info: dict | None = None, **resumable) -> dict:
+    """run_sweep (`resumable`: its eval_dataset, start_held_out, finished, on_trial), then lr_sweep.json / .md /
+    .png into `training_args.output_dir` (main process only)."""
+    result = run_sweep(make_model, training_args, train_dataset, sweep, trainer_kwargs, info, **resumable)
     if training_args.process_index == 0:
         paths = write_sweep(training_args.output_dir, result)
         logger.info("Wrote %s", ", ".join(paths))
