@@ -3,6 +3,7 @@ import json
 import math
 import pathlib
 import random
+import shutil
 import statistics
 import weakref
 
@@ -562,6 +563,14 @@ def test_a_sweep_stopped_midway_resumes_with_its_start_and_finished_trials(tiny_
     assert result["trials"][0]["curve"] == progress["trials"][0]["curve"]
     assert result["start_held_out_loss"] == progress["start_held_out_loss"]
     assert not (tmp_path / "lr_sweep.progress.json").exists()  # removed once the sweep's files are written
+
+    # Stopped again, then its start's weights removed: the start is trained anew and every trial runs from it.
+    calls.update(trials=0, starts=0)
+    with pytest.raises(KeyboardInterrupt):
+        find_lr.main(argv)
+    shutil.rmtree(tmp_path / "sweep_start")
+    calls["trials"] = -100
+    assert find_lr.main(argv) == 0 and calls == {"trials": -97, "starts": 2}
 
 
 def test_a_sweep_left_with_other_settings_is_refused_naming_them(tiny_data_dir, tmp_path):

@@ -126,9 +126,10 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
         if start_held_out is not None and os.path.isfile(os.path.join(start_dir, "config.json")):
             logger.info("Sweep start: the weights an earlier run trained (%s; held-out loss %.3f)", start_dir,
                         start_held_out)
-        else:
+        else:  # trials of an earlier start (its weights gone) do not judge rates from this one
             start_held_out = train_sweep_start(make_model, training_args, train_set, eval_set, sweep_args,
                                                trainer_kwargs, start_dir)
+            progress = None
         resumable.update(eval_dataset=eval_set, start_held_out=start_held_out)
         save_progress(progress["trials"] if progress else [])
         trial_set = samples_after_start(train_set, training_args, sweep_args)
