@@ -67,15 +67,19 @@ def rise_over_running_min(losses: list[float], start: int, window: int = 1) -> f
     return round(rise, 4)
 
 
+def first_after(entries: list[dict], step: int) -> int:
+    """Index of the first log entry after `step` (the warm-up's last): rises are counted from there on, over the
+    minimum of all entries before."""
+    return next((i for i, e in enumerate(entries) if e.get("step", i + 1) > step), len(entries))
+
+
 def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> dict:
     with open(os.path.join(out_dir, "log_history.json")) as f:
         history = json.load(f)
     logs = [e for e in history if "loss" in e and "tokens_per_second" in e]
-    evaluated = [(e.get("step", 0), e["eval_loss"]) for e in history if "eval_loss" in e]
-    evals = [loss for _, loss in evaluated]
+    evaluated = [e for e in history if "eval_loss" in e]
+    evals = [e["eval_loss"] for e in evaluated]
     losses = [e["loss"] for e in logs]
-    # Rises are counted at the steps after the first `spike_from` (the warm-up), over the minimum of all before.
-    after_warmup = next((i for i, e in enumerate(logs) if e.get("step", i + 1) > spike_from), len(logs))
     steady = logs[warmup:] or logs
     row = {
         "preset": preset,
@@ -89,11 +93,10 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
         "eval_loss": evals[-1] if evals else None,
         "grad_norm_first": logs[0].get("grad_norm"),
         "grad_norm_max": max((e.get("grad_norm") or 0) for e in logs),
-        "loss_rise_over_min": rise_over_running_min(losses, after_warmup),
-        "loss_rise_over_min_10": rise_over_running_min(losses, after_warmup, window=10),
+        "loss_rise_over_min": rise_over_running_min(losses, first_after(logs, spike_from)),
+        "loss_rise_over_min_10": rise_over_running_min(losses, first_after(logs, spike_from), window=10),
         # The held-out curve (with --eval_strategy steps): a spike of the model, not of the batches drawn.
-        "eval_rise_over_min": rise_over_running_min(evals, next(
-            (i for i, (step, _) in enumerate(evaluated) if step > spike_from), len(evals))) if evals else None,
+        "eval_rise_over_min": rise_over_running_min(evals, first_after(evaluated, spike_from)) if evals else None,
     }
     row.update({k: v for e in logs for k, v in e.items() if k.startswith("profile/")})
     plan_path = os.path.join(out_dir, "memory_plan.json")  # written where the memory plan applied

@@ -85,10 +85,6 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
     trainer_kwargs = {"processing_class": tokenizer, "callbacks": plan_callbacks}
     if data_args.teacher_cache_dir:  # the trials then train on the distillation loss, as the run will
         train_set = TeacherCacheDataset(train_set, data_args.teacher_cache_dir)
-    teacher = load_teacher_for(model_args, tokenizer, training_args.device)  # loaded once, shared by every trial
-    if teacher is not None:
-        trainer_kwargs.update(teacher=teacher, teacher_vocab_limit=len(tokenizer))
-
     start_dir = os.path.join(training_args.output_dir, START_DIR) if sweep_args.sweep_start_steps else None
     info = {
         "model": model_args.model_name_or_path or model_args.preset,
@@ -110,6 +106,9 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
     # A sweep stopped midway resumes from its progress file: the start's weights and the trials it finished.
     settings = {**{k: v for k, v in info.items() if k != "device"}, "sweep": dataclasses.asdict(sweep_args)}
     progress = None if training_args.overwrite_output_dir else read_progress(training_args.output_dir, settings)
+    teacher = load_teacher_for(model_args, tokenizer, training_args.device)  # loaded once, shared by every trial
+    if teacher is not None:
+        trainer_kwargs.update(teacher=teacher, teacher_vocab_limit=len(tokenizer))
     main_process = training_args.process_index == 0
     start, trial_set, resumable = model_args, train_set, {"start_held_out": None}
 
@@ -134,7 +133,7 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
         save_progress(progress["trials"] if progress else [])
         trial_set = samples_after_start(train_set, training_args, sweep_args)
         start = dataclasses.replace(model_args, model_name_or_path=start_dir)
-    resumable.update(finished=progress["trials"] if progress else (), on_trial=save_progress)
+    resumable.update(finished=progress["trials"] if progress else [], on_trial=save_progress)
     logger.info("Sweeping %s on %s (%.1fM parameters), %d steps per rate: %s", info["model"], training_args.device,
                 num_params / 1e6, sweep_args.sweep_steps, [f"{rate:g}" for rate in sweep_args.learning_rates])
     result = find_learning_rate(make_model, training_args, trial_set, sweep_args, trainer_kwargs, info, **resumable)
