@@ -80,9 +80,9 @@ def test_bf16_momentum_state_is_bf16_and_counted():
 # ----------------------------------------------------------------------------- math
 
 
-def _reference_run(params, grads_per_step, clips, lr, weight_decay, beta1, beta2, eps, projectors=None):
+def _reference_run(params, grads_per_step, clips, lr, weight_decay, beta1, beta2, eps, projectors=None, residual=1.0):
     """The documented formulas, written independently, in float64. ``projectors[t][i]``: the subspace basis of
-    parameter i at step t (None: full momentum)."""
+    parameter i at step t (None: full momentum); ``residual``: the factor of the update outside it."""
     params = [p.detach().double().clone() for p in params]
     second = [None] * len(params)
     momentum = [torch.zeros_like(p) for p in params]
@@ -112,7 +112,8 @@ def _reference_run(params, grads_per_step, clips, lr, weight_decay, beta1, beta2
                 previous[i] = basis
                 projected = update @ basis
                 momentum[i] = beta1 * momentum[i] + (1 - beta1) * projected
-                update = update + (momentum[i] / (1 - beta1**t) - projected) @ basis.T
+                outside = update - projected @ basis.T
+                update = residual * outside + (momentum[i] / (1 - beta1**t)) @ basis.T
             elif beta1 is not None:
                 momentum[i] = beta1 * momentum[i] + (1 - beta1) * update
                 update = momentum[i] / (1 - beta1**t)
@@ -142,8 +143,8 @@ def test_fp32_steps_match_reference(max_chunk_numel, beta1):
         torch.testing.assert_close(p.detach().double(), e, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("max_chunk_numel", [2**24, 30])
-def test_subspace_momentum_matches_reference(max_chunk_numel):
+@pytest.mark.parametrize("max_chunk_numel,residual", [(2**24, 1.0), (30, 1.0), (2**24, 0.25), (30, 0.0)])
+def test_subspace_momentum_matches_reference(max_chunk_numel, residual):
     # Bases are refreshed at steps 0, 3 and 6; between refreshes they stay; momentum moves into each new basis.
     torch.manual_seed(0)
     shapes = [(12, 10), (10,), (9, 16)]
@@ -152,7 +153,8 @@ def test_subspace_momentum_matches_reference(max_chunk_numel):
     grads = [[torch.randn(s) for s in shapes] for _ in range(7)]
     hyper = dict(lr=0.01, weight_decay=0.1, beta2=0.99, eps=1e-30)
     optimizer = LowMemoryAdafactor(params, momentum=0.9, momentum_rank_fraction=0.25, projection_interval=3,
-                                   max_chunk_numel=max_chunk_numel, compile=False, **hyper)
+                                   max_chunk_numel=max_chunk_numel, compile=False, subspace_residual=residual,
+                                   **hyper)
     projectors = []
     for step_grads in grads:
         for p, g in zip(params, step_grads):
@@ -168,7 +170,8 @@ def test_subspace_momentum_matches_reference(max_chunk_numel):
     for basis in projectors[6]:
         if basis is not None:
             torch.testing.assert_close(basis.T @ basis, torch.eye(3), atol=1e-5, rtol=0)
-    expected = _reference_run(initial, grads, [1.0] * 3, beta1=0.9, projectors=projectors, **hyper)
+    expected = _reference_run(initial, grads, [1.0] * 3, beta1=0.9, projectors=projectors, residual=residual,
+                              **hyper)
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.detach().double(), e, rtol=1e-5, atol=1e-5)
 
@@ -381,6 +384,18 @@ def test_state_dict_round_trip_gives_identical_training(in_backward, subspace, o
     assert not torch.equal(other_seed[2].weight, model[2].weight)
 
 
+def test_a_checkpoint_from_before_the_residual_scale_resumes_with_the_update_it_was_trained_with():
+    weight = nn.Parameter(torch.randn(8, 6))
+    saved = LowMemoryAdafactor([weight], momentum=0.9, momentum_rank_fraction=0.25).state_dict()
+    for group in saved["param_groups"]:
+        del group["subspace_residual"]  # as written before the field existed
+    resumed = LowMemoryAdafactor([weight], momentum=0.9, momentum_rank_fraction=0.25, subspace_residual=0.25)
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["subspace_residual"] == 1.0
+    weight.grad = torch.randn(8, 6)
+    resumed.step()  # and it steps with it
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -416,6 +431,8 @@ def test_invalid_arguments_are_value_errors():
         LowMemoryAdafactor([weight], momentum=0.9, momentum_rank_fraction=1.0)
     with pytest.raises(ValueError, match="projection_interval"):
         LowMemoryAdafactor([weight], momentum=0.9, momentum_rank_fraction=0.5, projection_interval=0)
+    with pytest.raises(ValueError, match="subspace_residual"):
+        LowMemoryAdafactor([weight], momentum=0.9, momentum_rank_fraction=0.5, subspace_residual=-0.1)
     with pytest.raises(ValueError, match="torch.bfloat16 or torch.float32"):
         LowMemoryAdafactor([nn.Parameter(torch.zeros(2, dtype=torch.float16))])
 

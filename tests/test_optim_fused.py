@@ -18,14 +18,16 @@ from torch import nn
 from trainer_ext.training.optimizer import LowMemoryAdafactor
 
 # (shape, dtype, momentum, momentum_rank_fraction, max_chunk_numel, more optimizer settings): plain, full and
-# subspace momentum, fp32 weights, row chunks (the embedding matrices' case) with and without the subspace, a rank
-# below one tensor-core block, Adafactor's beta2 schedule; every run has a step with a NaN.
+# subspace momentum, fp32 weights, row chunks (the embedding matrices' case) with and without the subspace (and its
+# residual scaled down), a rank below one tensor-core block, Adafactor's beta2 schedule; every run has a step with a
+# NaN.
 CASES = [
     ((96, 200), torch.bfloat16, None, None, 2**24, {}),
     ((96, 200), torch.bfloat16, 0.9, None, 2**24, {}),
     ((96, 200), torch.bfloat16, 0.9, 0.25, 2**24, {}),
     ((96, 200), torch.float32, 0.9, None, 2**24, {}),
     ((96, 200), torch.bfloat16, 0.9, 0.25, 200 * 30, {}),
+    ((96, 200), torch.bfloat16, 0.9, 0.25, 200 * 30, {"subspace_residual": 0.25}),
     ((70, 33), torch.bfloat16, None, None, 33 * 8, {}),
     ((96, 200), torch.bfloat16, 0.9, 1 / 16, 2**24, {"beta2_decay": 0.8, "beta2": 1.0, "clip_threshold": 0.5}),
 ]

@@ -9,7 +9,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 import hf_recurrent
 from hf_recurrent import presets
 from trainer_ext.data.shards import ShardedTokenDataset
-from trainer_ext.training.arguments import RecurrentTrainingArguments, resolve_momentum, resolve_schedule_defaults
+from trainer_ext.training.arguments import (
+    RecurrentTrainingArguments,
+    resolve_momentum,
+    resolve_schedule_defaults,
+    resolve_subspace_residual,
+)
 from trainer_ext.training.model_setup import load_teacher
 from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
 from trainer_ext.training.trainer import RecurrentTrainer
@@ -100,6 +105,23 @@ def test_momentum_defaults_by_model_size_and_can_be_turned_off(tiny_data_dir, tm
             assert ("momentum" in state) == (momentum is None) and ("projector" in state) == (fraction is not None)
             if fraction is not None:  # (R, r) with r = ceil(f * min(R, C))
                 assert state["momentum"].shape == (p.shape[0], math.ceil(fraction * min(p.shape)))
+
+
+def test_subspace_residual_and_beta2_reach_the_optimizer(tiny_data_dir, tmp_path):
+    # The default damps the update outside the subspace as momentum damps noise: sqrt(0.1 / 1.9) at beta1 0.9.
+    assert resolve_subspace_residual(None, 0.9) == pytest.approx(0.2294157)
+    assert resolve_subspace_residual(None, None) == 1.0 and resolve_subspace_residual(0.5, 0.9) == 0.5
+    trainer = make_trainer(tiny_data_dir, tmp_path / "default", max_steps=1, optimizer_momentum_rank_fraction=0.25)
+    trainer.train()
+    group = trainer.unwrapped_optimizer.param_groups[0]
+    assert group["subspace_residual"] == pytest.approx(0.2294157) and group["beta2"] == 0.999  # HF's adam_beta2
+    trainer = make_trainer(tiny_data_dir, tmp_path / "set", max_steps=1, optimizer_momentum_rank_fraction=0.25,
+                           optimizer_subspace_residual=1.0, adam_beta2=0.95)
+    trainer.train()
+    group = trainer.unwrapped_optimizer.param_groups[0]
+    assert group["subspace_residual"] == 1.0 and group["beta2"] == 0.95
+    with pytest.raises(ValueError, match="optimizer_subspace_residual"):
+        RecurrentTrainingArguments(output_dir=str(tmp_path / "bad"), optimizer_subspace_residual=1.5)
 
 
 def test_stock_optimizer_is_selectable(tiny_data_dir, tmp_path):

@@ -86,6 +86,15 @@ def resolve_momentum(momentum: float | None, rank_fraction: float | None,
     return momentum, (rank_fraction if rank_fraction < 1 else None)
 
 
+def resolve_subspace_residual(residual: float | None, momentum: float | None) -> float:
+    """The factor of the update outside subspace momentum's subspace: the argument if given, else
+    sqrt((1 - beta1) / (1 + beta1)) (0.229 at beta1 = 0.9), the factor by which momentum shrinks the RMS of
+    uncorrelated noise, so that the update outside the subspace is as large as full momentum would make it."""
+    if residual is not None:
+        return residual
+    return 1.0 if not momentum else math.sqrt((1.0 - momentum) / (1.0 + momentum))
+
+
 @dataclass
 class ModelArguments:
     preset: str = field(default="debug", metadata={"help": f"One of {list(presets.NAMES)}."})
@@ -162,6 +171,10 @@ class RecurrentTrainingArguments(TrainingArguments):
                                         "(about this fraction of full momentum's 2 bytes per parameter); 1 = full "
                                         "momentum. Default: 1 under 5B parameters, 1/16 from 5B up (low_memory_7b)."})
     optimizer_clip_threshold: float = field(default=1.0, metadata={"help": "Per-tensor update RMS clip."})
+    optimizer_subspace_residual: float | None = field(
+        default=None, metadata={"help": "With subspace momentum: the factor of the update outside the subspace, in "
+                                        "[0, 1] (1: as it is; 0: none, as GaLore). Default sqrt((1 - beta1) / "
+                                        "(1 + beta1)), 0.229 at beta1 0.9: the size full momentum gives noise."})
     optimizer_fused: bool = field(
         default=True, metadata={"help": "Update CUDA weight matrices with the optimizer's fused Triton kernels (three "
                                         "passes over each tensor); false: its compiled torch functions."})
@@ -355,6 +368,9 @@ class RecurrentTrainingArguments(TrainingArguments):
               "in (0, 1] (1 = full momentum), or unset for the size-based default")
         check("optimizer_clip_threshold",
               is_number(self.optimizer_clip_threshold) and self.optimizer_clip_threshold > 0, "a number > 0")
+        check("optimizer_subspace_residual", self.optimizer_subspace_residual is None
+              or (is_number(self.optimizer_subspace_residual) and 0 <= self.optimizer_subspace_residual <= 1),
+              "in [0, 1], or unset for sqrt((1 - beta1) / (1 + beta1))")
         check("peak_flops", self.peak_flops is None or (is_number(self.peak_flops) and self.peak_flops > 0),
               "a number > 0 (FLOP/s), or unset for the device's datasheet peak")
         check("distill_alpha", is_number(self.distill_alpha) and 0 <= self.distill_alpha <= 1,

@@ -92,11 +92,14 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
     Subspace momentum (``momentum_rank_fraction`` f): a (R, C) matrix keeps its first moment only in a rank-r
     subspace of its rows' space, r = ceil(f * min(R, C)), spanned by the orthonormal columns of P (C, r):
         m      <- momentum * m + (1 - momentum) * u P           m is (R, r): f of the memory of full momentum
-        u      <- u + (m / (1 - momentum**t) - u P) P^T         momentum inside the subspace, u as it is outside
+        u      <- rho u + (m / (1 - momentum**t) - rho u P) P^T  momentum inside the subspace, rho u outside
     P is refreshed every ``projection_interval`` steps from the gradient's dominant right singular subspace
     (one step of randomized subspace iteration) and m is carried into the new basis, m <- m P_old^T P_new.
     Gradients of language models are close to low rank, so most of what momentum averages lies in that subspace
     (GaLore's observation), while the update stays full rank. 1-D tensors keep full momentum (they are small).
+    Outside the subspace nothing averages the noise of small batches: at rho = 1 the update's RMS stays near that
+    of no momentum, about 4x that of full momentum (measured on a small LM), so the same rate moves the weights
+    about 4x as far. ``subspace_residual`` rho scales that part down.
 
     Args:
         params: parameters or parameter groups (bf16 or fp32, contiguous).
@@ -112,6 +115,8 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             beta2_t = min(beta2, 1 - t**-c) (c = 0.8 in the paper).
         eps: added to the squared gradients (Adafactor's eps1).
         clip_threshold: per-tensor update RMS clipping threshold.
+        subspace_residual: rho above, the factor of the update outside the momentum's subspace (subspace
+            momentum only; 1 passes it through as it is, 0 keeps the update inside the subspace, as GaLore).
         max_consecutive_skips: a step skips a tensor whose gradient is not finite; after this many
             steps in a row with any skip, ``step`` raises RuntimeError. The weights never see NaN/Inf.
         max_chunk_numel: larger tensors are updated in row chunks of at most this many elements, to
@@ -142,6 +147,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         beta2_decay: float | None = None,
         eps: float = 1e-30,
         clip_threshold: float = 1.0,
+        subspace_residual: float = 1.0,
         max_consecutive_skips: int = 20,
         max_chunk_numel: int = DEFAULT_MAX_CHUNK_NUMEL,
         compile: bool | None = None,
@@ -150,7 +156,8 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
     ):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
                         momentum_rank_fraction=momentum_rank_fraction, projection_interval=projection_interval,
-                        beta2=beta2, beta2_decay=beta2_decay, eps=eps, clip_threshold=clip_threshold)
+                        beta2=beta2, beta2_decay=beta2_decay, eps=eps, clip_threshold=clip_threshold,
+                        subspace_residual=subspace_residual)
         # Set before super().__init__, which calls add_param_group for each group.
         self.in_backward = False
         self._hook_handles: list = []
@@ -438,6 +445,8 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         saved_state = state_dict["state"]
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         super().load_state_dict({**state_dict, "state": {}})
+        for group in self.param_groups:  # saved before the field existed: the update they were trained with
+            group.setdefault("subspace_residual", 1.0)
         params = [p for group in self.param_groups for p in group["params"]]
         for saved_id, p in zip(saved_ids, params, strict=True):
             if saved_id in saved_state:

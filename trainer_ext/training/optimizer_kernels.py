@@ -19,13 +19,13 @@ import torch
 
 # Layout of the per-group device tensor of hyperparameters. Passing them as one tensor (not Python
 # floats) means a learning-rate change never recompiles the compiled update.
-LR, WEIGHT_DECAY, BETA1, BETA2, BETA2_DECAY, EPS, CLIP = range(7)
+LR, WEIGHT_DECAY, BETA1, BETA2, BETA2_DECAY, EPS, CLIP, RESIDUAL = range(8)
 
 
 def hyper_values(group: dict) -> tuple[float, ...]:
     """A parameter group's hyperparameters in the layout above (no momentum / beta2 decay: 0)."""
     return (group["lr"], group["weight_decay"], group["momentum"] or 0.0, group["beta2"],
-            group["beta2_decay"] or 0.0, group["eps"], group["clip_threshold"])
+            group["beta2_decay"] or 0.0, group["eps"], group["clip_threshold"], group["subspace_residual"])
 
 
 def validate_group(group: dict, check_params: bool = True) -> None:
@@ -49,6 +49,7 @@ def validate_group(group: dict, check_params: bool = True) -> None:
         check("beta2", 0.0 < group["beta2"] <= 1.0, "in (0, 1] with beta2_decay")
     check("eps", group["eps"] > 0.0, "> 0")
     check("clip_threshold", group["clip_threshold"] > 0.0, "> 0")
+    check("subspace_residual", 0.0 <= group["subspace_residual"] <= 1.0, "in [0, 1]")
     for p in group["params"] if check_params else ():
         if p.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"parameters must be torch.bfloat16 or torch.float32, got {p.dtype}")
@@ -149,7 +150,8 @@ def _apply_update(param: torch.Tensor, update: torch.Tensor, momentum: torch.Ten
 
     With a ``projector`` P (C, r) of orthonormal columns, ``momentum`` (..., R, r) is the first moment of the
     update's part in the subspace P spans, u P; that part of the update is replaced by its bias-corrected momentum
-    and the rest, u - u P P^T, passes through as it is (subspace momentum, see LowMemoryAdafactor).
+    and the rest, u - u P P^T, passes through scaled by ``hyper[RESIDUAL]`` (subspace momentum, see
+    LowMemoryAdafactor).
     """
     if momentum is not None:
         # ``step`` already counts this update (when ok), so the first one divides by 1 - beta1.
@@ -158,7 +160,11 @@ def _apply_update(param: torch.Tensor, update: torch.Tensor, momentum: torch.Ten
         averaged = beta1 * momentum.float() + (1.0 - beta1) * projected
         _store_where(momentum, averaged, ok, key, step, MOMENTUM_SALT)
         corrected = averaged / _momentum_bias_correction(step, hyper)
-        update = corrected if projector is None else update + (corrected - projected) @ projector.T
+        if projector is None:
+            update = corrected
+        else:  # rho u + (m_hat - rho u P) P^T
+            residual = hyper[RESIDUAL]
+            update = residual * update + (corrected - residual * projected) @ projector.T
     lr = hyper[LR]
     new_param = param.float() * (1.0 - lr * hyper[WEIGHT_DECAY]) - lr * update
     _store_where(param, new_param, ok, key, step, WEIGHT_SALT)

@@ -6,7 +6,7 @@ each one kernel that reads the bf16 gradient once and keeps every fp32 value in 
     1. statistics: row and column sums of g**2 (per tile)
     2. update RMS: sum of u**2, u = g * row_factor * col_factor
     3. apply: clip scale, momentum, weight decay, stochastic rounding, the in-place write of weight (and full
-       momentum); with subspace momentum u + D P^T, D = (corrected - projected) momentum of the subspace
+       momentum); with subspace momentum rho u + D P^T, D = corrected - rho projected, momentum of the subspace
 and between passes 1 and 2 two small kernels: the scalars (finite?, step count, bias corrections; one program) and
 the row and column factors (state committed where finite). So a (R, C) bf16 matrix costs about 10 bytes per element
 of memory traffic (14 with full momentum), where the compiled torch functions moved about 70 and made an fp32 copy
@@ -237,7 +237,8 @@ def _momentum_kernel(projected, row_raw, row_sums, row_programs, momentum, updat
                      P: tl.constexpr, MOMENTUM_BF16: tl.constexpr):
     """Subspace momentum of one chunk of rows, in place of ``projected`` = g @ (col_factor * P) (rows_in_chunk, r):
     u P = row_factor * projected * clip scale, m <- beta1 m + (1 - beta1) u P (stored where ok, stochastically
-    rounded with the chunk's key), then D = m / (1 - beta1**t) - u P, the back-projection's operand."""
+    rounded with the chunk's key), then D = m / (1 - beta1**t) - rho u P, the back-projection's operand (rho: the
+    residual scale)."""
     pid_r, pid_k = tl.program_id(0), tl.program_id(1)
     local, ranks, mask, offsets = _tile(pid_r, pid_k, rows_in_chunk, rank, BR, BK)
     rf = _row_factor(row_raw, row_sums, row_programs, row_start + local, R, scalars, P)
@@ -246,8 +247,8 @@ def _momentum_kernel(projected, row_raw, row_sums, row_programs, momentum, updat
     value = value * (rf[:, None] * _clip_scale(update_sq, numel, hyper))
     averaged = _momentum_update(momentum + row_start * rank, offsets, mask, value, ok, offsets, tl.load(keys + chunk),
                                 tl.load(step_ptr).to(tl.int32), tl.load(hyper + 2), MOMENTUM_BF16)
-    tl.store(projected + offsets, (averaged / tl.load(scalars + 1) - value).to(projected.dtype.element_ty),
-             mask=mask)
+    back = averaged / tl.load(scalars + 1) - tl.load(hyper + 7) * value
+    tl.store(projected + offsets, back.to(projected.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -265,8 +266,8 @@ def _apply_kernel(param, grad, momentum, back, row_raw, row_sums, row_programs, 
                   scalars, step_ptr, keys, rows_per_chunk, hyper, row_start, row_end, R, C, BR: tl.constexpr,
                   BC: tl.constexpr, P: tl.constexpr, FULL_MOMENTUM: tl.constexpr, SUBSPACE: tl.constexpr,
                   PARAM_BF16: tl.constexpr, MOMENTUM_BF16: tl.constexpr):
-    """Rows [row_start, row_end): the clipped update, momentum (full, or the subspace correction ``back`` = D P^T of
-    these rows), decay and the weight write."""
+    """Rows [row_start, row_end): the clipped update, momentum (full, or the residual scale and the subspace
+    correction ``back`` = D P^T of these rows), decay and the weight write."""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = row_start + pid_r * BR + tl.arange(0, BR)
     cols = pid_c * BC + tl.arange(0, BC)
@@ -288,7 +289,7 @@ def _apply_kernel(param, grad, momentum, back, row_raw, row_sums, row_programs, 
         update = _momentum_update(momentum, offsets, mask, update, ok, index, key, step_int, tl.load(hyper + 2),
                                   MOMENTUM_BF16) / tl.load(scalars + 1)
     if SUBSPACE:
-        update += tl.load(back + offsets - row_start * C, mask=mask, other=0.0).to(tl.float32)
+        update = update * tl.load(hyper + 7) + tl.load(back + offsets - row_start * C, mask=mask, other=0.0).to(tl.float32)
     _write_param(param, offsets, mask, update, ok, index, key, step_int, lr, decay, PARAM_BF16)
 
 

@@ -18,7 +18,12 @@ from hf_recurrent import DepthSampler, flops_per_token
 from hf_recurrent.presets import is_recurrent
 
 from trainer_ext.distill.losses import OnlineTeacher, TopKTeacher, chunked_lm_loss
-from trainer_ext.training.arguments import TARGETS, fill_unset_schedule, resolve_momentum
+from trainer_ext.training.arguments import (
+    TARGETS,
+    fill_unset_schedule,
+    resolve_momentum,
+    resolve_subspace_residual,
+)
 from trainer_ext.training.callbacks import (
     GarbageCollectionCallback,
     PhaseTimingCallback,
@@ -143,6 +148,8 @@ class RecurrentTrainer(StabilityMixin, Trainer):
                 momentum_rank_fraction=rank_fraction,
                 gradient_accumulation_steps=self.args.gradient_accumulation_steps,
                 clip_threshold=self.args.optimizer_clip_threshold,
+                subspace_residual=resolve_subspace_residual(self.args.optimizer_subspace_residual, momentum),
+                beta2=self.args.adam_beta2,  # HF's flag, the same 0.999 default
                 fused=self.args.optimizer_fused,
                 seed=self.args.seed,
             )
