@@ -98,7 +98,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
     Gradients of language models are close to low rank, so most of what momentum averages lies in that subspace
     (GaLore's observation), while the update stays full rank. 1-D tensors keep full momentum (they are small).
     Outside the subspace nothing averages the noise of small batches: at rho = 1 the update's RMS stays near that
-    of no momentum, about 4x that of full momentum (measured on a small LM), so the same rate moves the weights
+    of no momentum, about 4x that of full momentum (benchmarks/update_size.py), so the same rate moves the weights
     about 4x as far. ``subspace_residual`` rho scales that part down.
 
     Args:

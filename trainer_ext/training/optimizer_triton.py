@@ -289,7 +289,8 @@ def _apply_kernel(param, grad, momentum, back, row_raw, row_sums, row_programs, 
         update = _momentum_update(momentum, offsets, mask, update, ok, index, key, step_int, tl.load(hyper + 2),
                                   MOMENTUM_BF16) / tl.load(scalars + 1)
     if SUBSPACE:
-        update = update * tl.load(hyper + 7) + tl.load(back + offsets - row_start * C, mask=mask, other=0.0).to(tl.float32)
+        correction = tl.load(back + offsets - row_start * C, mask=mask, other=0.0).to(tl.float32)
+        update = update * tl.load(hyper + 7) + correction
     _write_param(param, offsets, mask, update, ok, index, key, step_int, lr, decay, PARAM_BF16)
 
 
