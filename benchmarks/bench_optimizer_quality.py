@@ -35,13 +35,11 @@ RUNS = {
                             "--optimizer_momentum_rank_fraction", "1"],
     "low_memory_7b": ["--dtype", "bfloat16", "--optimizer", "low_memory", "--optimizer_momentum", "0.9",
                       "--optimizer_momentum_rank_fraction", str(SUBSPACE_MOMENTUM_FRACTION)],
-    # low_memory_7b as it was before the update outside the subspace was scaled down (the default since).
-    "low_memory_7b_residual_1": ["--dtype", "bfloat16", "--optimizer", "low_memory", "--optimizer_momentum", "0.9",
-                                 "--optimizer_momentum_rank_fraction", str(SUBSPACE_MOMENTUM_FRACTION),
-                                 "--optimizer_subspace_residual", "1"],
     "adamw_fp32": ["--dtype", "float32", "--optimizer", "hf", "--optim", "adamw_torch", "--max_grad_norm", "1.0"],
     "hf_adafactor": ["--dtype", "float32", "--optimizer", "hf", "--optim", "adafactor", "--max_grad_norm", "1.0"],
 }
+# low_memory_7b as it was before the update outside the subspace was scaled down (the default since).
+RUNS["low_memory_7b_residual_1"] = [*RUNS["low_memory_7b"], "--optimizer_subspace_residual", "1"]
 ALIASES = {"adamw": "adamw_fp32"}  # the reference's earlier name
 STATE_OF = {"low_memory_7b_residual_1": "low_memory_7b"}  # configurations that keep another's optimizer state
 REFERENCE = "adamw_fp32"
