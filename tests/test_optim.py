@@ -1,7 +1,9 @@
 """Tests of the low-memory optimizer (CPU; the GPU test skips without CUDA)."""
 
+import gc
 import io
 import math
+import weakref
 
 import pytest
 import torch
@@ -308,6 +310,24 @@ def test_param_group_added_after_attach_is_updated_in_backward():
     assert model[4].weight.grad is None and not torch.equal(model[4].weight, before)
 
 
+
+def test_a_dropped_in_backward_optimizer_frees_its_weights_and_leaves_no_hooks():
+    # A finished training (the comparison trains both models in one process, the threshold test one model per rate)
+    # drops its model and optimizer: their tensors must go with them, and a model kept without its optimizer must
+    # train as a plain module again.
+    model = _mlp()
+    optimizer = create_optimizer(model, lr=0.01, in_backward=True)
+    _loss(model, _batches(1)[0]).backward()
+    optimizer.step()
+    weight = weakref.ref(model[0].weight)
+    state = weakref.ref(optimizer.state[model[0].weight]["row"])
+    del optimizer
+    gc.collect()
+    _loss(model, _batches(1)[0]).backward()  # no hook of the dropped optimizer consumes the gradient
+    assert model[0].weight.grad is not None and state() is None
+    del model
+    gc.collect()
+    assert weight() is None
 # ----------------------------------------------------------------------------- non-finite gradients
 
 

@@ -1,6 +1,8 @@
+import gc
 import json
 import math
 import os
+import weakref
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from trainer_ext.training.arguments import (
 )
 from trainer_ext.training.model_setup import load_teacher
 from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.training import trainer as trainer_module
 from trainer_ext.training.trainer import RecurrentTrainer
 
 
@@ -122,6 +125,20 @@ def test_subspace_residual_and_beta2_reach_the_optimizer(tiny_data_dir, tmp_path
     assert group["subspace_residual"] == 1.0 and group["beta2"] == 0.95
     with pytest.raises(ValueError, match="optimizer_subspace_residual"):
         RecurrentTrainingArguments(output_dir=str(tmp_path / "bad"), optimizer_subspace_residual=1.5)
+
+
+def test_a_finished_training_frees_its_weights_and_logs_peaks_of_its_own(tiny_data_dir, tmp_path, monkeypatch):
+    # The comparison trains both models of every cycle in one process (the threshold test one model per rate):
+    # a finished training must not keep its weights and optimizer state, and its logged peaks must be its own.
+    resets = []
+    monkeypatch.setattr(trainer_module, "reset_memory_peaks", lambda: resets.append(True))
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=2, save_strategy="no")
+    trainer.train()
+    assert resets == [True]
+    weight = weakref.ref(next(trainer.model.parameters()))
+    del trainer
+    gc.collect()
+    assert weight() is None
 
 
 def test_stock_optimizer_is_selectable(tiny_data_dir, tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -198,7 +199,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             self._position[p] = (len(self.param_groups) - 1, len(self._position))
             self._last_hooked_step.append(-1)
             if self.in_backward and p.requires_grad:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._backward_hook))
+                self._hook(p)
 
     # -- in-backward mode
 
@@ -216,14 +217,25 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             return
         for p in self._position:
             if p.requires_grad:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._backward_hook))
+                self._hook(p)
         self.in_backward = True
+        weakref.finalize(self, _remove_hooks, self._hook_handles)
+
+    def _hook(self, p: torch.Tensor) -> None:
+        """Register the in-backward update on `p`. The hook reaches the optimizer through a weak reference: one bound
+        to it would close a cycle (parameter, its hook table, optimizer, parameter) through the tensor's C++ side,
+        which Python's collector does not see, so a finished training's weights and optimizer state would stay in
+        memory for the life of the process. The hooks go when the optimizer does."""
+        optimizer = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            optimizer()._backward_hook(param)
+
+        self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def detach_from_backward(self) -> None:
         """Remove the backward hooks; ``step`` updates from ``.grad`` again."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
+        _remove_hooks(self._hook_handles)
         self.in_backward = False
 
     def _backward_hook(self, p: torch.Tensor) -> None:
@@ -464,6 +476,13 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             self._skipped_updates = extra["skipped_updates"]
             self._consecutive_skip_steps = extra["consecutive_skip_steps"]
         self._last_hooked_step = [-1] * len(self._position)
+
+
+def _remove_hooks(handles: list) -> None:
+    """Remove the in-backward hooks of `handles` and empty it (also when their optimizer is collected)."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 @functools.cache

@@ -7,6 +7,7 @@ a pipeline that trains later can call it up front). `parse_pretrain_args` reads 
 file into the three argument dataclasses. Without `data_dir` the embedded corpus is prepared first.
 """
 
+import gc
 import logging
 import math
 import os
@@ -145,6 +146,7 @@ def pretrain(model_args: ModelArguments, data_args: DataArguments, training_args
     check_pretrain_arguments(model_args, data_args, training_args)
     checkpoint = resolve_checkpoint(training_args)
     log_resume(checkpoint, training_args)
+    gc.collect()  # an earlier training of this process (the comparison's cycles) frees its tensors before this one's
     found_in_output_dir = checkpoint is not None and training_args.resume_from_checkpoint is None
     set_seed(training_args.seed)
 

@@ -41,6 +41,13 @@ def memory_stats() -> dict[str, float]:
     }
 
 
+def reset_memory_peaks() -> None:
+    """Start memory_stats' peaks from now: a training's logged peaks are its own, not those of an earlier training
+    in the same process (the comparison trains both models of every cycle in one)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

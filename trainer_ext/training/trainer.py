@@ -40,7 +40,7 @@ from trainer_ext.training.distributed import check_optimizer_supports, saved_as_
 from trainer_ext.training.optimizer import create_optimizer
 from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError
 from trainer_ext.training.stability_mixin import StabilityMixin
-from trainer_ext.training.telemetry import PhaseProfiler, device_peak_flops, memory_stats
+from trainer_ext.training.telemetry import PhaseProfiler, device_peak_flops, memory_stats, reset_memory_peaks
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             self.add_callback(self._gc)
 
     def train(self, *args, **kwargs):
+        reset_memory_peaks()
         try:
             with self._gc.during_training() if self._gc is not None else contextlib.nullcontext():
                 return super().train(*args, **kwargs)
