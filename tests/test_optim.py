@@ -310,7 +310,6 @@ def test_param_group_added_after_attach_is_updated_in_backward():
     assert model[4].weight.grad is None and not torch.equal(model[4].weight, before)
 
 
-
 def test_a_dropped_in_backward_optimizer_frees_its_weights_and_leaves_no_hooks():
     # A finished training (the comparison trains both models in one process, the threshold test one model per rate)
     # drops its model and optimizer: their tensors must go with them, and a model kept without its optimizer must
@@ -328,6 +327,8 @@ def test_a_dropped_in_backward_optimizer_frees_its_weights_and_leaves_no_hooks()
     del model
     gc.collect()
     assert weight() is None
+
+
 # ----------------------------------------------------------------------------- non-finite gradients
 
 

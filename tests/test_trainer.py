@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 import hf_recurrent
 from hf_recurrent import presets
 from trainer_ext.data.shards import ShardedTokenDataset
+from trainer_ext.training import trainer as trainer_module
 from trainer_ext.training.arguments import (
     RecurrentTrainingArguments,
     resolve_momentum,
@@ -19,7 +20,6 @@ from trainer_ext.training.arguments import (
 )
 from trainer_ext.training.model_setup import load_teacher
 from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
-from trainer_ext.training import trainer as trainer_module
 from trainer_ext.training.trainer import RecurrentTrainer
 
 
