@@ -103,8 +103,9 @@ def release_trial(trainer) -> None:
     7B trial of a sweep on CUDA (compiled layers) peaked about 14 GiB above the one before (20.8, 36.0, 50.6 GiB
     reserved; 24.75 GiB for each trial with this release, results/training-control), the size of the 7B weights:
     most likely the optimizer's in-backward hooks, which held it and the weights until they reached it by weak
-    reference (results/in-process-trainings; not re-measured at 7B). This release stays for any other reference. Empties the weights, gradients and optimizer state in place, removes
-    the optimizer's backward hooks and drops torch.compile's caches (the next trial builds its own model)."""
+    reference (results/in-process-trainings; not re-measured at 7B). This release stays for any other reference.
+    Empties the weights, gradients and optimizer state in place, removes the optimizer's backward hooks and drops
+    torch.compile's caches (the next trial builds its own model)."""
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under accelerate's wrapper
     if optimizer is not None:
         if hasattr(optimizer, "detach_from_backward"):
