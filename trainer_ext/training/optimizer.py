@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from trainer_ext.devices import has_triton
+from trainer_ext.training.in_backward import BackwardHooks, check_gradient_accumulation
 from trainer_ext.training.optimizer_kernels import (
     EAGER_KERNELS,
     compiled_kernels,
@@ -62,21 +62,6 @@ SUBSPACE_MOMENTUM_FRACTION = 1 / 16
 def subspace_rank(shape: torch.Size | tuple[int, int], fraction: float) -> int:
     """Rank r of a (R, C) matrix's momentum subspace: ceil(fraction * min(R, C)), at least 1."""
     return max(1, math.ceil(fraction * min(shape[-2:])))
-
-
-def check_gradient_accumulation(gradient_accumulation_steps: int, in_backward: bool = True) -> None:
-    """Raise ValueError if ``gradient_accumulation_steps`` cannot be used (in backward: only 1)."""
-    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
-        raise ValueError(
-            f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}"
-        )
-    if in_backward and gradient_accumulation_steps != 1:
-        raise ValueError(
-            f"gradient_accumulation_steps={gradient_accumulation_steps} is not supported with "
-            "in_backward=True: each weight is updated as soon as its gradient is ready, so gradients "
-            "cannot be summed over micro-batches. Use a larger per-device batch size, or set "
-            "in_backward=False."
-        )
 
 
 class LowMemoryAdafactor(torch.optim.Optimizer):
@@ -161,7 +146,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
                         subspace_residual=subspace_residual)
         # Set before super().__init__, which calls add_param_group for each group.
         self.in_backward = False
-        self._hook_handles: list = []
+        self._hooks = BackwardHooks(self, "_backward_hook")
         # Stable position of each parameter: groups may be replaced by load_state_dict, parameters not.
         self._position: dict[torch.Tensor, tuple[int, int]] = {}
         self._num_steps = 0  # finished optimizer steps
@@ -199,7 +184,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             self._position[p] = (len(self.param_groups) - 1, len(self._position))
             self._last_hooked_step.append(-1)
             if self.in_backward and p.requires_grad:
-                self._hook(p)
+                self._hooks.add(p)
 
     # -- in-backward mode
 
@@ -217,25 +202,12 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             return
         for p in self._position:
             if p.requires_grad:
-                self._hook(p)
+                self._hooks.add(p)
         self.in_backward = True
-        weakref.finalize(self, _remove_hooks, self._hook_handles)
-
-    def _hook(self, p: torch.Tensor) -> None:
-        """Register the in-backward update on `p`. The hook reaches the optimizer through a weak reference: one bound
-        to it would close a cycle (parameter, its hook table, optimizer, parameter) through the tensor's C++ side,
-        which Python's collector does not see, so a finished training's weights and optimizer state would stay in
-        memory for the life of the process. The hooks go when the optimizer does."""
-        optimizer = weakref.ref(self)
-
-        def hook(param: torch.Tensor) -> None:
-            optimizer()._backward_hook(param)
-
-        self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def detach_from_backward(self) -> None:
         """Remove the backward hooks; ``step`` updates from ``.grad`` again."""
-        _remove_hooks(self._hook_handles)
+        self._hooks.remove()
         self.in_backward = False
 
     def _backward_hook(self, p: torch.Tensor) -> None:
@@ -476,13 +448,6 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             self._skipped_updates = extra["skipped_updates"]
             self._consecutive_skip_steps = extra["consecutive_skip_steps"]
         self._last_hooked_step = [-1] * len(self._position)
-
-
-def _remove_hooks(handles: list) -> None:
-    """Remove the in-backward hooks of `handles` and empty it (also when their optimizer is collected)."""
-    for handle in handles:
-        handle.remove()
-    handles.clear()
 
 
 @functools.cache

@@ -1,0 +1,57 @@
+"""Updating weights inside backward: what the mode requires of a run, and the hooks that run the updates.
+
+Each hook calls its optimizer's update as soon as a parameter's gradient is accumulated. The hooks reach the
+optimizer through a weak reference: hooks bound to it would close a cycle (parameter, its hook table, optimizer,
+parameter) through the tensor's C++ side, which Python's collector does not see, so every finished training of a
+process would keep its weights and optimizer state (results/in-process-trainings). The hooks go when the optimizer
+does.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+def check_gradient_accumulation(gradient_accumulation_steps: int, in_backward: bool = True) -> None:
+    """Raise ValueError if ``gradient_accumulation_steps`` cannot be used (in backward: only 1)."""
+    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise ValueError(
+            f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}"
+        )
+    if in_backward and gradient_accumulation_steps != 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={gradient_accumulation_steps} is not supported with "
+            "in_backward=True: each weight is updated as soon as its gradient is ready, so gradients "
+            "cannot be summed over micro-batches. Use a larger per-device batch size, or set "
+            "in_backward=False."
+        )
+
+
+class BackwardHooks:
+    """Post-accumulate-grad hooks calling ``owner.<method>(param)``, held by weak reference to ``owner`` and removed
+    when it is collected (or by ``remove``)."""
+
+    def __init__(self, owner, method: str):
+        self._owner = weakref.ref(owner)
+        self._method = method
+        self._handles: list = []
+        weakref.finalize(owner, _remove, self._handles)
+
+    def add(self, param: torch.Tensor) -> None:
+        owner, method = self._owner, self._method
+
+        def hook(p: torch.Tensor) -> None:
+            getattr(owner(), method)(p)
+
+        self._handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    def remove(self) -> None:
+        _remove(self._handles)
+
+
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
