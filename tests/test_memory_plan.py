@@ -267,6 +267,28 @@ def test_memory_plan_auto_sets_batch_and_recompute_before_training(tmp_path, mon
     assert plan.cap_gib == 24 and plan.predicted_peak_gib <= 24 - 1.4
 
 
+def test_every_training_measures_its_peak_and_one_over_the_budget_warns_with_the_fix(tmp_path, monkeypatch, caplog):
+    # The threshold test trains a start and then one model per rate with the same callbacks: each is measured, and
+    # a trial that exceeds cap - margin (recurrent-3.3b's did: 23.01 GiB for a 22.6 GiB budget) says what to change.
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True)
+    fake_24gb_cuda(monkeypatch, args)
+    callback = next(c for c in apply_memory_plan(args, presets.get("recurrent-3.3b"), 2048, 2)
+                    if isinstance(c, MemoryPlanCallback))
+    state = types.SimpleNamespace(global_step=callback.after_steps)
+    for peak in (21.0, 23.01):
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda peak=peak: peak * GIB)
+        callback.on_train_begin(args, state, None)
+        with caplog.at_level("INFO", logger="trainer_ext.training.memory_plan"):
+            caplog.clear()
+            callback.on_step_end(args, state, None)
+        assert callback.measured == {"measured_peak_gib": peak}
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert bool(warnings) == (peak > 24 - 1.4)
+    assert "23.01 GiB is above the plan's budget of 22.60 GiB" in warnings[0]
+    assert "raise --memory_margin_gib by 0.5" in warnings[0]
+    assert json.loads((tmp_path / "memory_plan.json").read_text())["measured_peak_gib"] == 23.01
+
+
 def test_an_explicit_batch_size_wins_over_the_plan(tmp_path, monkeypatch):
     args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", per_device_train_batch_size=1,
                                       torch_compile=True)

@@ -267,10 +267,14 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
 
 class MemoryPlanCallback(TrainerCallback):
     """Logs the plan's predicted peak reserved memory against the measured one after the first steps (and at the
-    end, with fewer steps), and writes both to `<output_dir>/memory_plan.json`."""
+    end, with fewer steps) of every training it takes part in (each trial of the threshold test), warns where the
+    measured peak is above the plan's budget (cap minus margin), and writes both to `<output_dir>/memory_plan.json`."""
 
     def __init__(self, plan: MemoryPlan, output_dir: str, after_steps: int = MEASURE_AFTER_STEPS):
         self.plan, self.output_dir, self.after_steps, self.measured = plan, output_dir, after_steps, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.measured = None
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.measured is None and state.global_step >= self.after_steps:
@@ -290,6 +294,13 @@ class MemoryPlanCallback(TrainerCallback):
         error = self.measured["measured_peak_gib"] / self.plan.predicted_peak_gib - 1
         logger.info("Memory plan: predicted peak reserved %.2f GiB, measured %.2f GiB (%+.1f%%)",
                     self.plan.predicted_peak_gib, self.measured["measured_peak_gib"], 100 * error)
+        budget = self.plan.cap_gib - self.plan.margin_gib
+        if self.measured["measured_peak_gib"] > budget:
+            logger.warning("Memory plan: the measured peak %.2f GiB is above the plan's budget of %.2f GiB (cap %g - "
+                           "margin %g): a card of %g GiB may run out of memory; raise --memory_margin_gib by %.1f or "
+                           "lower --memory_cap_gib.", self.measured["measured_peak_gib"], budget, self.plan.cap_gib,
+                           self.plan.margin_gib, self.plan.cap_gib,
+                           math.ceil(10 * (self.measured["measured_peak_gib"] - budget)) / 10)
         if args.should_save:
             os.makedirs(self.output_dir, exist_ok=True)
             with open(os.path.join(self.output_dir, PLAN_FILE), "w") as f:
