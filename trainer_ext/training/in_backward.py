@@ -30,20 +30,19 @@ def check_gradient_accumulation(gradient_accumulation_steps: int, in_backward: b
 
 
 class BackwardHooks:
-    """Post-accumulate-grad hooks calling ``owner.<method>(param)``, held by weak reference to ``owner`` and removed
-    when it is collected (or by ``remove``)."""
+    """Post-accumulate-grad hooks calling ``update(param)``, a bound method held by weak reference and removed when
+    its object is collected (or by ``remove``)."""
 
-    def __init__(self, owner, method: str):
-        self._owner = weakref.ref(owner)
-        self._method = method
+    def __init__(self, update):
+        self._update = weakref.WeakMethod(update)
         self._handles: list = []
-        weakref.finalize(owner, _remove, self._handles)
+        weakref.finalize(update.__self__, _remove, self._handles)
 
     def add(self, param: torch.Tensor) -> None:
-        owner, method = self._owner, self._method
+        update = self._update
 
         def hook(p: torch.Tensor) -> None:
-            getattr(owner(), method)(p)
+            update()(p)
 
         self._handles.append(param.register_post_accumulate_grad_hook(hook))
 

@@ -59,15 +59,14 @@ def trial_arguments(training_args, learning_rate: float, sweep: SweepArguments):
 
 def run_trial(make_model: Callable[[], torch.nn.Module], args, train_dataset, trainer_kwargs: dict,
               save_to: str | None = None, eval_dataset=None) -> dict:
-    """Train one fresh model; returns its per-step curve, the error that stopped it (if any), its peak memory and,
-    with `eval_dataset`, its loss there at the end (`held_out_loss`; None after an error). With `save_to`, the
-    trained model is saved there (`Trainer.save_model`) when no error stopped it.
+    """Train one fresh model; returns its per-step curve, the error that stopped it (if any), its peak memory (from
+    the start of its training, where RecurrentTrainer.train resets the peaks, through its evaluation) and, with
+    `eval_dataset`, its loss there at the end (`held_out_loss`; None after an error). With `save_to`, the trained
+    model is saved there (`Trainer.save_model`) when no error stopped it.
 
     Nothing of the trial outlives this call: the trainer, model and optimizer are released before it returns.
     """
     on_cuda = args.device.type == "cuda"
-    if on_cuda:
-        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     model = make_model()
     trainer = RecurrentTrainer(model=model, args=args, train_dataset=train_dataset, **trainer_kwargs)

@@ -146,7 +146,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
                         subspace_residual=subspace_residual)
         # Set before super().__init__, which calls add_param_group for each group.
         self.in_backward = False
-        self._hooks = BackwardHooks(self, "_backward_hook")
+        self._hooks = BackwardHooks(self._backward_hook)
         # Stable position of each parameter: groups may be replaced by load_state_dict, parameters not.
         self._position: dict[torch.Tensor, tuple[int, int]] = {}
         self._num_steps = 0  # finished optimizer steps
