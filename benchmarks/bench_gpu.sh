@@ -22,7 +22,8 @@
 #       end, which replaces it: for recurrent-7b about 16 GB written twice per arm) (STEPS, WARMUP: default 300, 100;
 #       LR=x skips the test; ARMS: default "defaults old", also qknorm: the defaults with qk_norm=true, whose test
 #       takes --config_overrides qk_norm=true; one arm per call where 300 steps of both do not fit one; with several
-#       GPUs the arms run at once, one GPU each)
+#       GPUs the arms run at once, one GPU each; SEED=k: the runs' --seed and --depth_seed, default 0: init, batch order
+#       and depths)
 #   bash benchmarks/bench_gpu.sh init [init_grad_norm args]   first-step gradient norm of the full 3.3b and 7b presets
 #   bash benchmarks/bench_gpu.sh peers [bench_peers args]   one call: the matmul peak, Llama-7B with GaLore 8-bit + Liger
 #       and with HF Adafactor (both in backward, batch 4), our 3.3b and 7b presets with the defaults, all under a
@@ -133,7 +134,7 @@ case $STAGE in
         --output_dir outputs/stability_$arm --extra --learning_rate $LR --warmup_steps "${WARMUP:-100}" \
         --lr_scheduler_type constant_with_warmup --max_eval_samples 16 --eval_strategy steps \
         --eval_steps "${EVAL_STEPS:-25}" --save_strategy steps --save_steps 100000 --save_total_limit 1 \
-        "${overrides[@]}" 2>&1 | grep -E '^\{|rror'
+        ${SEED:+--seed $SEED --depth_seed $SEED} "${overrides[@]}" 2>&1 | grep -E '^\{|rror'
        cp outputs/stability_$arm/$preset/log_history.json "$OUT/log_history_${preset}_$arm.json") &
       i=$((i + 1)); [ $((i % gpus)) = 0 ] && wait
     done; wait ;;

@@ -302,6 +302,11 @@ def test_a_trial_releases_its_tensors_even_where_its_model_is_still_referenced(t
                                   {"processing_class": tokenizer}, eval_dataset=eval_set)
     assert outcome["error"] is None and len(outcome["curve"]["loss"]) == 6
     assert 0 < outcome["held_out_loss"] < math.log(len(tokenizer)) + 1
+    # Peaks are CUDA's: none on a CPU, and the progress line then names no memory.
+    assert outcome["peak_reserved_gib"] is None and outcome["train_peak_reserved_gib"] is None
+    assert lr_trials.memory_note(outcome) == ""
+    assert lr_trials.memory_note({"peak_reserved_gib": 23.014, "train_peak_reserved_gib": 20.9}) == (
+        ", peak 23.01 GiB reserved (20.90 in training)")
     (model,) = kept  # a reference the trial does not know of: its weights, gradients and hooks are gone anyway
     assert all(p.numel() == 0 and p.grad is None for p in model.parameters())
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())

@@ -26,7 +26,7 @@ from trainer_ext.training.arguments import (
 )
 from trainer_ext.training.lr_finder import SweepArguments, resolve_sweep_defaults
 from trainer_ext.training.lr_sweep_file import read_progress, remove_progress, write_progress
-from trainer_ext.training.lr_trials import find_learning_rate, run_trial, trial_arguments
+from trainer_ext.training.lr_trials import find_learning_rate, memory_note, run_trial, trial_arguments
 from trainer_ext.training.memory_plan import MemoryPlanCallback, apply_memory_plan
 from trainer_ext.training.model_setup import build_model, load_data_tokenizer, load_teacher_for, meta_model
 from trainer_ext.training.pretrain import check_model_arguments, ensure_data, parse_args_with_defaults
@@ -157,7 +157,8 @@ def train_sweep_start(make_model, training_args, train_set, eval_set, sweep_args
     if outcome["error"] is not None:
         raise ValueError(f"--sweep_start_steps={steps}: training up to the smallest rate {rate:g} stopped "
                          f"({outcome['error']}); lower --learning_rates or --sweep_start_steps.")
-    logger.info("Sweep start: held-out loss %.3f on %d samples", outcome["held_out_loss"], len(eval_set))
+    logger.info("Sweep start: held-out loss %.3f on %d samples%s", outcome["held_out_loss"], len(eval_set),
+                memory_note(outcome))
     return outcome["held_out_loss"]
 
 

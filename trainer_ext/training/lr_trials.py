@@ -60,7 +60,8 @@ def trial_arguments(training_args, learning_rate: float, sweep: SweepArguments):
 def run_trial(make_model: Callable[[], torch.nn.Module], args, train_dataset, trainer_kwargs: dict,
               save_to: str | None = None, eval_dataset=None) -> dict:
     """Train one fresh model; returns its per-step curve, the error that stopped it (if any), its peak memory (from
-    the start of its training, where RecurrentTrainer.train resets the peaks, through its evaluation) and, with
+    the start of its training, where RecurrentTrainer.train resets the peaks: through its evaluation, and of the
+    training alone, `train_peak_reserved_gib`) and, with
     `eval_dataset`, its loss there at the end (`held_out_loss`; None after an error). With `save_to`, the trained
     model is saved there (`Trainer.save_model`) when no error stopped it.
 
@@ -81,6 +82,7 @@ def run_trial(make_model: Callable[[], torch.nn.Module], args, train_dataset, tr
     except TRIAL_FAILURES as exc:
         error = f"{type(exc).__name__}: {exc}"
     curve = curve_from_log_history(trainer.state.log_history)
+    train_peak = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
     held_out = None
     if eval_dataset is not None and error is None:
         held_out = trainer.evaluate(eval_dataset=eval_dataset)["eval_loss"]
@@ -94,7 +96,16 @@ def run_trial(make_model: Callable[[], torch.nn.Module], args, train_dataset, tr
     if on_cuda:
         torch.cuda.empty_cache()
     return {"curve": curve, "error": error, "seconds": round(time.perf_counter() - start, 2),
-            "peak_reserved_gib": None if peak is None else round(peak, 3), "held_out_loss": held_out}
+            "peak_reserved_gib": None if peak is None else round(peak, 3),
+            "train_peak_reserved_gib": None if train_peak is None else round(train_peak, 3), "held_out_loss": held_out}
+
+
+def memory_note(outcome: dict) -> str:
+    """", peak X GiB reserved (Y in training)" of a trial's outcome on CUDA; "" elsewhere."""
+    if outcome["peak_reserved_gib"] is None:
+        return ""
+    return (f", peak {outcome['peak_reserved_gib']:.2f} GiB reserved "
+            f"({outcome['train_peak_reserved_gib']:.2f} in training)")
 
 
 def release_trial(trainer) -> None:
@@ -167,15 +178,16 @@ def run_sweep(
         trial = {"learning_rate": rate, "skipped": False, **summary, "held_out_loss": outcome["held_out_loss"],
                  "seconds": outcome["seconds"],
                  "peak_reserved_gib": outcome["peak_reserved_gib"],
+                 "train_peak_reserved_gib": outcome["train_peak_reserved_gib"],
                  "curve": {key: [finite_or_none(v) if isinstance(v, float) else v for v in values]
                            for key, values in curve.items()}}
         trials.append(trial)
         if on_trial is not None:
             on_trial(trials)
-        logger.info("[%d/%d] lr %.3g: loss %s -> %s, %s [%.0fs]", index, total, rate,
+        logger.info("[%d/%d] lr %.3g: loss %s -> %s, %s [%.0fs%s]", index, total, rate,
                     format_optional(trial["initial_loss"]), format_optional(trial["final_loss"]),
                     f"DIVERGED ({', '.join(trial['unstable_reasons'])})" if trial["diverged"] else "no divergence",
-                    trial["seconds"])
+                    trial["seconds"], memory_note(trial))
         if trial["diverged"] and diverged_at is None:
             diverged_at = rate
     trials, reference = judge_trials(trials, sweep, start_held_out)
