@@ -104,7 +104,8 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
         with open(plan_path) as f:
             plan = json.load(f)
         row.update({f"plan/{k}": plan.get(k) for k in ("per_device_train_batch_size", "recompute_description",
-                                                       "predicted_peak_gib", "measured_peak_gib")})
+                                                       "predicted_peak_gib", "measured_peak_gib",
+                                                       "training_peak_gib")})
     return row
 
 

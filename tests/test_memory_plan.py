@@ -289,6 +289,34 @@ def test_every_training_measures_its_peak_and_one_over_the_budget_warns_with_the
     assert json.loads((tmp_path / "memory_plan.json").read_text())["measured_peak_gib"] == 23.01
 
 
+def test_the_peak_of_the_whole_training_is_measured_at_its_end_and_a_rise_over_the_budget_warns(
+        tmp_path, monkeypatch, caplog):
+    # The allocator's cache can grow after the first steps the plan is checked on: the end measures the whole run.
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True)
+    fake_24gb_cuda(monkeypatch, args)
+    callback = next(c for c in apply_memory_plan(args, presets.get("recurrent-3.3b"), 2048, 2)
+                    if isinstance(c, MemoryPlanCallback))
+    state = types.SimpleNamespace(global_step=callback.after_steps)
+    warned = []
+    for first, whole in ((21.0, 21.0), (21.0, 23.2), (22.9, 22.9)):
+        callback.on_train_begin(args, state, None)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda peak=first: peak * GIB)
+        with caplog.at_level("INFO", logger="trainer_ext.training.memory_plan"):
+            caplog.clear()
+            callback.on_step_end(args, state, None)
+            monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda peak=whole: peak * GIB)
+            callback.on_train_end(args, state, None)
+        assert callback.measured == {"measured_peak_gib": first, "training_peak_gib": whole}
+        warned.append([r.getMessage() for r in caplog.records if r.levelname == "WARNING"])
+        saved = json.loads((tmp_path / "memory_plan.json").read_text())
+        assert (saved["measured_peak_gib"], saved["training_peak_gib"]) == (first, whole)
+    # Under the budget: no warning; a rise above it after the first steps: one, naming the fix; above it from the
+    # first steps on without a further rise: one, not repeated at the end.
+    assert [len(w) for w in warned] == [0, 1, 1]
+    assert "23.20 GiB is above the plan's budget of 22.60 GiB" in warned[1][0]
+    assert "raise --memory_margin_gib by 0.6" in warned[1][0]
+
+
 def test_an_explicit_batch_size_wins_over_the_plan(tmp_path, monkeypatch):
     args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", per_device_train_batch_size=1,
                                       torch_compile=True)

@@ -266,9 +266,11 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
 
 
 class MemoryPlanCallback(TrainerCallback):
-    """Logs the plan's predicted peak reserved memory against the measured one after the first steps (and at the
-    end, with fewer steps) of every training it takes part in (each trial of the threshold test), warns where the
-    measured peak is above the plan's budget (cap minus margin), and writes both to `<output_dir>/memory_plan.json`."""
+    """Logs the plan's predicted peak reserved memory against the measured one after the first steps (which checks
+    the calibration) and the peak of the whole training at its end (the allocator's cache can grow after the first
+    steps), in every training it takes part in (each trial of the threshold test); warns where a measured peak is
+    above the plan's budget (cap minus margin), and writes them to `<output_dir>/memory_plan.json`
+    (`measured_peak_gib`, `training_peak_gib`)."""
 
     def __init__(self, plan: MemoryPlan, output_dir: str, after_steps: int = MEASURE_AFTER_STEPS):
         self.plan, self.output_dir, self.after_steps, self.measured = plan, output_dir, after_steps, None
@@ -278,29 +280,34 @@ class MemoryPlanCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.measured is None and state.global_step >= self.after_steps:
-            self._measure(args)
+            self._measure(args, "measured_peak_gib")
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.measured is None:
-            self._measure(args)
+        if self.measured is None:  # fewer steps than after_steps
+            self._measure(args, "measured_peak_gib")
+        self._measure(args, "training_peak_gib")
 
-    def _measure(self, args):
+    def _measure(self, args, key: str):
         import torch
 
         if not torch.cuda.is_available():
             self.measured = {}
             return
-        self.measured = {"measured_peak_gib": round(torch.cuda.max_memory_reserved() / GIB, 3)}
-        error = self.measured["measured_peak_gib"] / self.plan.predicted_peak_gib - 1
-        logger.info("Memory plan: predicted peak reserved %.2f GiB, measured %.2f GiB (%+.1f%%)",
-                    self.plan.predicted_peak_gib, self.measured["measured_peak_gib"], 100 * error)
+        peak = round(torch.cuda.max_memory_reserved() / GIB, 3)
+        earlier = max(self.measured.values()) if self.measured else 0.0
+        self.measured = {**(self.measured or {}), key: peak}
+        if key == "measured_peak_gib":
+            logger.info("Memory plan: predicted peak reserved %.2f GiB, measured %.2f GiB (%+.1f%%)",
+                        self.plan.predicted_peak_gib, peak, 100 * (peak / self.plan.predicted_peak_gib - 1))
+        elif peak > earlier:
+            logger.info("Memory plan: the training peaked at %.2f GiB reserved, %.2f GiB above its first steps",
+                        peak, peak - earlier)
         budget = self.plan.cap_gib - self.plan.margin_gib
-        if self.measured["measured_peak_gib"] > budget:
+        if peak > budget and peak > earlier:  # each rise above the budget once
             logger.warning("Memory plan: the measured peak %.2f GiB is above the plan's budget of %.2f GiB (cap %g - "
                            "margin %g): a card of %g GiB may run out of memory; raise --memory_margin_gib by %.1f or "
-                           "lower --memory_cap_gib.", self.measured["measured_peak_gib"], budget, self.plan.cap_gib,
-                           self.plan.margin_gib, self.plan.cap_gib,
-                           math.ceil(10 * (self.measured["measured_peak_gib"] - budget)) / 10)
+                           "lower --memory_cap_gib.", peak, budget, self.plan.cap_gib, self.plan.margin_gib,
+                           self.plan.cap_gib, math.ceil(10 * (peak - budget)) / 10)
         if args.should_save:
             os.makedirs(self.output_dir, exist_ok=True)
             with open(os.path.join(self.output_dir, PLAN_FILE), "w") as f:
