@@ -39,3 +39,30 @@ def test_the_capped_runner_runs_a_module_as_main_with_its_arguments_and_exit_cod
     assert exited.value.code == 3 and out.read_text() == "--preset debug"
     with pytest.raises(SystemExit, match="CAP_GIB must be a number of GiB"):
         capped.main(["lots", "echo_args"])
+
+
+def test_the_spike_null_tells_a_burst_of_the_model_from_the_order_of_the_batches(tmp_path):
+    import random
+
+    from benchmarks import spike_null
+
+    # A falling trend with batch noise (sd 0.6, as on the GPU runs' Python sources): with and without a
+    # burst of the model's own, 1.5 nats over steps 150-161.
+    noise = random.Random(0)
+    trend = [8.0 - 4.0 * min(step, 300) / 300 for step in range(300)]
+    stable = [level + noise.gauss(0, 0.6) for level in trend]
+    spiked = [loss + (1.5 if 150 <= step < 162 else 0.0) for step, loss in enumerate(stable)]
+    calm = spike_null.spike_null(stable, start=100, window=10, draws=300)
+    spike = spike_null.spike_null(spiked, start=100, window=10, draws=300)
+    # The observed figure is the training benchmark's own measure.
+    assert calm["observed"] == rise_over_running_min(stable, 100, window=10)
+    # Batch noise alone lifts the 10-step mean over its running minimum by more than 0.5 nats in a typical order,
+    # and this order is an ordinary one; the burst lies beyond every random order.
+    assert calm["null_median"] > 0.5 and calm["share_of_null_at_or_above_observed"] > 0.05
+    assert spike["observed"] > spike["null_p99"] and spike["share_of_null_at_or_above_observed"] == 0.0
+    assert 0.5 < calm["per_step_sd_after_start"] < 0.7
+    # The command line reads Trainer log histories (evaluation entries left out) and prints a row per window.
+    history = [{"step": i + 1, "loss": loss} for i, loss in enumerate(spiked)] + [{"step": 300, "eval_loss": 3.0}]
+    (tmp_path / "log_history.json").write_text(json.dumps(history))
+    (row,) = spike_null.main([str(tmp_path / "log_history.json"), "--spike_from", "100", "--draws", "100"])
+    assert row["observed"] == spike["observed"] and row["window"] == 10

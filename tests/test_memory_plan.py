@@ -263,8 +263,24 @@ def test_memory_plan_auto_sets_batch_and_recompute_before_training(tmp_path, mon
     recompute = next(c for c in callbacks if isinstance(c, RecomputeCallback)).recompute
     plan = next(c for c in callbacks if isinstance(c, MemoryPlanCallback)).plan
     assert args.per_device_train_batch_size == plan.per_device_train_batch_size > 1
+    # Evaluation runs at the planned batch, which fits where training does (not at the default of 16).
+    assert args.per_device_eval_batch_size == plan.per_device_train_batch_size
     assert getattr(args, _CHECKPOINTING) is True and recompute == plan.recompute and not recompute.empty
     assert plan.cap_gib == 24 and plan.predicted_peak_gib <= 24 - 1.4
+
+
+def test_an_explicit_evaluation_batch_is_kept_and_a_plan_that_does_not_fit_still_fails(tmp_path, monkeypatch):
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True,
+                                      per_device_eval_batch_size=2)
+    tiny = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True,
+                                      per_device_eval_batch_size=2, memory_cap_gib=1)
+    fake_24gb_cuda(monkeypatch, args, tiny)
+    plan = next(c for c in apply_memory_plan(args, presets.get("recurrent-3.3b"), 2048, 2)
+                if isinstance(c, MemoryPlanCallback)).plan
+    assert args.per_device_eval_batch_size == 2 and args.per_device_train_batch_size == plan.per_device_train_batch_size
+    # The evaluation batch does not decide the training's memory: with nothing else given, no plan is an error.
+    with pytest.raises(ValueError, match="--memory_plan none trains without a plan"):
+        apply_memory_plan(tiny, presets.get("recurrent-3.3b"), 2048, 2)
 
 
 def test_every_training_measures_its_peak_and_one_over_the_budget_warns_with_the_fix(tmp_path, monkeypatch, caplog):

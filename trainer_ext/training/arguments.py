@@ -27,6 +27,8 @@ OPTIMIZERS = ("low_memory", "hf")
 MEMORY_PLANS = ("auto", "none")
 # The batch size per device where neither the command line nor a memory plan sets one (TrainingArguments' default).
 DEFAULT_BATCH_SIZE = 8
+# The evaluation batch size where neither the command line nor a memory plan sets one.
+DEFAULT_EVAL_BATCH_SIZE = 16
 # Batch key of the targets aligned with positions (target t belongs to input t); HF's loss functions use the
 # same name for labels that are already shifted.
 TARGETS = "shift_labels"
@@ -54,7 +56,6 @@ SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "max_steps", "num_train_epoc
 # What a bare command runs with besides the schedule: parser defaults, so anything on the command line wins.
 COMMAND_LINE_DEFAULTS = {
     "output_dir": os.path.join("outputs", "run_pretrain"),
-    "per_device_eval_batch_size": 16,
     "lr_scheduler_type": "cosine",
     "logging_steps": 20,
     "eval_strategy": "steps",
@@ -233,6 +234,9 @@ class RecurrentTrainingArguments(TrainingArguments):
     per_device_train_batch_size: int | None = field(
         default=None, metadata={"help": f"Batch size per device (default: {DEFAULT_BATCH_SIZE}, or what "
                                         "--memory_plan auto decides)."})
+    per_device_eval_batch_size: int | None = field(
+        default=None, metadata={"help": f"Evaluation batch size per device (default: {DEFAULT_EVAL_BATCH_SIZE}, or "
+                                        "with --memory_plan auto the training batch size the plan picks)."})
     torch_compile: bool | None = field(
         default=None, metadata={"help": "torch.compile each decoder layer (default: on with CUDA, where it measured "
                                         "faster, off elsewhere); the first steps' compile time is logged apart "
@@ -293,9 +297,10 @@ class RecurrentTrainingArguments(TrainingArguments):
             super().__post_init__()
 
     def _resolve_device_defaults(self):
-        """Fields left None: batch size, checkpointing, torch.compile (on with CUDA) and the memory plan (auto with
-        CUDA). `explicit_memory_settings` keeps which of the first two were given: they win over a memory plan."""
+        """Fields left None: batch sizes, checkpointing, torch.compile (on with CUDA) and the memory plan (auto with
+        CUDA). `explicit_memory_settings` keeps which of the first three were given: they win over a memory plan."""
         explicit = {name for name, given in (("per_device_train_batch_size", self.per_device_train_batch_size),
+                                             ("per_device_eval_batch_size", self.per_device_eval_batch_size),
                                              ("activation_checkpointing", getattr(self, _CHECKPOINTING)),
                                              ("activation_checkpointing", self.gradient_checkpointing))
                     if given is not None}
@@ -303,6 +308,8 @@ class RecurrentTrainingArguments(TrainingArguments):
             self.explicit_memory_settings = explicit
         if self.per_device_train_batch_size is None:
             self.per_device_train_batch_size = DEFAULT_BATCH_SIZE
+        if self.per_device_eval_batch_size is None:
+            self.per_device_eval_batch_size = DEFAULT_EVAL_BATCH_SIZE
         if getattr(self, _CHECKPOINTING) is None:
             setattr(self, _CHECKPOINTING, True if self.gradient_checkpointing is None else self.gradient_checkpointing)
         cuda = torch.cuda.is_available() and not self.use_cpu
