@@ -25,6 +25,7 @@ from trainer_ext.training.lr_finder import (
     summarize_trial,
 )
 from trainer_ext.training.lr_sweep_file import FORMAT_VERSION, format_optional, write_sweep
+from trainer_ext.training.telemetry import memory_stats
 from trainer_ext.training.trainer import RecurrentTrainer
 
 logger = logging.getLogger(__name__)
@@ -59,11 +60,11 @@ def trial_arguments(training_args, learning_rate: float, sweep: SweepArguments):
 
 def run_trial(make_model: Callable[[], torch.nn.Module], args, train_dataset, trainer_kwargs: dict,
               save_to: str | None = None, eval_dataset=None) -> dict:
-    """Train one fresh model; returns its per-step curve, the error that stopped it (if any), its peak memory (from
-    the start of its training, where RecurrentTrainer.train resets the peaks: through its evaluation, and of the
-    training alone, `train_peak_reserved_gib`) and, with
-    `eval_dataset`, its loss there at the end (`held_out_loss`; None after an error). With `save_to`, the trained
-    model is saved there (`Trainer.save_model`) when no error stopped it.
+    """Train one fresh model; returns its per-step curve, the error that stopped it (if any), its peak reserved
+    memory from the start of its training (where RecurrentTrainer.train resets the peaks) through its evaluation and
+    of the training alone (`train_peak_reserved_gib`) and, with `eval_dataset`, its loss there at the end
+    (`held_out_loss`; None after an error). With `save_to`, the trained model is saved there (`Trainer.save_model`)
+    when no error stopped it.
 
     Nothing of the trial outlives this call: the trainer, model and optimizer are released before it returns.
     """
@@ -82,22 +83,21 @@ def run_trial(make_model: Callable[[], torch.nn.Module], args, train_dataset, tr
     except TRIAL_FAILURES as exc:
         error = f"{type(exc).__name__}: {exc}"
     curve = curve_from_log_history(trainer.state.log_history)
-    train_peak = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
+    train_peak = memory_stats()["peak_reserved_gib"] if on_cuda else None
     held_out = None
     if eval_dataset is not None and error is None:
         held_out = trainer.evaluate(eval_dataset=eval_dataset)["eval_loss"]
     if save_to is not None and error is None:
         trainer.save_model(save_to)  # by the main process; every process then loads it
         trainer.accelerator.wait_for_everyone()
-    peak = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
+    peak = memory_stats()["peak_reserved_gib"] if on_cuda else None
     release_trial(trainer)
     del trainer, model
     gc.collect()
     if on_cuda:
         torch.cuda.empty_cache()
     return {"curve": curve, "error": error, "seconds": round(time.perf_counter() - start, 2),
-            "peak_reserved_gib": None if peak is None else round(peak, 3),
-            "train_peak_reserved_gib": None if train_peak is None else round(train_peak, 3), "held_out_loss": held_out}
+            "peak_reserved_gib": peak, "train_peak_reserved_gib": train_peak, "held_out_loss": held_out}
 
 
 def memory_note(outcome: dict) -> str:
