@@ -20,7 +20,7 @@ import time
 import torch
 from torch import nn
 
-from trainer_ext.training.optimizer import DEFAULT_MAX_CHUNK_NUMEL, LowMemoryAdafactor, create_optimizer
+from trainer_ext.optim.optimizer import DEFAULT_MAX_CHUNK_NUMEL, LowMemoryAdafactor, create_optimizer
 
 
 class _Block(nn.Module):
@@ -131,7 +131,7 @@ def _host_only(args) -> None:
     no-ops), on the CPU: the Python around the launches, which a small model's step waits on."""
     import os
 
-    from trainer_ext.training import optimizer_triton as fused
+    from trainer_ext.optim import triton_kernels as fused
 
     class _NoLaunch:
         def __getitem__(self, grid):
@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--tf32", action="store_true",
                         help="TF32 matmuls, as the trainer sets them (subspace momentum)")
     parser.add_argument("--apply_tile", default=None, help="ROWSxCOLS of the fused apply kernel "
-                        "(default: optimizer_triton's); see benchmarks/kernel_resources.py")
+                        "(default: triton_kernels's); see benchmarks/kernel_resources.py")
     parser.add_argument("--cpu_profile", action="store_true", help="--probe: also the host time of one tensor's "
                         "update and the functions it goes to (own and cumulative microseconds per update)")
     parser.add_argument("--max-chunk-numel", type=int, default=DEFAULT_MAX_CHUNK_NUMEL)
@@ -196,7 +196,7 @@ def main() -> None:
         raise SystemExit("bench_optimizer needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     if args.apply_tile:
-        from trainer_ext.training import optimizer_triton as fused
+        from trainer_ext.optim import triton_kernels as fused
 
         fused._APPLY_ROWS, fused._APPLY_COLS = (int(x) for x in args.apply_tile.split("x"))
     if args.probe:

@@ -26,8 +26,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from trainer_ext.data.shards import read_manifest
-from trainer_ext.training.optimizer import SUBSPACE_MOMENTUM_FRACTION
-from trainer_ext.training.optimizer_state import state_gib_for_preset
+from trainer_ext.optim.optimizer import SUBSPACE_MOMENTUM_FRACTION
+from trainer_ext.optim.state import state_gib_for_preset
 
 RUNS = {
     "low_memory": ["--dtype", "bfloat16", "--optimizer", "low_memory", "--optimizer_momentum", "0"],
@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
         ]
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "train.log"), "w") as log:
-            code = ("from trainer_ext.training.pretrain import parse_pretrain_args, pretrain; "
+            code = ("from trainer_ext.run.pretrain import parse_pretrain_args, pretrain; "
                     f"pretrain(*parse_pretrain_args({command!r}))")
             subprocess.run([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
         print(json.dumps({"config": config, "seed": seed, "learning_rate": lr, "eval_loss": read_run(out_dir)[0]}),

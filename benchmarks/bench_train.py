@@ -48,7 +48,7 @@ class TorchProfileCallback:
 
 def child(cap_gib: float, run_args: list[str], profile_path: str | None = None) -> None:
     set_memory_cap(cap_gib)
-    from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
+    from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
 
     callbacks = [TorchProfileCallback(start=6, count=2, path=profile_path)] if profile_path else None
     pretrain(*parse_pretrain_args(run_args), callbacks=callbacks)

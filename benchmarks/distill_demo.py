@@ -51,7 +51,7 @@ from trainer_ext.data.shards import (
 from trainer_ext.distill.cache import TEACHER_MANIFEST_NAME, TeacherCacheDataset
 from trainer_ext.distill.caching import CacheTeacherArguments, cache_teacher
 from trainer_ext.training.arguments import RecurrentTrainingArguments
-from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
 from trainer_ext.training.trainer import RecurrentTrainer
 
 logger = logging.getLogger("distill_demo")

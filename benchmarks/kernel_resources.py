@@ -1,12 +1,12 @@
 """Registers, spills and matrix instructions of our Triton kernels for a GPU, without a GPU.
 
-Compiles each kernel of trainer_ext/training/optimizer_triton.py for the target (default sm_90, the H100 / H200)
+Compiles each kernel of trainer_ext/optim/triton_kernels.py for the target (default sm_90, the H100 / H200)
 with the tile sizes given (default: the module's), and the loss's CE kernel (trainer_ext/distill/ce_triton.py, bf16
 logits of a 65,536-entry vocabulary), then runs the ptxas that ships with Triton on the PTX. A kernel
 that spills registers moves more bytes than the update needs (local memory), and one at 255 registers runs few
 programs per multiprocessor: both show here before any GPU time is spent.
 
-    python benchmarks/kernel_resources.py                        # the tiles in optimizer_triton.py
+    python benchmarks/kernel_resources.py                        # the tiles in triton_kernels.py
     python benchmarks/kernel_resources.py --tiles 16x256 16x128  # the element-wise kernels at other tiles
     python benchmarks/kernel_resources.py --arch 86              # an RTX 3090
 """
@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from trainer_ext.distill import ce_triton
-from trainer_ext.training import optimizer_triton as kernels
+from trainer_ext.optim import triton_kernels as kernels
 
 # Argument types: bf16 tensors (the 3-7B presets' weights), int32 sizes and offsets, fp32 everything else.
 _BF16 = {"param", "grad", "momentum", "back", "projected"}

@@ -9,7 +9,7 @@
 
 Each probe trains a few steps of `RecurrentTrainer` (the low-memory optimizer in backward, the chunked loss, the
 depth loop; random tokens, the depth fixed at `mean_recurrence`) at one point of a grid: batch size, sequence length,
-which layers and core steps recompute their activations (`trainer_ext.training.recompute`), momentum on or off,
+which layers and core steps recompute their activations (`trainer_ext.memory.recompute`), momentum on or off,
 `torch.compile` on or off, a cached teacher's top-k in the batch or not. A plain Transformer preset
 (`transformer-125m`) is probed with every layer recomputed or none, what its checkpointing flag can do. It records
 the peak reserved and allocated memory (peak counters reset and the cache emptied between probes) and the time of
@@ -121,7 +121,7 @@ def _build(preset: str, device: str):
 
     from hf_recurrent import presets
     from trainer_ext.training.arguments import ModelArguments
-    from trainer_ext.training.model_setup import build_model
+    from trainer_ext.run.model_setup import build_model
 
     config = presets.get(preset)
     if presets.is_recurrent(config):
@@ -161,10 +161,11 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
 
     from hf_recurrent.cost import graph_steps, parameter_counts
     from hf_recurrent.presets import is_recurrent
-    from trainer_ext.training.arguments import _CHECKPOINTING, resolve_momentum
-    from trainer_ext.training.memory_estimator import ModelShape
-    from trainer_ext.training.optimizer_state import low_memory_state, optimizer_state_bytes
-    from trainer_ext.training.recompute import RecomputeCallback, RecomputeSet
+    from trainer_ext.compat import CHECKPOINTING_FLAG
+    from trainer_ext.optim.momentum import resolve_momentum
+    from trainer_ext.memory.estimator import ModelShape
+    from trainer_ext.optim.state import low_memory_state, optimizer_state_bytes
+    from trainer_ext.memory.recompute import RecomputeCallback, RecomputeSet
     from trainer_ext.training.trainer import RecurrentTrainer
 
     config = model.config
@@ -197,7 +198,7 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
         eval_strategy="no", report_to="none", optimizer_momentum=momentum or 0.0,
         optimizer_momentum_rank_fraction=rank_fraction or 1.0, torch_compile=spec["compile"],
         profile_steps=0, collapse_check_steps=0, dataloader_num_workers=0, dataloader_pin_memory=False,
-        disable_tqdm=True, seed=0, use_cpu=not cuda, **{_CHECKPOINTING: not recompute.empty},
+        disable_tqdm=True, seed=0, use_cpu=not cuda, **{CHECKPOINTING_FLAG: not recompute.empty},
         # The CPU dry run checks the compiled path's bookkeeping without a C++ toolchain.
         **({} if cuda else {"torch_compile_backend": "eager"}))
     from trainer_ext.distill.losses import chunk_logit_bytes, default_chunk_size
@@ -331,7 +332,7 @@ def main(argv=None) -> int:
                         help="cpu: a dry run of the probe loop (no memory figures), e.g. with --presets debug.")
     parser.add_argument("--fit", metavar="PROBES", default=None, help="Fit a calibration from this probe file.")
     parser.add_argument("--calibration", default=None, help="With --fit: where to write it (default: the "
-                                                            "package's trainer_ext/training/memory_calibration.json).")
+                                                            "package's trainer_ext/memory/calibration.json).")
     parser.add_argument("--probe_command", default=None, help="With --fit: the command that measured the probes "
                                                               "(recorded in the calibration).")
     parser.add_argument("--verify", action="store_true", help="Train with each preset's plan for --cap_gib and "
@@ -347,7 +348,7 @@ def main(argv=None) -> int:
               float(cap) if cap != "none" else None)
         return 0
     if args.fit:
-        from trainer_ext.training.memory_estimator import write_calibration_from_probes
+        from trainer_ext.memory.estimator import write_calibration_from_probes
 
         command = " ".join(["python3 -m benchmarks.memory_probe", *(sys.argv[1:] if argv is None else argv)])
         path = write_calibration_from_probes(args.fit, args.calibration, command=command,
@@ -361,7 +362,7 @@ def main(argv=None) -> int:
 
 def _verify(args) -> int:
     """Plan each preset for --cap_gib, train with the plan, print predicted against measured (JSON lines)."""
-    from trainer_ext.training.memory_plan import plan_for_preset
+    from trainer_ext.memory.plan import plan_for_preset
 
     if not args.cap_gib:
         raise SystemExit("--verify needs --cap_gib: the memory the plans are made for and the probes may use.")

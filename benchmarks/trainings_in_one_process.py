@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
 
 
 def left_behind_gib() -> float:

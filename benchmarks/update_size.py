@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_recurrent import presets
-from trainer_ext.training.optimizer import create_optimizer
+from trainer_ext.optim.optimizer import create_optimizer
 
 VOCAB = 4096
 

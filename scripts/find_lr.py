@@ -6,7 +6,7 @@
     hf-recurrent-pretrain --preset recurrent-3.3b ... --learning_rate_from outputs/r3b-lr/lr_sweep.json
 
 Takes hf-recurrent-pretrain's model, data and training arguments (the trials use its optimizer, precision, batch
-size and checkpointing, so they fit the same memory) plus the sweep's own (trainer_ext/training/lr_finder.py). The
+size and checkpointing, so they fit the same memory) plus the sweep's own (trainer_ext/lr_search/finder.py). The
 schedule, evaluation and saving arguments of a training run are replaced by each trial's. Models under 50M
 parameters get a quicker sweep around their 3e-3 default where the sweep's settings are not given. Writes
 lr_sweep.json / .md / .png into --output_dir; exits 1 when no rate was stable. Run again with the same arguments,
@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-from trainer_ext.training.find_lr import find_lr, parse_find_lr_args
+from trainer_ext.run.find_lr import find_lr, parse_find_lr_args
 
 
 def main(argv=None) -> int:

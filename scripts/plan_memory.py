@@ -16,8 +16,8 @@ import argparse
 import json
 import sys
 
-from trainer_ext.training.memory_estimator import write_calibration_from_probes
-from trainer_ext.training.memory_plan import DEFAULT_MARGIN_GIB, MAX_BATCH_SIZE, plan_for_preset
+from trainer_ext.memory.estimator import write_calibration_from_probes
+from trainer_ext.memory.plan import DEFAULT_MARGIN_GIB, MAX_BATCH_SIZE, plan_for_preset
 
 
 def main(argv=None) -> int:

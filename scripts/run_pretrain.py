@@ -23,7 +23,7 @@ would train): raise --max_steps to continue it. Every argument is checked before
 import logging
 import sys
 
-from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
 
 
 def main(argv=None) -> int:

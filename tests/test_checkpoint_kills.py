@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers.modeling_utils
 
-from trainer_ext.training.checkpoints import check_resume_files, last_complete_checkpoint, missing_files
+from trainer_ext.checkpoints import check_resume_files, last_complete_checkpoint, missing_files
 from trainer_ext.training.output_dir import resolve_checkpoint
 from trainer_ext.training.trainer import RecurrentTrainer
 

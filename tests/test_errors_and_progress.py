@@ -14,7 +14,7 @@ from hf_recurrent import RecurrentDepthForCausalLM, presets
 from trainer_ext.cli import cache_teacher, evaluate_checkpoints as evaluate_script, run_pretrain
 from trainer_ext.comparison.training import whole_run_train_loss
 from trainer_ext.data.shards import ShardedTokenDataset
-from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
 from trainer_ext.evaluation.generation import cache_mode_cost
 from trainer_ext.evaluation.metrics import evaluate_model
 

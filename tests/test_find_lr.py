@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from hf_recurrent import presets
 from trainer_ext.cli import find_lr
 from trainer_ext.data.shards import ShardedTokenDataset
-from trainer_ext.training import lr_finder, lr_trials
+from trainer_ext.lr_search import finder as lr_finder, trials as lr_trials
 from trainer_ext.training.arguments import RecurrentTrainingArguments, resolve_schedule_defaults
-from trainer_ext.training.lr_finder import SweepArguments, pick_learning_rate, resolve_sweep_defaults, summarize_trial
-from trainer_ext.training.pretrain import check_pretrain_arguments, parse_pretrain_args, pretrain
+from trainer_ext.lr_search.finder import SweepArguments, pick_learning_rate, resolve_sweep_defaults, summarize_trial
+from trainer_ext.run.pretrain import check_pretrain_arguments, parse_pretrain_args, pretrain
 
 SWEEP = ["--sweep_steps", "16", "--sweep_warmup_steps", "4", "--per_device_train_batch_size", "8",
          "--use_cpu", "true"]
@@ -171,7 +171,7 @@ def test_a_sweep_start_without_held_out_samples_is_refused_before_training(tmp_p
 
 
 def test_a_sweep_start_that_fails_names_the_flag_and_runs_no_trial(tiny_data_dir, tmp_path, monkeypatch):
-    from trainer_ext.training import find_lr as find_lr_module
+    from trainer_ext.run import find_lr as find_lr_module
 
     calls = []
 
@@ -505,8 +505,8 @@ def test_divergence_is_judged_per_trial_so_larger_rates_can_be_skipped_before_th
 
 @pytest.mark.parametrize("plan", ["auto", "none"])
 def test_the_trials_train_with_the_memory_plan_pretraining_would_apply(tiny_data_dir, tmp_path, monkeypatch, plan):
-    from trainer_ext.training import find_lr as find_lr_module
-    from trainer_ext.training.memory_plan import MemoryPlanCallback, apply_memory_plan
+    from trainer_ext.run import find_lr as find_lr_module
+    from trainer_ext.memory.plan import MemoryPlanCallback, apply_memory_plan
 
     argv = ["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path), "--learning_rates", "1e-3", "--use_cpu",
             "true", "--memory_plan", plan, "--memory_cap_gib", "0.5", "--memory_margin_gib", "0.1"]
@@ -535,7 +535,7 @@ def test_the_trials_train_with_the_memory_plan_pretraining_would_apply(tiny_data
 
 
 def test_a_sweep_stopped_midway_resumes_with_its_start_and_finished_trials(tiny_data_dir, tmp_path, monkeypatch):
-    from trainer_ext.training import find_lr as find_lr_module
+    from trainer_ext.run import find_lr as find_lr_module
 
     real_trial, real_start = lr_trials.run_trial, find_lr_module.train_sweep_start
     calls = {"trials": 0, "starts": 0}
@@ -579,7 +579,7 @@ def test_a_sweep_stopped_midway_resumes_with_its_start_and_finished_trials(tiny_
 
 
 def test_a_sweep_left_with_other_settings_is_refused_naming_them(tiny_data_dir, tmp_path):
-    from trainer_ext.training.lr_sweep_file import write_progress
+    from trainer_ext.lr_search.sweep_file import write_progress
 
     write_progress(str(tmp_path), {"seed": 0, "sweep": {"learning_rates": [5e-4]}}, None, [])
     with pytest.raises(ValueError, match=r"part of a sweep with other settings \(differs in: .*learning_rates"):

@@ -77,7 +77,7 @@ def test_console_entry_points_resolve_to_the_cli_package():
 def test_main_classes_are_importable_from_the_library_root():
     import trainer_ext
     from trainer_ext.training.arguments import RecurrentTrainingArguments
-    from trainer_ext.training.optimizer import LowMemoryAdafactor
+    from trainer_ext.optim.optimizer import LowMemoryAdafactor
     from trainer_ext.training.trainer import RecurrentTrainer
 
     assert trainer_ext.RecurrentTrainer is RecurrentTrainer

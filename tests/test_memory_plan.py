@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from hf_recurrent import presets
-from trainer_ext.training.arguments import _CHECKPOINTING, RecurrentTrainingArguments
-from trainer_ext.training.memory_estimator import (
+from trainer_ext.compat import CHECKPOINTING_FLAG
+from trainer_ext.training.arguments import RecurrentTrainingArguments
+from trainer_ext.memory.estimator import (
     GIB,
     Calibration,
     FamilyFit,
@@ -23,7 +24,7 @@ from trainer_ext.training.memory_estimator import (
     residuals,
     usable_probes,
 )
-from trainer_ext.training.memory_plan import (
+from trainer_ext.memory.plan import (
     MemoryPlanCallback,
     NoPlanError,
     apply_memory_plan,
@@ -31,7 +32,7 @@ from trainer_ext.training.memory_plan import (
     plan_memory,
     training_shape,
 )
-from trainer_ext.training.recompute import RecomputeCallback, RecomputeSet
+from trainer_ext.memory.recompute import RecomputeCallback, RecomputeSet
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PROBES = REPO / "results" / "memory-probes" / "probes.jsonl"
@@ -178,9 +179,9 @@ def test_the_committed_calibration_reproduces_the_committed_probes():
 
 
 def test_the_calibration_is_installed_with_the_package():
-    import trainer_ext.training
+    import trainer_ext.memory
 
-    assert (pathlib.Path(trainer_ext.training.__file__).parent / "memory_calibration.json").is_file()
+    assert (pathlib.Path(trainer_ext.memory.__file__).parent / "calibration.json").is_file()
 
 
 def test_cli_prints_the_plan_as_json(capsys):
@@ -230,10 +231,10 @@ def test_defaults_resolve_to_no_plan_and_no_compile_on_cpu(tmp_path):
     args = RecurrentTrainingArguments(output_dir=str(tmp_path), use_cpu=True)
     assert args.memory_plan == "none" and args.torch_compile is False
     # transformers >= 5.24 names the flag activation_checkpointing, 5.17 gradient_checkpointing
-    assert args.per_device_train_batch_size == 8 and getattr(args, _CHECKPOINTING) is True
+    assert args.per_device_train_batch_size == 8 and getattr(args, CHECKPOINTING_FLAG) is True
     assert args.explicit_memory_settings == set()
     args = RecurrentTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
-                                      memory_plan="auto", **{_CHECKPOINTING: False})
+                                      memory_plan="auto", **{CHECKPOINTING_FLAG: False})
     assert args.explicit_memory_settings == {"per_device_train_batch_size", "activation_checkpointing"}
     with pytest.raises(ValueError, match="--memory_plan='sometimes'"):
         RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="sometimes")
@@ -265,7 +266,7 @@ def test_memory_plan_auto_sets_batch_and_recompute_before_training(tmp_path, mon
     assert args.per_device_train_batch_size == plan.per_device_train_batch_size > 1
     # Evaluation runs at the planned batch, which fits where training does (not at the default of 16).
     assert args.per_device_eval_batch_size == plan.per_device_train_batch_size
-    assert getattr(args, _CHECKPOINTING) is True and recompute == plan.recompute and not recompute.empty
+    assert getattr(args, CHECKPOINTING_FLAG) is True and recompute == plan.recompute and not recompute.empty
     assert plan.cap_gib == 24 and plan.predicted_peak_gib <= 24 - 1.4
 
 
@@ -294,7 +295,7 @@ def test_every_training_measures_its_peak_and_one_over_the_budget_warns_with_the
     for peak in (21.0, 23.01):
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda peak=peak: peak * GIB)
         callback.on_train_begin(args, state, None)
-        with caplog.at_level("INFO", logger="trainer_ext.training.memory_plan"):
+        with caplog.at_level("INFO", logger="trainer_ext.memory.plan"):
             caplog.clear()
             callback.on_step_end(args, state, None)
         assert callback.measured == {"measured_peak_gib": peak}
@@ -317,7 +318,7 @@ def test_the_peak_of_the_whole_training_is_measured_at_its_end_and_a_rise_over_t
     for first, whole in ((21.0, 21.0), (21.0, 23.2), (22.9, 22.9)):
         callback.on_train_begin(args, state, None)
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda peak=first: peak * GIB)
-        with caplog.at_level("INFO", logger="trainer_ext.training.memory_plan"):
+        with caplog.at_level("INFO", logger="trainer_ext.memory.plan"):
             caplog.clear()
             callback.on_step_end(args, state, None)
             monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda peak=whole: peak * GIB)
@@ -359,13 +360,13 @@ def test_a_transformer_checkpoints_all_its_layers_or_none(tmp_path, monkeypatch)
     assert tight.per_device_train_batch_size > roomy.per_device_train_batch_size
     assert "every layer recomputed" in tight.describe()  # not "prelude": a Transformer has none
     args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", per_device_train_batch_size=32)
-    explicit = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", **{_CHECKPOINTING: True})
+    explicit = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", **{CHECKPOINTING_FLAG: True})
     fake_24gb_cuda(monkeypatch, args, explicit)
     callbacks = apply_memory_plan(args, config, 1024, 2)
-    assert getattr(args, _CHECKPOINTING) is False and args.per_device_train_batch_size == 32
+    assert getattr(args, CHECKPOINTING_FLAG) is False and args.per_device_train_batch_size == 32
     assert [type(c) for c in callbacks] == [MemoryPlanCallback]  # no per-layer set: the model is not recurrent
     plan = next(c for c in apply_memory_plan(explicit, config, 1024, 2) if isinstance(c, MemoryPlanCallback)).plan
-    assert getattr(explicit, _CHECKPOINTING) is True and not plan.recompute.empty  # the flag given is kept
+    assert getattr(explicit, CHECKPOINTING_FLAG) is True and not plan.recompute.empty  # the flag given is kept
     with pytest.raises(ValueError, match="No batch size fits"):
         plan_for_preset("transformer-3.3b", 2048, 4)
 
@@ -408,7 +409,7 @@ def test_a_probe_record_reads_back_as_the_estimators_shape(preset, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from benchmarks.memory_probe import default_grid, run_probe
-    from trainer_ext.training.memory_estimator import probe_recomputed
+    from trainer_ext.memory.estimator import probe_recomputed
 
     config = presets.get(preset)
     if not presets.is_recurrent(config):
@@ -434,7 +435,7 @@ def test_pinned_batches_go_to_the_gpu_without_waiting_by_default_on_cuda(tiny_da
     from test_trainer import make_trainer
 
     from trainer_ext.training.arguments import COMMAND_LINE_DEFAULTS, DataArguments, ModelArguments
-    from trainer_ext.training.pretrain import parse_args_with_defaults
+    from trainer_ext.run.pretrain import parse_args_with_defaults
 
     pinned = COMMAND_LINE_DEFAULTS["dataloader_pin_memory"]
     assert COMMAND_LINE_DEFAULTS["accelerator_config"] == {"non_blocking": pinned}

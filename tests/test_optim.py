@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainer_ext.training.optimizer import LowMemoryAdafactor, check_gradient_accumulation, create_optimizer
-from trainer_ext.training.optimizer_kernels import round_to_bf16_stochastic
+from trainer_ext.optim.optimizer import LowMemoryAdafactor, check_gradient_accumulation, create_optimizer
+from trainer_ext.optim.kernels import round_to_bf16_stochastic
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The fused Triton update of LowMemoryAdafactor against its torch path (trainer_ext/training/optimizer_triton.py).
+"""The fused Triton update of LowMemoryAdafactor against its torch path (trainer_ext/optim/triton_kernels.py).
 
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess so that no other test
 sees it), where they must give the torch path's bf16 weights and momentum but for a few last-bit flips: same math,
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer_ext.training.optimizer import LowMemoryAdafactor
+from trainer_ext.optim.optimizer import LowMemoryAdafactor
 
 # (shape, dtype, momentum, momentum_rank_fraction, max_chunk_numel, more optimizer settings): plain, full and
 # subspace momentum, fp32 weights, row chunks (the embedding matrices' case) with and without the subspace (and its
@@ -114,7 +114,7 @@ def test_fused_update_in_small_blocks_equals_the_torch_path():
     back-projection in blocks of 7 rows, which do not divide the chunks of 30 rows: what the defaults reach only on
     matrices of more than 1,024 rows or 2**24 elements."""
     _check_under_the_interpreter(
-        "from trainer_ext.training import optimizer_triton as kernels; kernels._FACTOR_ROWS = 32; "
+        "from trainer_ext.optim import triton_kernels as kernels; kernels._FACTOR_ROWS = 32; "
         "kernels._BACK_NUMEL = 200 * 7", "[test_optim_fused.CASES[i] for i in (1, 2, 4, 5)]")
 
 
@@ -133,15 +133,15 @@ def test_fused_path_is_the_default_for_cuda_matrices():
     weight = nn.Parameter(torch.randn(64, 48, device="cuda", dtype=torch.bfloat16))
     weight.grad = torch.randn_like(weight)
     optimizer = LowMemoryAdafactor([weight], lr=0.01)
-    from trainer_ext.training import optimizer_triton
+    from trainer_ext.optim import triton_kernels
 
     calls = []
-    original = optimizer_triton.fused_factored_update
-    optimizer_triton.fused_factored_update = lambda *a, **k: calls.append(1) or original(*a, **k)
+    original = triton_kernels.fused_factored_update
+    triton_kernels.fused_factored_update = lambda *a, **k: calls.append(1) or original(*a, **k)
     try:
         optimizer.step()
     finally:
-        optimizer_triton.fused_factored_update = original
+        triton_kernels.fused_factored_update = original
     assert calls == [1]
 
 

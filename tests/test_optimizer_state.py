@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from hf_recurrent import presets
 from hf_recurrent.cost import parameter_counts
-from trainer_ext.training.optimizer import SUBSPACE_MOMENTUM_FRACTION, LowMemoryAdafactor
-from trainer_ext.training.optimizer_state import (
+from trainer_ext.optim.optimizer import SUBSPACE_MOMENTUM_FRACTION, LowMemoryAdafactor
+from trainer_ext.optim.state import (
     OPTIMIZER_STATES,
     OptimizerState,
     optimizer_state_bytes,

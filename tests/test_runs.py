@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from trainer_ext.training.arguments import RecurrentTrainingArguments
-from trainer_ext.training.checkpoints import last_complete_checkpoint
-from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.checkpoints import last_complete_checkpoint
+from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
 from trainer_ext.training.trainer import RecurrentTrainer
 
 
@@ -186,7 +186,7 @@ def test_bad_arguments_fail_before_anything_is_written(tiny_data_dir, tmp_path):
 def test_checks_needing_the_model_config_run_before_the_corpus_is_prepared(tmp_path, monkeypatch):
     """Without --data_dir the embedded corpus is prepared on first use: a depth beyond the preset's mean_recurrence,
     known from the preset and --config_overrides alone, is refused before that preparation writes anything."""
-    from trainer_ext.training import pretrain as pretrain_module
+    from trainer_ext.run import pretrain as pretrain_module
 
     data, out = tmp_path / "data", tmp_path / "run"
     monkeypatch.setattr(pretrain_module, "DEFAULT_DATA_DIR", str(data))
@@ -200,7 +200,7 @@ def test_checks_needing_the_model_config_run_before_the_corpus_is_prepared(tmp_p
 
 def test_a_finished_run_and_a_bad_teacher_are_refused_before_the_corpus_is_prepared(tiny_data_dir, tmp_path,
                                                                                    monkeypatch):
-    from trainer_ext.training import pretrain as pretrain_module
+    from trainer_ext.run import pretrain as pretrain_module
 
     out = tmp_path / "run"
     run(tiny_data_dir, out, "--max_steps", "2")

@@ -14,12 +14,11 @@ from trainer_ext.data.shards import ShardedTokenDataset
 from trainer_ext.training import trainer as trainer_module
 from trainer_ext.training.arguments import (
     RecurrentTrainingArguments,
-    resolve_momentum,
     resolve_schedule_defaults,
-    resolve_subspace_residual,
 )
-from trainer_ext.training.model_setup import load_teacher
-from trainer_ext.training.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.optim.momentum import resolve_momentum, resolve_subspace_residual
+from trainer_ext.run.model_setup import load_teacher
+from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
 from trainer_ext.training.trainer import RecurrentTrainer
 
 

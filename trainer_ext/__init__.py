@@ -18,9 +18,9 @@ import importlib
 _EXPORTS = {
     "RecurrentTrainer": "trainer_ext.training.trainer",
     "RecurrentTrainingArguments": "trainer_ext.training.arguments",
-    "LowMemoryAdafactor": "trainer_ext.training.optimizer",
-    "create_optimizer": "trainer_ext.training.optimizer",
-    "pretrain": "trainer_ext.training.pretrain",
+    "LowMemoryAdafactor": "trainer_ext.optim.optimizer",
+    "create_optimizer": "trainer_ext.optim.optimizer",
+    "pretrain": "trainer_ext.run.pretrain",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -52,9 +52,9 @@ from trainer_ext.comparison.training import CycleTraining, whole_run_train_loss
 from trainer_ext.data.prepare import prepare
 from trainer_ext.distill.caching import CacheTeacherArguments, cache_teacher
 from trainer_ext.hub.model_card import ModelCardInfo
-from trainer_ext.training.checkpoints import checkpoint_step, last_complete_checkpoint
-from trainer_ext.training.model_setup import parse_overrides
-from trainer_ext.training.pretrain import check_pretrain_arguments, pretrain
+from trainer_ext.checkpoints import checkpoint_step, last_complete_checkpoint
+from trainer_ext.run.model_setup import parse_overrides
+from trainer_ext.run.pretrain import check_pretrain_arguments, pretrain
 
 logger = logging.getLogger(__name__)
 

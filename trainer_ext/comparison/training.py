@@ -12,7 +12,7 @@ import logging
 
 from trainer_ext.comparison.arguments import CYCLE_WARMUP_STEPS, CompareArguments, TrainingOptions
 from trainer_ext.training.arguments import DataArguments, ModelArguments, RecurrentTrainingArguments
-from trainer_ext.training.checkpoints import last_complete_checkpoint
+from trainer_ext.checkpoints import last_complete_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class CycleTraining:
 
     def arguments(self, args: CompareArguments, options: TrainingOptions
                   ) -> tuple[ModelArguments, DataArguments, RecurrentTrainingArguments]:
-        """The typed arguments of `trainer_ext.training.pretrain.pretrain` for this training."""
+        """The typed arguments of `trainer_ext.run.pretrain.pretrain` for this training."""
         if self.previous_final is None:
             model_args = dataclasses.replace(options.model, preset=getattr(args, f"{self.model}_preset"),
                                              config_overrides=getattr(args, f"{self.model}_config_overrides"))

@@ -49,7 +49,7 @@ from trainer_ext.distill.losses import teacher_topk
 from trainer_ext.distill.teacher import QUANTIZATIONS, TEACHER_TOKENIZER_FIX, load_frozen_teacher
 from trainer_ext.files import check_same_run
 from trainer_ext.lm_head import chunked_logits, output_head
-from trainer_ext.training.checkpoints import load_tokenizer
+from trainer_ext.checkpoints import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_recurrent  # noqa: F401  (registers our model type: recurrent-depth teachers need no remote code)
-from trainer_ext.training.checkpoints import check_model_dir
+from trainer_ext.checkpoints import check_model_dir
 
 QUANTIZATIONS = ("none", "8bit", "4bit")
 # The fix named when a teacher folder has no loadable tokenizer (run_pretrain's online teacher, cache_teacher).

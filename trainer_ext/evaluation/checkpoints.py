@@ -29,7 +29,7 @@ from trainer_ext.evaluation.generation import cache_mode_cost, generation_speed,
 from trainer_ext.evaluation.metrics import evaluate_model, learning_warnings, unigram_cross_entropy
 from trainer_ext.evaluation.plots import plot_depth_curves
 from trainer_ext.evaluation.report import write_report
-from trainer_ext.training.checkpoints import check_model_dir
+from trainer_ext.checkpoints import check_model_dir
 
 logger = logging.getLogger(__name__)
 

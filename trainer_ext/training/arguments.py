@@ -18,7 +18,8 @@ from transformers import TrainingArguments
 
 from hf_recurrent import presets
 from trainer_ext.distill.losses import DIVERGENCES
-from trainer_ext.training.optimizer import SUBSPACE_MOMENTUM_FRACTION, check_gradient_accumulation
+from trainer_ext.compat import CHECKPOINTING_FLAG
+from trainer_ext.optim.in_backward import check_gradient_accumulation
 from trainer_ext.training.stability import check_settings
 
 logger = logging.getLogger(__name__)
@@ -32,17 +33,6 @@ DEFAULT_EVAL_BATCH_SIZE = 16
 # Batch key of the targets aligned with positions (target t belongs to input t); HF's loss functions use the
 # same name for labels that are already shifted.
 TARGETS = "shift_labels"
-_CHECKPOINTING = (
-    "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
-    else "gradient_checkpointing"
-)
-
-# The low-memory optimizer's bf16 momentum costs 2 bytes per parameter: at 121M parameters it brought the held-out
-# loss from 8.6% to 0.6% behind AdamW, and on small recurrent models in bf16 it made the difference between a stalled
-# and a healthy run (BENCHMARKS.md). Full momentum is the default below this size (recurrent-3.3b: +6.7 GB, still
-# fits a 24 GB card); from it up (recurrent-7b would need +13.8 GB) the default is subspace momentum, `low_memory_7b`
-# (1.7 GiB for recurrent-7b).
-AUTO_MOMENTUM, AUTO_MOMENTUM_MAX_PARAMS = 0.9, 5e9
 
 # Models of LARGE_MODEL_PARAMS or more get LARGE_MODEL_SCHEDULE where the user left a field unset, smaller ones
 # SMALL_MODEL_SCHEDULE (the CPU demo: a few minutes on the debug preset).
@@ -72,28 +62,6 @@ COMMAND_LINE_DEFAULTS = {
     # drain of the device at every step.
     "accelerator_config": {"non_blocking": torch.cuda.is_available()},
 }
-
-
-def resolve_momentum(momentum: float | None, rank_fraction: float | None,
-                     num_params: int) -> tuple[float | None, float | None]:
-    """The optimizer's (beta1, momentum_rank_fraction): beta1 is the argument if given (0 = off), else 0.9; the
-    fraction is the argument if given (1 = full momentum), else full below AUTO_MOMENTUM_MAX_PARAMS parameters and
-    SUBSPACE_MOMENTUM_FRACTION from there up."""
-    momentum = AUTO_MOMENTUM if momentum is None else momentum or None
-    if momentum is None:
-        return None, None
-    if rank_fraction is None:
-        rank_fraction = 1.0 if num_params < AUTO_MOMENTUM_MAX_PARAMS else SUBSPACE_MOMENTUM_FRACTION
-    return momentum, (rank_fraction if rank_fraction < 1 else None)
-
-
-def resolve_subspace_residual(residual: float | None, momentum: float | None) -> float:
-    """The factor of the update outside subspace momentum's subspace: the argument if given, else
-    sqrt((1 - beta1) / (1 + beta1)) (0.229 at beta1 = 0.9), the factor by which momentum shrinks the RMS of
-    uncorrelated noise, so that the update outside the subspace is as large as full momentum would make it."""
-    if residual is not None:
-        return residual
-    return 1.0 if not momentum else math.sqrt((1.0 - momentum) / (1.0 + momentum))
 
 
 @dataclass
@@ -227,8 +195,8 @@ class RecurrentTrainingArguments(TrainingArguments):
         default=0.05, metadata={"help": "Nats around ln(vocab_size) that count as uniform predictions."})
     # Activation checkpointing on by default (transformers >= 5.24 renamed the flag; keep one, no warning). Unset
     # (None) until __post_init__, like the batch size, so that the memory planner knows what the user gave.
-    __annotations__[_CHECKPOINTING] = bool | None
-    vars()[_CHECKPOINTING] = field(
+    __annotations__[CHECKPOINTING_FLAG] = bool | None
+    vars()[CHECKPOINTING_FLAG] = field(
         default=None, metadata={"help": "Recompute layer activations in backward (default: on, or what "
                                         "--memory_plan auto decides)."})
     per_device_train_batch_size: int | None = field(
@@ -282,8 +250,8 @@ class RecurrentTrainingArguments(TrainingArguments):
         if self.tf32 is None and torch.cuda.is_available():
             # fp32 matmuls (the loss's head-gradient accumulation) otherwise run on SIMT cores: ~8% of a 3B step.
             self.tf32 = True
-        if getattr(self, f"{_CHECKPOINTING}_kwargs") is None:
-            setattr(self, f"{_CHECKPOINTING}_kwargs", {"use_reentrant": False})
+        if getattr(self, f"{CHECKPOINTING_FLAG}_kwargs") is None:
+            setattr(self, f"{CHECKPOINTING_FLAG}_kwargs", {"use_reentrant": False})
         if self.disable_tqdm is None:
             # In a log file every bar refresh is one more carriage-return line (thousands per run); the log lines
             # (loss, learning rate every --logging_steps) still say how far it got.
@@ -301,7 +269,7 @@ class RecurrentTrainingArguments(TrainingArguments):
         CUDA). `explicit_memory_settings` keeps which of the first three were given: they win over a memory plan."""
         explicit = {name for name, given in (("per_device_train_batch_size", self.per_device_train_batch_size),
                                              ("per_device_eval_batch_size", self.per_device_eval_batch_size),
-                                             ("activation_checkpointing", getattr(self, _CHECKPOINTING)),
+                                             ("activation_checkpointing", getattr(self, CHECKPOINTING_FLAG)),
                                              ("activation_checkpointing", self.gradient_checkpointing))
                     if given is not None}
         if getattr(self, "explicit_memory_settings", None) is None:  # a copy of resolved arguments keeps the first
@@ -310,8 +278,8 @@ class RecurrentTrainingArguments(TrainingArguments):
             self.per_device_train_batch_size = DEFAULT_BATCH_SIZE
         if self.per_device_eval_batch_size is None:
             self.per_device_eval_batch_size = DEFAULT_EVAL_BATCH_SIZE
-        if getattr(self, _CHECKPOINTING) is None:
-            setattr(self, _CHECKPOINTING, True if self.gradient_checkpointing is None else self.gradient_checkpointing)
+        if getattr(self, CHECKPOINTING_FLAG) is None:
+            setattr(self, CHECKPOINTING_FLAG, True if self.gradient_checkpointing is None else self.gradient_checkpointing)
         cuda = torch.cuda.is_available() and not self.use_cpu
         if self.torch_compile is None:
             self.torch_compile = cuda or self.torch_compile_mode is not None or self.torch_compile_backend is not None
@@ -406,7 +374,7 @@ def resolve_schedule_defaults(training_args: RecurrentTrainingArguments, num_par
     SMALL_MODEL_SCHEDULE. num_train_epochs: TrainingArguments' default (3) where not set otherwise. Fields the user
     set are never changed. Returns the large-model defaults applied (empty for a small model), for the log.
     """
-    from trainer_ext.training.lr_sweep_file import read_sweep_choice
+    from trainer_ext.lr_search.sweep_file import read_sweep_choice
 
     large = num_params >= LARGE_MODEL_PARAMS
     if training_args.learning_rate is None and training_args.learning_rate_from:

@@ -5,18 +5,10 @@ ends, and Python's garbage collection between steps."""
 
 import contextlib
 import gc
-from typing import TYPE_CHECKING
-
 from transformers import TrainerCallback
 
+from trainer_ext.training.stability import STABILITY_STATE_KEY
 from trainer_ext.training.telemetry import PhaseProfiler
-
-if TYPE_CHECKING:
-    from trainer_ext.training.trainer import RecurrentTrainer
-
-# The guard's running statistics live in the trainer state (trainer_state.json of each checkpoint) under this key,
-# so that a resumed run takes the decisions an uninterrupted one would have taken.
-STABILITY_STATE_KEY = "StabilityGuard"
 
 
 class PhaseTimingCallback(TrainerCallback):
@@ -44,7 +36,7 @@ class TrainingHooksCallback(TrainerCallback):
     `args.stability_guard`) and the start of the collapse / skipped-update bookkeeping of each `train()`, once a
     resumed optimizer is loaded."""
 
-    def __init__(self, trainer: "RecurrentTrainer"):
+    def __init__(self, trainer):  # a RecurrentTrainer, which builds this callback
         self.trainer = trainer
         self._nan_filter = None  # the user's logging_nan_inf_filter while a guarded step has it off
 

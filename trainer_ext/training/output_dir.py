@@ -7,7 +7,7 @@ import logging
 import os
 import shutil
 
-from trainer_ext.training.checkpoints import (
+from trainer_ext.checkpoints import (
     FINAL_DIR,
     check_checkpoint,
     is_staging_dir,

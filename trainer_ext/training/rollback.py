@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from trainer_ext.training.checkpoints import last_complete_checkpoint
+from trainer_ext.checkpoints import last_complete_checkpoint
 
 
 def _weight_files(checkpoint: str) -> list[str]:

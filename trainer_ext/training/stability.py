@@ -39,8 +39,12 @@ from dataclasses import asdict, dataclass
 
 from trainer_ext.files import write_json
 
-__all__ = ["EMA_DECAY", "GRAD_NORM_BLOWUP", "Intervention", "LOSS_SPIKE", "ROLLBACK", "StabilityGuard",
-           "UnstableTrainingError", "check_settings", "write_interventions"]
+__all__ = ["EMA_DECAY", "GRAD_NORM_BLOWUP", "Intervention", "LOSS_SPIKE", "ROLLBACK", "STABILITY_STATE_KEY",
+           "StabilityGuard", "UnstableTrainingError", "check_settings", "write_interventions"]
+
+# The guard's running statistics live in the trainer state (trainer_state.json of each checkpoint) under this key,
+# so that a resumed run takes the decisions an uninterrupted one would have taken.
+STABILITY_STATE_KEY = "StabilityGuard"
 
 # Weight of the past in the running statistics: a memory of about 1 / (1 - 0.95) = 20 observations, long enough
 # to average out batch-to-batch noise, short enough to follow a loss that falls quickly early in training.

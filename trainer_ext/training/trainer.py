@@ -18,26 +18,22 @@ from hf_recurrent import DepthSampler, flops_per_token
 from hf_recurrent.presets import is_recurrent
 
 from trainer_ext.distill.losses import OnlineTeacher, TopKTeacher, chunked_lm_loss
-from trainer_ext.training.arguments import (
-    TARGETS,
-    fill_unset_schedule,
-    resolve_momentum,
-    resolve_subspace_residual,
-)
+from trainer_ext.optim.momentum import resolve_momentum, resolve_subspace_residual
+from trainer_ext.optim.optimizer import create_optimizer
+from trainer_ext.training.arguments import TARGETS, fill_unset_schedule
 from trainer_ext.training.callbacks import (
     GarbageCollectionCallback,
     PhaseTimingCallback,
     TrainingHooksCallback,
     WarmupEndCheckpointCallback,
 )
-from trainer_ext.training.checkpoints import (
+from trainer_ext.checkpoints import (
     TRAINER_STATE_NAME,
     publish,
     rotate_checkpoints,
     staging_dir,
 )
 from trainer_ext.training.distributed import check_optimizer_supports, saved_as_pretrained_class
-from trainer_ext.training.optimizer import create_optimizer
 from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError
 from trainer_ext.training.stability_mixin import StabilityMixin
 from trainer_ext.training.telemetry import PhaseProfiler, device_peak_flops, memory_stats, reset_memory_peaks

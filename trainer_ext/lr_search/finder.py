@@ -14,8 +14,8 @@ trials (`judge_trials`), which takes each batch's difficulty out; trailing media
 step is not a lasting rise. Divergence (an error, non-finite values, no progress, a collapse; from trained weights,
 a rise of the loss on fixed held-out samples) is judged per trial.
 
-The trials are run in trainer_ext/training/lr_trials.py; the sweep's files (lr_sweep.json / .md / .png) are written
-and read in trainer_ext/training/lr_sweep_file.py.
+The trials are run in trainer_ext/lr_search/trials.py; the sweep's files (lr_sweep.json / .md / .png) are written
+and read in trainer_ext/lr_search/sweep_file.py.
 The summary, judgement and pick functions are pure (lists and dicts in, dicts out): they are tested on synthetic
 curves and on the curves of a GPU sweep.
 """

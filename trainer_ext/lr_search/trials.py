@@ -1,7 +1,7 @@
 """Running the learning-rate threshold test's trials: each trial trains a fresh model (from the same initial weights,
 or from the weights of `--sweep_start_steps` trained steps) at one constant rate with the production optimizer and
 memory settings, one trial at a time, and releases everything it held before the next; `run_sweep` runs them in
-ascending order and hands the curves to the pure judgement of trainer_ext/training/lr_finder.py."""
+ascending order and hands the curves to the pure judgement of trainer_ext/lr_search/finder.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PrinterCallback, ProgressCallback
 
-from trainer_ext.training.lr_finder import (
+from trainer_ext.lr_search.finder import (
     MIN_PAIRED_TRIALS,
     TRIAL_FAILURES,
     SweepArguments,
@@ -24,7 +24,7 @@ from trainer_ext.training.lr_finder import (
     pick_learning_rate,
     summarize_trial,
 )
-from trainer_ext.training.lr_sweep_file import FORMAT_VERSION, format_optional, write_sweep
+from trainer_ext.lr_search.sweep_file import FORMAT_VERSION, format_optional, write_sweep
 from trainer_ext.training.telemetry import memory_stats
 from trainer_ext.training.trainer import RecurrentTrainer
 

@@ -24,12 +24,12 @@ from trainer_ext.training.arguments import (
     ModelArguments,
     RecurrentTrainingArguments,
 )
-from trainer_ext.training.lr_finder import SweepArguments, resolve_sweep_defaults
-from trainer_ext.training.lr_sweep_file import read_progress, remove_progress, write_progress
-from trainer_ext.training.lr_trials import find_learning_rate, memory_note, run_trial, trial_arguments
-from trainer_ext.training.memory_plan import MemoryPlanCallback, apply_memory_plan
-from trainer_ext.training.model_setup import build_model, load_data_tokenizer, load_teacher_for, meta_model
-from trainer_ext.training.pretrain import check_model_arguments, ensure_data, parse_args_with_defaults
+from trainer_ext.lr_search.finder import SweepArguments, resolve_sweep_defaults
+from trainer_ext.lr_search.sweep_file import read_progress, remove_progress, write_progress
+from trainer_ext.lr_search.trials import find_learning_rate, memory_note, run_trial, trial_arguments
+from trainer_ext.memory.plan import MemoryPlanCallback, apply_memory_plan
+from trainer_ext.run.model_setup import build_model, load_data_tokenizer, load_teacher_for, meta_model
+from trainer_ext.run.pretrain import check_model_arguments, ensure_data, parse_args_with_defaults
 
 logger = logging.getLogger(__name__)
 

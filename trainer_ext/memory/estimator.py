@@ -28,7 +28,7 @@ layer one more forward); the per-token and per-application terms are the launch-
 
 Every term is linear in the number of recomputed applications at a fixed batch size, which the planner's mixed-integer
 program relies on (`memory_plan.py`). `fit_calibration` turns probe records (`benchmarks/memory_probe.py`) into a
-calibration; `trainer_ext/training/memory_calibration.json` is the committed one.
+calibration; `trainer_ext/memory/calibration.json` is the committed one.
 """
 
 import datetime
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 GIB = 2**30
-CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_calibration.json")
+CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 CALIBRATE_COMMAND = "hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json"
 PROBE_COMMAND = ("python3 -m benchmarks.memory_probe --presets recurrent-125m recurrent-1b recurrent-3.3b "
                  "recurrent-7b transformer-125m --output probes.jsonl --max_seconds 450")

@@ -14,7 +14,7 @@ from trainer_ext.data.shards import tokenizer_hash
 from trainer_ext.devices import resolve_dtype
 from trainer_ext.distill.teacher import TEACHER_TOKENIZER_FIX, load_frozen_teacher
 from trainer_ext.training.arguments import ModelArguments
-from trainer_ext.training.checkpoints import check_model_dir, load_tokenizer
+from trainer_ext.checkpoints import check_model_dir, load_tokenizer
 
 # Fields every config has (transformers_version, id2label, ...): accepted as overrides, left out of error messages.
 _BASE_CONFIG_FIELDS = {f.name for f in dataclasses.fields(PretrainedConfig)}

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from trainer_ext.training.optimizer import SUBSPACE_MOMENTUM_FRACTION, subspace_rank
+from trainer_ext.optim.optimizer import SUBSPACE_MOMENTUM_FRACTION, subspace_rank
 
 __all__ = ["OPTIMIZER_STATES", "OptimizerState", "low_memory_state", "optimizer_state_bytes", "optimizer_state_gib",
            "state_gib_for_preset"]

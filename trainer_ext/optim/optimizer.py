@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from trainer_ext.devices import has_triton
-from trainer_ext.training.in_backward import BackwardHooks, check_gradient_accumulation
-from trainer_ext.training.optimizer_kernels import (
+from trainer_ext.optim.in_backward import BackwardHooks, check_gradient_accumulation
+from trainer_ext.optim.kernels import (
     EAGER_KERNELS,
     compiled_kernels,
     factored_update,
@@ -53,7 +53,7 @@ DEFAULT_MAX_CHUNK_NUMEL = 2**26
 _STATE_DICT_KEY = "low_memory_adafactor"
 
 # The subspace momentum of the 7B-class configuration (`low_memory_7b`): 1/16 of full momentum's memory, which keeps
-# recurrent-7b's extra optimizer state under 2 GiB (trainer_ext/training/optimizer_state.py counts it).
+# recurrent-7b's extra optimizer state under 2 GiB (trainer_ext/optim/state.py counts it).
 SUBSPACE_MOMENTUM_FRACTION = 1 / 16
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -110,7 +110,7 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         compile: run each tensor's update as ``torch.compile``d functions. None (default): for CUDA
             tensors when Triton is installed, eager otherwise; True: for all tensors (CPU tensors then
             need a C++ compiler); False: never.
-        fused: where compiled, update CUDA matrices and vectors with the Triton kernels of optimizer_triton.py (one
+        fused: where compiled, update CUDA matrices and vectors with the Triton kernels of triton_kernels.py (one
             kernel per pass over a matrix, one per vector; no fp32 copy of the gradient). None (default) or True:
             yes; False: the compiled torch functions.
         seed: seed of the stochastic-rounding bits; saved in the state dict.
@@ -452,10 +452,10 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
 
 @functools.cache
 def _fused_kernels():
-    """optimizer_triton, imported on first use (it needs Triton, which CPU-only installs lack)."""
-    from trainer_ext.training import optimizer_triton
+    """triton_kernels, imported on first use (it needs Triton, which CPU-only installs lack)."""
+    from trainer_ext.optim import triton_kernels
 
-    return optimizer_triton
+    return triton_kernels
 
 
 def create_optimizer(

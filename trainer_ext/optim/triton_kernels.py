@@ -1,7 +1,7 @@
 """The factored update of `LowMemoryAdafactor` for one CUDA matrix as Triton kernels (the ``fused`` path), and the
 update of a vector (norm scales, biases: ndim < 2) as one kernel of one program.
 
-Same math and the same random bits as the torch functions in optimizer_kernels.py. Three passes over the tensor,
+Same math and the same random bits as the torch functions in kernels.py. Three passes over the tensor,
 each one kernel that reads the bf16 gradient once and keeps every fp32 value in registers:
     1. statistics: row and column sums of g**2 (per tile)
     2. update RMS: sum of u**2, u = g * row_factor * col_factor
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from trainer_ext.training.optimizer_kernels import (
+from trainer_ext.optim.kernels import (
     BETA1,
     BETA2,
     BETA2_DECAY,
@@ -59,7 +59,7 @@ _VECTOR_BLOCK, _VECTOR_NUMEL = 512, 2**16
 
 @triton.jit
 def _mix32(x):
-    """optimizer_kernels.mix32 on int32 (shifts masked to be logical, multiplications wrap)."""
+    """kernels.mix32 on int32 (shifts masked to be logical, multiplications wrap)."""
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * 0x7FEB352D
     x = x ^ ((x >> 15) & 0x1FFFF)
@@ -69,7 +69,7 @@ def _mix32(x):
 
 @triton.jit
 def _round_bf16_stochastic(x, index, key, step_int, salt):
-    """optimizer_kernels.round_to_bf16_stochastic with optimizer_kernels._random_bits of (key, step, salt, index)."""
+    """kernels.round_to_bf16_stochastic with kernels._random_bits of (key, step, salt, index)."""
     stream = _mix32(key ^ _mix32(step_int ^ salt))
     bits = _mix32(_mix32(index) ^ stream)
     rounded = (x.to(tl.int32, bitcast=True) + (bits & 0xFFFF)) & -65536
@@ -109,7 +109,7 @@ def _pow(base, exponent, INTERPRETED: tl.constexpr):
 @triton.jit
 def _step_scalars(total, step_ptr, hyper, BETA2_DECAY: tl.constexpr, INTERPRETED: tl.constexpr):
     """From the gradient's sum of squares: ok (finite), beta2 of this step, the second moment's bias correction
-    (optimizer_kernels._beta2_and_bias_correction) and the step count after it (optimizer_kernels._record)."""
+    (kernels._beta2_and_bias_correction) and the step count after it (kernels._record)."""
     ok = (total - total) == 0.0  # false for inf and nan
     t = tl.load(step_ptr) + 1.0
     beta2 = tl.load(hyper + 3)
@@ -124,7 +124,7 @@ def _step_scalars(total, step_ptr, hyper, BETA2_DECAY: tl.constexpr, INTERPRETED
 
 @triton.jit
 def _commit_step(step_ptr, step, totals, total, ok):
-    """The step count and the grad-norm / skip totals, as optimizer_kernels._record leaves them."""
+    """The step count and the grad-norm / skip totals, as kernels._record leaves them."""
     tl.store(step_ptr, step)
     tl.store(totals, tl.load(totals) + total)
     tl.store(totals + 1, tl.load(totals + 1) + 1.0 - ok.to(tl.float32))
@@ -134,8 +134,8 @@ def _commit_step(step_ptr, step, totals, total, ok):
 def _scalar_kernel(sq_part, num_parts, step_ptr, totals, hyper, scalars, BETA2_DECAY: tl.constexpr,
                    B: tl.constexpr, INTERPRETED: tl.constexpr):
     """One program: the gradient's sum of squares from pass 1's tile sums; ok (finite), the step count and the
-    grad-norm / skip totals as optimizer_kernels._record has them; scalars = [ok, 1 - beta1**step, beta2 of this
-    step, the second moment's bias correction] (optimizer_kernels._beta2_and_bias_correction)."""
+    grad-norm / skip totals as kernels._record has them; scalars = [ok, 1 - beta1**step, beta2 of this
+    step, the second moment's bias correction] (kernels._beta2_and_bias_correction)."""
     acc = tl.zeros((B,), dtype=tl.float32)
     start = 0
     while start < num_parts:  # a while loop (not range) also runs under Triton's interpreter with numpy 2
@@ -170,7 +170,7 @@ def _factor_kernel(row, col, row_part, col_part, row_raw, row_sums, col_factor, 
                    tiles_c, row_programs, FR: tl.constexpr, FBR: tl.constexpr, FC: tl.constexpr, FBC: tl.constexpr):
     """The row and column averages of g**2 (committed where ok) and their inverse square roots. Programs below
     ``row_programs`` take FR rows (and write their rows' sum of the new average, for its mean), the rest FC columns.
-    optimizer_kernels._update_factors's row factor, rsqrt(new_row / (mean * correction)), is _row_factor's."""
+    kernels._update_factors's row factor, rsqrt(new_row / (mean * correction)), is _row_factor's."""
     pid = tl.program_id(0)
     ok = tl.load(scalars) != 0
     beta2 = tl.load(scalars + 2)
@@ -201,7 +201,7 @@ def _row_factor(row_raw, row_sums, row_programs, rows, R, scalars, P: tl.constex
 
 @triton.jit
 def _clip_scale(update_sq, numel, hyper):
-    """optimizer_kernels._clip_scale."""
+    """kernels._clip_scale."""
     return 1.0 / tl.maximum(tl.sqrt(tl.load(update_sq) / numel) / tl.load(hyper + 6), 1.0)
 
 
@@ -221,7 +221,7 @@ def _update_sq_kernel(grad, row_raw, row_sums, row_programs, col_factor, scalars
 @triton.jit
 def _momentum_update(momentum, offsets, mask, update, ok, index, key, step_int, beta1, MOMENTUM_BF16: tl.constexpr):
     """m <- beta1 m + (1 - beta1) u, stored where ok (stochastically rounded by element ``index`` in bf16); returns
-    the new m, which divided by 1 - beta1**t replaces u (optimizer_kernels._apply_update)."""
+    the new m, which divided by 1 - beta1**t replaces u (kernels._apply_update)."""
     old = tl.load(momentum + offsets, mask=mask, other=0.0)
     averaged = beta1 * old.to(tl.float32) + (1.0 - beta1) * update
     stored = averaged
@@ -298,7 +298,7 @@ def _apply_kernel(param, grad, momentum, back, row_raw, row_sums, row_programs, 
 def _vector_kernel(param, grad, second_moment, momentum, step_ptr, keys, totals, hyper, n, BLOCK: tl.constexpr,
                    BETA2_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, PARAM_BF16: tl.constexpr,
                    MOMENTUM_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """A vector's whole update in one program, as optimizer_kernels.unfactored_update, in three passes of BLOCK
+    """A vector's whole update in one program, as kernels.unfactored_update, in three passes of BLOCK
     elements: the sum of g**2 (ok, step, totals and bias corrections as _scalar_kernel); the update's sum of squares
     under the new second moment; the second moment's write (where ok), the clipped update, momentum, decay and the
     weight write (as _apply_kernel, element indices from 0 under the tensor's one key)."""
@@ -361,7 +361,7 @@ def supports_vector(param: torch.Tensor) -> bool:
 
 def fused_vector_update(param, grad, second_moment, momentum, step, keys, hyper, totals, *,
                         beta2_decay: bool) -> None:
-    """One vector's update (optimizer_kernels.unfactored_update's arguments): one kernel launch."""
+    """One vector's update (kernels.unfactored_update's arguments): one kernel launch."""
     _vector_kernel[(1,)](param, grad.contiguous(), second_moment, param if momentum is None else momentum, step,
                          keys, totals, hyper, param.numel(), BLOCK=_VECTOR_BLOCK, BETA2_DECAY=beta2_decay,
                          HAS_MOMENTUM=momentum is not None, PARAM_BF16=param.dtype == torch.bfloat16,

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from transformers import TrainerCallback
 
-from trainer_ext.training.memory_estimator import GIB, Calibration, ModelShape, load_calibration
-from trainer_ext.training.recompute import RecomputeCallback, RecomputeSet
+from trainer_ext.memory.estimator import GIB, Calibration, ModelShape, load_calibration
+from trainer_ext.memory.recompute import RecomputeCallback, RecomputeSet
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +80,8 @@ def training_shape(config, momentum: float | None = None, rank_fraction: float |
                    bytes_per_param: int = 2) -> ModelShape:
     """The estimator's view of `config` trained with LowMemoryAdafactor (momentum resolved as training does)."""
     from hf_recurrent.cost import parameter_counts
-    from trainer_ext.training.arguments import resolve_momentum
-    from trainer_ext.training.optimizer_state import low_memory_state, optimizer_state_bytes
+    from trainer_ext.optim.momentum import resolve_momentum
+    from trainer_ext.optim.state import low_memory_state, optimizer_state_bytes
 
     params = parameter_counts(config).unique
     momentum, rank_fraction = resolve_momentum(momentum, rank_fraction, params)
@@ -223,7 +223,7 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
     import torch
 
     from hf_recurrent.presets import is_recurrent
-    from trainer_ext.training.arguments import _CHECKPOINTING
+    from trainer_ext.compat import CHECKPOINTING_FLAG
 
     if training_args.memory_plan != "auto":
         return []
@@ -233,7 +233,7 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
               or not torch.cuda.is_available() and "no CUDA device")
     if reason:
         logger.warning("--memory_plan auto: not applied (%s); batch %d, checkpointing %s as given.", reason,
-                       training_args.per_device_train_batch_size, getattr(training_args, _CHECKPOINTING))
+                       training_args.per_device_train_batch_size, getattr(training_args, CHECKPOINTING_FLAG))
         return []
     explicit = getattr(training_args, "explicit_memory_settings", set())
     cap = training_args.memory_cap_gib or torch.cuda.get_device_properties(0).total_memory / GIB
@@ -241,7 +241,7 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
                            bytes_per_param)
     fixed_set = None
     if "activation_checkpointing" in explicit:
-        fixed_set = RecomputeSet.named("all" if getattr(training_args, _CHECKPOINTING) else "none", shape,
+        fixed_set = RecomputeSet.named("all" if getattr(training_args, CHECKPOINTING_FLAG) else "none", shape,
                                        shape.graph_steps)
     batches = [training_args.per_device_train_batch_size] if "per_device_train_batch_size" in explicit else None
     calibration = load_calibration(training_args.memory_calibration)
@@ -265,7 +265,7 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
         training_args.per_device_eval_batch_size = plan.per_device_train_batch_size
     callbacks = [MemoryPlanCallback(plan, training_args.output_dir)]
     if "activation_checkpointing" not in explicit:
-        setattr(training_args, _CHECKPOINTING, not plan.recompute.empty)
+        setattr(training_args, CHECKPOINTING_FLAG, not plan.recompute.empty)
         if not plan.recompute.empty and is_recurrent(config):  # a Transformer's checkpointing is all or nothing
             callbacks.insert(0, RecomputeCallback(plan.recompute))
     logger.info("Memory plan (cap %.1f GiB): %s", cap, plan.describe())

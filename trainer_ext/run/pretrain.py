@@ -30,11 +30,11 @@ from trainer_ext.training.arguments import (
     RecurrentTrainingArguments,
     resolve_schedule_defaults,
 )
-from trainer_ext.training.checkpoints import FINAL_DIR, check_model_dir, check_resume_files
+from trainer_ext.checkpoints import FINAL_DIR, check_model_dir, check_resume_files
 from trainer_ext.training.distributed import check_processes_coordinated
-from trainer_ext.training.lr_sweep_file import read_sweep_choice
-from trainer_ext.training.memory_plan import apply_memory_plan
-from trainer_ext.training.model_setup import (
+from trainer_ext.lr_search.sweep_file import read_sweep_choice
+from trainer_ext.memory.plan import apply_memory_plan
+from trainer_ext.run.model_setup import (
     build_config,
     build_model,
     check_depth_arguments,

@@ -1,4 +1,4 @@
-"""The update math of `LowMemoryAdafactor` (trainer_ext/training/optimizer.py) as plain torch functions.
+"""The update math of `LowMemoryAdafactor` (trainer_ext/optim/optimizer.py) as plain torch functions.
 
 Hyperparameters and step counts are device tensors, so that each function can be compiled with
 ``torch.compile(fullgraph=True)`` and run without host syncs, and a learning-rate change never recompiles.
