@@ -48,10 +48,10 @@ class TorchProfileCallback:
 
 def child(cap_gib: float, run_args: list[str], profile_path: str | None = None) -> None:
     set_memory_cap(cap_gib)
-    from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
+    from trainer_ext.run.pretrain import parse_pretrain_job, pretrain
 
     callbacks = [TorchProfileCallback(start=6, count=2, path=profile_path)] if profile_path else None
-    pretrain(*parse_pretrain_args(run_args), callbacks=callbacks)
+    pretrain(parse_pretrain_job(run_args), callbacks=callbacks)
 
 
 def rise_over_running_min(losses: list[float], start: int, window: int = 1) -> float:

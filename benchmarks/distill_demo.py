@@ -51,7 +51,7 @@ from trainer_ext.data.shards import (
 from trainer_ext.distill.cache import TEACHER_MANIFEST_NAME, TeacherCacheDataset
 from trainer_ext.distill.caching import CacheTeacherArguments, cache_teacher
 from trainer_ext.training.arguments import RecurrentTrainingArguments
-from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.run.pretrain import parse_pretrain_job, pretrain
 from trainer_ext.training.trainer import RecurrentTrainer
 
 logger = logging.getLogger("distill_demo")
@@ -104,7 +104,7 @@ def train_teacher(args: DistillDemoArguments) -> str:
     out = os.path.join(args.output_dir, "teacher")
     final = os.path.join(out, "final")
     if not os.path.exists(os.path.join(final, "train_metrics.json")):
-        pretrain(*parse_pretrain_args([
+        pretrain(parse_pretrain_job([
             "--preset", args.teacher_preset, "--config_overrides", args.teacher_overrides,
             "--data_dir", args.data_dir, "--output_dir", out, "--max_steps", str(args.teacher_steps),
             "--per_device_train_batch_size", str(args.batch_size), "--learning_rate", str(args.teacher_learning_rate),

@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.run.pretrain import parse_pretrain_job, pretrain
 
 
 def left_behind_gib() -> float:
@@ -37,11 +37,10 @@ def main(argv=None) -> int:
     on_gpu = torch.cuda.is_available()
     extra = ["--bf16", "true", "--per_device_train_batch_size", "32"] if on_gpu else []
     for index, preset in enumerate(args.presets):
-        model_args, data_args, training_args = parse_pretrain_args([
+        metrics = pretrain(parse_pretrain_job([
             "--preset", preset, "--data_dir", args.data_dir, "--max_steps", str(args.max_steps),
             "--output_dir", f"{args.output_dir}/{index}", "--overwrite_output_dir", "true", "--save_strategy", "no",
-            "--logging_steps", "10", "--max_eval_samples", "16", *extra])
-        metrics = pretrain(model_args, data_args, training_args)
+            "--logging_steps", "10", "--max_eval_samples", "16", *extra]))
         gc.collect()
         print(json.dumps({"training": index, "preset": preset, "eval_loss": round(metrics["eval_loss"], 4),
                           "left_behind_gib": round(left_behind_gib(), 3),

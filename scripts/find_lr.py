@@ -17,19 +17,19 @@ import logging
 import os
 import sys
 
-from trainer_ext.run.find_lr import find_lr, parse_find_lr_args
+from trainer_ext.run.find_lr import find_lr, parse_find_lr_job
 
 
 def main(argv=None) -> int:
     """Console entry point: 0 when a stable rate was found, 1 when none was."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    model_args, data_args, training_args, sweep_args = parse_find_lr_args(argv)
-    result = find_lr(model_args, data_args, training_args, sweep_args)
+    job, sweep_args = parse_find_lr_job(argv)
+    result = find_lr(job, sweep_args)
     if result["learning_rate"] is None:
         smaller = [f"{rate / 10:g}" for rate in sweep_args.learning_rates[:3]]
         print(f"No stable learning rate among {[f'{r:g}' for r in sweep_args.learning_rates]} (the smallest was "
               f"unstable): try smaller rates, e.g. --learning_rates {' '.join(smaller)}. Details in "
-              f"{os.path.join(training_args.output_dir, 'lr_sweep.md')}.", file=sys.stderr)
+              f"{os.path.join(job.training_args.output_dir, 'lr_sweep.md')}.", file=sys.stderr)
         return 1
     return 0
 

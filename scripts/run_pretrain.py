@@ -23,13 +23,13 @@ would train): raise --max_steps to continue it. Every argument is checked before
 import logging
 import sys
 
-from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.run.pretrain import parse_pretrain_job, pretrain
 
 
 def main(argv=None) -> int:
     """Console entry point: 0 after a successful run (a failure raises, which exits non-zero)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    pretrain(*parse_pretrain_args(argv))
+    pretrain(parse_pretrain_job(argv))
     return 0
 
 

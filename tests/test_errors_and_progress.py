@@ -14,7 +14,7 @@ from hf_recurrent import RecurrentDepthForCausalLM, presets
 from trainer_ext.cli import cache_teacher, evaluate_checkpoints as evaluate_script, run_pretrain
 from trainer_ext.comparison.training import whole_run_train_loss
 from trainer_ext.data.shards import ShardedTokenDataset
-from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.run.pretrain import parse_pretrain_args, parse_pretrain_job, pretrain
 from trainer_ext.evaluation.generation import cache_mode_cost
 from trainer_ext.evaluation.metrics import evaluate_model
 
@@ -164,8 +164,8 @@ def test_train_loss_of_a_resumed_run_covers_every_step(tiny_data_dir, tmp_path):
     out = str(tmp_path / "out")
     common = ["--data_dir", tiny_data_dir, "--output_dir", out, "--save_steps", "2", "--logging_steps", "1",
               "--eval_strategy", "no", "--per_device_train_batch_size", "2", "--max_eval_samples", "8"]
-    pretrain(*parse_pretrain_args(common + ["--max_steps", "2"]))
-    metrics = pretrain(*parse_pretrain_args(common + ["--max_steps", "4"]))  # resumes from checkpoint-2 by itself
+    pretrain(parse_pretrain_job(common + ["--max_steps", "2"]))
+    metrics = pretrain(parse_pretrain_job(common + ["--max_steps", "4"]))  # resumes from checkpoint-2 by itself
     with open(os.path.join(out, "log_history.json"), encoding="utf-8") as f:
         log_history = json.load(f)
     losses = {entry["step"]: entry["loss"] for entry in log_history if "loss" in entry}

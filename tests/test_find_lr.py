@@ -17,7 +17,7 @@ from trainer_ext.data.shards import ShardedTokenDataset
 from trainer_ext.lr_search import finder as lr_finder, trials as lr_trials
 from trainer_ext.training.arguments import RecurrentTrainingArguments, resolve_schedule_defaults
 from trainer_ext.lr_search.finder import SweepArguments, pick_learning_rate, resolve_sweep_defaults, summarize_trial
-from trainer_ext.run.pretrain import check_pretrain_arguments, parse_pretrain_args, pretrain
+from trainer_ext.run.pretrain import parse_pretrain_args, parse_pretrain_job, pretrain
 
 SWEEP = ["--sweep_steps", "16", "--sweep_warmup_steps", "4", "--per_device_train_batch_size", "8",
          "--use_cpu", "true"]
@@ -73,21 +73,22 @@ def test_sweep_writes_a_table_and_a_plot(sweep_dir):
 def test_run_pretrain_takes_the_rate_from_the_sweep_unless_set_on_the_command_line(sweep_dir, tiny_data_dir, tmp_path):
     chosen = json.loads((sweep_dir / "lr_sweep.json").read_text())["learning_rate"]
     sweep_file = str(sweep_dir / "lr_sweep.json")
-    _, _, args = parse_pretrain_args(["--learning_rate_from", sweep_file, "--use_cpu", "true"])
-    resolve_schedule_defaults(args, num_params=1_000_000)
+    def resolved(argv, num_params):  # the job reads the sweep file once; the defaults take its rate
+        job = parse_pretrain_job([*argv, "--output_dir", str(tmp_path / "unused"), "--use_cpu", "true"])
+        return job.training_args, resolve_schedule_defaults(job.training_args, num_params, job.swept_learning_rate)
+
+    args, _ = resolved(["--learning_rate_from", sweep_file], 1_000_000)
     assert args.learning_rate == chosen and args.warmup_steps == 30  # the rate only; the warm-up stays
     # It wins over the large-model defaults (3e-4, 2000 warm-up steps), which still set the rest.
-    _, _, args = parse_pretrain_args(["--learning_rate_from", sweep_file, "--use_cpu", "true"])
-    assert "learning_rate" not in resolve_schedule_defaults(args, num_params=3_000_000_000)
+    args, applied = resolved(["--learning_rate_from", sweep_file], 3_000_000_000)
+    assert "learning_rate" not in applied
     assert args.learning_rate == chosen and args.warmup_steps == 2000 and args.max_steps == -1
     # A flag on the command line wins over the file; the folder holding lr_sweep.json works as well.
-    _, _, args = parse_pretrain_args(["--learning_rate_from", str(sweep_dir), "--learning_rate", "1e-4",
-                                      "--use_cpu", "true"])
-    resolve_schedule_defaults(args, num_params=1_000_000)
+    args, _ = resolved(["--learning_rate_from", str(sweep_dir), "--learning_rate", "1e-4"], 1_000_000)
     assert args.learning_rate == 1e-4 and args.warmup_steps == 30
 
     # A short training run logs the rate from the file (constant schedule, no warm-up given explicitly).
-    pretrain(*parse_pretrain_args([
+    pretrain(parse_pretrain_job([
         "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "2",
         "--learning_rate_from", sweep_file, "--warmup_steps", "0", "--lr_scheduler_type", "constant",
         "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no", "--save_final", "false",
@@ -110,7 +111,7 @@ def test_a_missing_or_malformed_sweep_file_is_named_with_the_fix(tmp_path, conte
     if content is not None:
         path.write_text(content)
     with pytest.raises(ValueError, match=message) as raised:
-        check_pretrain_arguments(*parse_pretrain_args(["--learning_rate_from", str(path), "--use_cpu", "true"]))
+        parse_pretrain_job(["--learning_rate_from", str(path), "--use_cpu", "true"])
     assert str(path) in str(raised.value)
     if content is None:
         assert "hf-recurrent-find-lr" in str(raised.value)
@@ -127,8 +128,7 @@ def test_no_stable_rate_exits_non_zero_and_says_to_try_smaller_rates(tiny_data_d
     assert not first["stable"] and not second["stable"]
     assert second["skipped"] == first["diverged"]  # larger rates are skipped only after a divergence
     with pytest.raises(ValueError, match="no stable learning rate"):
-        check_pretrain_arguments(*parse_pretrain_args(["--learning_rate_from", str(tmp_path / "lr_sweep.json"),
-                                                       "--use_cpu", "true"]))
+        parse_pretrain_job(["--learning_rate_from", str(tmp_path / "lr_sweep.json"), "--use_cpu", "true"])
 
 
 def test_sweep_start_trains_first_and_every_trial_starts_from_its_weights_on_later_samples(
@@ -510,7 +510,7 @@ def test_the_trials_train_with_the_memory_plan_pretraining_would_apply(tiny_data
 
     argv = ["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path), "--learning_rates", "1e-3", "--use_cpu",
             "true", "--memory_plan", plan, "--memory_cap_gib", "0.5", "--memory_margin_gib", "0.1"]
-    model_args, data_args, training_args, sweep_args = find_lr_module.parse_find_lr_args(argv)
+    job, sweep_args = find_lr_module.parse_find_lr_job(argv)
     _, _, pretrain_args = parse_pretrain_args(argv[:4] + argv[6:])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # seen by the planner only
     seen = {}
@@ -520,7 +520,7 @@ def test_the_trials_train_with_the_memory_plan_pretraining_would_apply(tiny_data
         return {"learning_rate": None}
 
     monkeypatch.setattr(find_lr_module, "find_learning_rate", capture)
-    find_lr_module.find_lr(model_args, data_args, training_args, sweep_args)
+    find_lr_module.find_lr(job, sweep_args)
     # pretraining's own plan for the same arguments, model (the default preset, fp32 on the CPU) and data
     config = presets.get("debug", vocab_size=len(AutoTokenizer.from_pretrained(tiny_data_dir)))
     pretrain_callbacks = apply_memory_plan(pretrain_args, config, seen["seq_len"], 4)

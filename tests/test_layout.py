@@ -1,5 +1,6 @@
 """The project's layout promises: two import names installed, thin command-line scripts that import no other script,
-small library modules, every library package installed, console entry points that resolve."""
+small library modules, every library package installed, console entry points that resolve, the library's
+sub-packages by concern with their dependencies pointing one way, and no import cycles."""
 
 import ast
 import importlib.metadata
@@ -72,6 +73,127 @@ def test_console_entry_points_resolve_to_the_cli_package():
         module, _, function = target.partition(":")
         assert module.startswith("trainer_ext.cli."), name
         assert callable(getattr(importlib.import_module(module), function)), name
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _library_imports() -> dict[str, set[str]]:
+    """{module: the library modules it imports}, read from the source: every import statement, at module level or
+    inside a function or an `if TYPE_CHECKING:` block, absolute or relative. `from package import name` counts as
+    importing `package.name` where that is a module."""
+    modules = {_module_name(path): path
+               for root in ("hf_recurrent", "trainer_ext") for path in (REPO / root).rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                imported |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+        graph[name] = {module for module in imported if module in modules and module != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `graph`: each strongly connected set of two or more modules (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph[node]):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _package(module: str) -> str:
+    """The library sub-package (or base module) a module belongs to: `trainer_ext.optim`, `trainer_ext.files`."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "trainer_ext" and len(parts) > 1 else parts[0]
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_in_the_library():
+    assert _cycles(_library_imports()) == []
+
+
+# The cut of the library, by what each sub-package is, and what each may import of the others (the base modules,
+# data and the model are below all of them). Dependencies point one way: down this table.
+SUB_PACKAGES = {
+    "trainer_ext.optim": set(),
+    "trainer_ext.distill": set(),
+    "trainer_ext.memory": {"trainer_ext.optim", "trainer_ext.distill"},
+    "trainer_ext.training": {"trainer_ext.optim", "trainer_ext.memory", "trainer_ext.distill"},
+    "trainer_ext.lr_search": {"trainer_ext.training", "trainer_ext.optim", "trainer_ext.memory",
+                              "trainer_ext.distill"},
+    "trainer_ext.evaluation": {"trainer_ext.distill"},
+    "trainer_ext.hub": set(),
+    "trainer_ext.run": {"trainer_ext.training", "trainer_ext.lr_search", "trainer_ext.optim", "trainer_ext.memory",
+                        "trainer_ext.distill", "trainer_ext.hub", "trainer_ext.evaluation"},
+    "trainer_ext.comparison": {"trainer_ext.run", "trainer_ext.training", "trainer_ext.lr_search", "trainer_ext.optim",
+                               "trainer_ext.memory", "trainer_ext.distill", "trainer_ext.hub",
+                               "trainer_ext.evaluation"},
+}
+BASE = {"hf_recurrent", "trainer_ext", "trainer_ext.data", "trainer_ext.files", "trainer_ext.devices",
+        "trainer_ext.checkpoints", "trainer_ext.compat", "trainer_ext.lm_head", "trainer_ext.cli"}
+
+
+def test_the_library_is_cut_into_sub_packages_that_say_their_job():
+    on_disk = {".".join(init.parent.relative_to(REPO).parts) for init in (REPO / "trainer_ext").glob("*/__init__.py")}
+    assert on_disk == set(SUB_PACKAGES) | {"trainer_ext.data"}
+    for package in SUB_PACKAGES:
+        init = REPO / package.replace(".", "/") / "__init__.py"
+        if package in ("trainer_ext.optim", "trainer_ext.memory", "trainer_ext.training", "trainer_ext.lr_search",
+                       "trainer_ext.run"):
+            assert len(ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or "") > 100, package
+
+
+def test_sub_packages_import_only_what_lies_below_them():
+    graph = _library_imports()
+    crossing = {}
+    for module, imported in graph.items():
+        package = _package(module)
+        if package not in SUB_PACKAGES:
+            continue
+        for other in imported:
+            target = _package(other)
+            if target != package and target not in BASE and target not in SUB_PACKAGES[package]:
+                crossing.setdefault(module, set()).add(other)
+    assert not crossing
+    # The optimizer and the planner import nothing of the training machine nor of what is built on it.
+    above = {"trainer_ext.training", "trainer_ext.lr_search", "trainer_ext.run", "trainer_ext.comparison"}
+    for module, imported in graph.items():
+        if _package(module) in ("trainer_ext.optim", "trainer_ext.memory"):
+            assert not {other for other in imported if _package(other) in above}, module
 
 
 def test_main_classes_are_importable_from_the_library_root():

@@ -10,14 +10,14 @@ from transformers import AutoTokenizer
 
 from trainer_ext.training.arguments import RecurrentTrainingArguments
 from trainer_ext.checkpoints import last_complete_checkpoint
-from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.run.pretrain import parse_pretrain_args, parse_pretrain_job, pretrain
 from trainer_ext.training.trainer import RecurrentTrainer
 
 
 def run(data_dir, out, *extra):
     """A short debug-preset run: no evaluation during training, a checkpoint every 2 steps; a constant learning rate,
     so that a run continued to more steps follows the one trained to them at once."""
-    return pretrain(*parse_pretrain_args([
+    return pretrain(parse_pretrain_job([
         "--data_dir", data_dir, "--output_dir", str(out), "--per_device_train_batch_size", "4",
         "--logging_steps", "1", "--eval_strategy", "no", "--save_steps", "2", "--max_eval_samples", "8",
         "--warmup_steps", "0", "--lr_scheduler_type", "constant", "--disable_tqdm", "true", "--use_cpu", "true",
@@ -186,21 +186,21 @@ def test_bad_arguments_fail_before_anything_is_written(tiny_data_dir, tmp_path):
 def test_checks_needing_the_model_config_run_before_the_corpus_is_prepared(tmp_path, monkeypatch):
     """Without --data_dir the embedded corpus is prepared on first use: a depth beyond the preset's mean_recurrence,
     known from the preset and --config_overrides alone, is refused before that preparation writes anything."""
-    from trainer_ext.run import pretrain as pretrain_module
+    from trainer_ext.run import job as job_module
 
     data, out = tmp_path / "data", tmp_path / "run"
-    monkeypatch.setattr(pretrain_module, "DEFAULT_DATA_DIR", str(data))
+    monkeypatch.setattr(job_module, "DEFAULT_DATA_DIR", str(data))
     args = ["--output_dir", str(out), "--max_steps", "2", "--use_cpu", "true"]
     with pytest.raises(ValueError, match=r"--backprop_depth=99 is larger than the model's mean_recurrence \(\d+\)"):
-        pretrain(*parse_pretrain_args([*args, "--backprop_depth", "99"]))
+        pretrain(parse_pretrain_job([*args, "--backprop_depth", "99"]))
     with pytest.raises(ValueError, match=r"--backprop_depth=3 is larger than the model's mean_recurrence \(2\)"):
-        pretrain(*parse_pretrain_args([*args, "--backprop_depth", "3", "--config_overrides", "mean_recurrence=2"]))
+        pretrain(parse_pretrain_job([*args, "--backprop_depth", "3", "--config_overrides", "mean_recurrence=2"]))
     assert not data.exists() and not out.exists()
 
 
 def test_a_finished_run_and_a_bad_teacher_are_refused_before_the_corpus_is_prepared(tiny_data_dir, tmp_path,
                                                                                    monkeypatch):
-    from trainer_ext.run import pretrain as pretrain_module
+    from trainer_ext.run import job as job_module
 
     out = tmp_path / "run"
     run(tiny_data_dir, out, "--max_steps", "2")
@@ -210,12 +210,12 @@ def test_a_finished_run_and_a_bad_teacher_are_refused_before_the_corpus_is_prepa
     for name in ("config.json", "model.safetensors"):
         (teacher / name).write_bytes((out / "checkpoint-2" / name).read_bytes())
     data = tmp_path / "data"
-    monkeypatch.setattr(pretrain_module, "DEFAULT_DATA_DIR", str(data))
+    monkeypatch.setattr(job_module, "DEFAULT_DATA_DIR", str(data))
     no_data = ["--use_cpu", "true", "--eval_strategy", "no"]
     with pytest.raises(ValueError, match=r"finished run at step 2.*--max_steps 2.*nothing left to train"):
-        pretrain(*parse_pretrain_args(["--output_dir", str(out), "--max_steps", "2", *no_data]))
+        pretrain(parse_pretrain_job(["--output_dir", str(out), "--max_steps", "2", *no_data]))
     with pytest.raises(ValueError, match=rf"--teacher_model_name_or_path {teacher} has no tokenizer files"):
-        pretrain(*parse_pretrain_args(["--output_dir", str(tmp_path / "new"), "--max_steps", "2", *no_data,
+        pretrain(parse_pretrain_job(["--output_dir", str(tmp_path / "new"), "--max_steps", "2", *no_data,
                                        "--teacher_model_name_or_path", str(teacher)]))
     assert not data.exists() and not (tmp_path / "new").exists() and listing(out) == before
 

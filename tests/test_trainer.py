@@ -12,13 +12,10 @@ import hf_recurrent
 from hf_recurrent import presets
 from trainer_ext.data.shards import ShardedTokenDataset
 from trainer_ext.training import trainer as trainer_module
-from trainer_ext.training.arguments import (
-    RecurrentTrainingArguments,
-    resolve_schedule_defaults,
-)
 from trainer_ext.optim.momentum import resolve_momentum, resolve_subspace_residual
-from trainer_ext.run.model_setup import load_teacher
-from trainer_ext.run.pretrain import parse_pretrain_args, pretrain
+from trainer_ext.run.model_setup import load_teacher_for
+from trainer_ext.run.pretrain import parse_pretrain_args, parse_pretrain_job, pretrain
+from trainer_ext.training.arguments import ModelArguments, RecurrentTrainingArguments, resolve_schedule_defaults
 from trainer_ext.training.trainer import RecurrentTrainer
 
 
@@ -157,7 +154,7 @@ def test_bad_training_arguments_are_refused(tmp_path):
 
 
 def test_run_pretrain_writes_a_loadable_checkpoint(tiny_data_dir, tmp_path):
-    metrics = pretrain(*parse_pretrain_args([
+    metrics = pretrain(parse_pretrain_job([
         "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "30",
         "--per_device_train_batch_size", "8", "--logging_steps", "10", "--eval_steps", "30", "--save_steps", "30",
         "--disable_tqdm", "true", "--use_cpu", "true",
@@ -183,7 +180,7 @@ def _save_teacher(data_dir, path, tokenizer=None):
 
 def test_run_pretrain_distills_from_an_online_teacher(tiny_data_dir, tmp_path):
     _save_teacher(tiny_data_dir, tmp_path / "teacher")
-    pretrain(*parse_pretrain_args([
+    pretrain(parse_pretrain_job([
         "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "3",
         "--per_device_train_batch_size", "4", "--logging_steps", "1", "--eval_strategy", "no",
         "--save_strategy", "no", "--save_final", "false", "--disable_tqdm", "true", "--use_cpu", "true",
@@ -203,7 +200,7 @@ def test_teacher_with_another_tokenizer_is_refused(tiny_data_dir, tmp_path):
     other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, "<unk>")))
     _save_teacher(tiny_data_dir, tmp_path / "teacher", tokenizer=other)
     with pytest.raises(ValueError, match="different tokenizer"):
-        pretrain(*parse_pretrain_args([
+        pretrain(parse_pretrain_job([
             "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "1",
             "--use_cpu", "true", "--teacher_model_name_or_path", str(tmp_path / "teacher"),
         ]))
@@ -261,12 +258,14 @@ def test_a_compiled_run_logs_its_first_steps_apart_from_steady_state_throughput(
 
 def test_teacher_quantization_needs_cuda_and_a_known_mode(tiny_data_dir, tmp_path):
     _save_teacher(tiny_data_dir, tmp_path / "teacher")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_data_dir)
+    def teacher_of(quantization):
+        return ModelArguments(teacher_model_name_or_path=str(tmp_path / "teacher"), teacher_quantization=quantization)
+
     with pytest.raises(ValueError, match="CUDA"):
-        load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"), "8bit")
+        load_teacher_for(teacher_of("8bit"), torch.device("cpu"))
     with pytest.raises(ValueError, match="teacher_quantization"):
-        load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"), "2bit")
-    teacher = load_teacher(str(tmp_path / "teacher"), tokenizer, torch.device("cpu"))
+        load_teacher_for(teacher_of("2bit"), torch.device("cpu"))
+    teacher = load_teacher_for(teacher_of("none"), torch.device("cpu"))
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
 
 
@@ -302,7 +301,7 @@ def test_large_models_get_a_conservative_schedule_unless_set():
 
 def test_missing_data_dir_is_named_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match="prepare_data"):
-        pretrain(*parse_pretrain_args(["--data_dir", str(tmp_path / "nothing"), "--use_cpu", "true"]))
+        pretrain(parse_pretrain_job(["--data_dir", str(tmp_path / "nothing"), "--use_cpu", "true"]))
 
 
 def test_garbage_collection_runs_between_steps_only_and_is_restored(tiny_data_dir, tmp_path):

@@ -54,7 +54,8 @@ from trainer_ext.distill.caching import CacheTeacherArguments, cache_teacher
 from trainer_ext.hub.model_card import ModelCardInfo
 from trainer_ext.checkpoints import checkpoint_step, last_complete_checkpoint
 from trainer_ext.run.model_setup import parse_overrides
-from trainer_ext.run.pretrain import check_pretrain_arguments, pretrain
+from trainer_ext.run.job import TrainingJob
+from trainer_ext.run.pretrain import pretrain
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,8 @@ class ComparisonRun:
         self.repos = {"recurrent": training.hub_model_id,
                       "baseline": args.hub_baseline_model_id or (f"{training.hub_model_id}-baseline"
                                                                  if training.hub_model_id else None)}
-        for model in MODELS:  # what cycle 1 would run, so a bad option fails in seconds, not after data preparation
-            check_pretrain_arguments(*self.training(model, 1).arguments(args, options))
+        for model in MODELS:  # cycle 1's jobs, so a bad option fails in seconds, not after data preparation
+            TrainingJob.resolve(*self.training(model, 1).arguments(args, options))
         self.state: CompareState | None = None
         self.pushes: CyclePushes | None = None
         self.progress: RunProgress | None = None
@@ -247,8 +248,10 @@ class ComparisonRun:
         if resumed is not None:
             logger.info("Resuming the interrupted training of %s, cycle %d, from %s.", model, cycle, resumed)
         callback = StepProgress(self.progress, cycle, model, (cycle - 1) * self.tokens_per_cycle, self.tokens_per_step)
-        metrics = pretrain(*self.training(model, cycle, previous).arguments(self.args, self.options),
-                           callbacks=[callback])
+        # Resolved as the training starts: the pipeline itself resumes, restarts or removes the cycle's folder
+        # (--overwrite, a changed run), so the folder decisions of the jobs resolved up front may no longer hold.
+        job = TrainingJob.resolve(*self.training(model, cycle, previous).arguments(self.args, self.options))
+        metrics = pretrain(job, callbacks=[callback])
         with open(os.path.join(output_dir, "log_history.json"), encoding="utf-8") as f:
             log_history = json.load(f)
         train_loss = whole_run_train_loss(log_history, checkpoint_step(resumed) if resumed else None,

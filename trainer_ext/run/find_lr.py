@@ -1,9 +1,9 @@
-"""The learning-rate sweep of a production run as one library call: `find_lr(model_args, data_args, training_args,
-sweep_args)` takes pretrain's model, data and training arguments (the trials use its optimizer, precision, batch
-size and checkpointing, so they fit the same memory) plus the sweep's own (`lr_finder.SweepArguments`), and writes
+"""The learning-rate sweep of a production run as one library call: `find_lr(job, sweep_args)` takes the job of
+pretrain's model, data and training arguments (`TrainingJob`; the trials use its optimizer, precision, batch size
+and checkpointing, so they fit the same memory) plus the sweep's own (`lr_search.finder.SweepArguments`), and writes
 lr_sweep.json / .md / .png into --output_dir. The schedule, evaluation and saving arguments of a training run are
-replaced by each trial's (`lr_trials.trial_arguments`). With `--memory_plan auto` (the default on CUDA) the trials
-take the batch size and recompute set that pretraining's plan chooses for the same arguments, so the rate is tested
+replaced by each trial's (`lr_search.trials.trial_arguments`). With `--memory_plan auto` (the default on CUDA) the
+trials take the batch size and recompute set that pretraining's plan chooses for the same arguments, so the rate is tested
 at the batch the run will train with. A sweep stopped midway resumes from lr_sweep.progress.json (the start's
 weights and held-out loss, the finished trials) when run again with the same settings."""
 
@@ -15,21 +15,21 @@ from torch.utils.data import Subset
 from transformers import set_seed
 
 from hf_recurrent.cost import tokens_per_optimizer_step
-from trainer_ext.devices import resolve_dtype
 from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
-from trainer_ext.distill.cache import TeacherCacheDataset, read_teacher_manifest
+from trainer_ext.devices import resolve_dtype
+from trainer_ext.distill.cache import TeacherCacheDataset
+from trainer_ext.lr_search.finder import SweepArguments, resolve_sweep_defaults
+from trainer_ext.lr_search.sweep_file import read_progress, remove_progress, write_progress
+from trainer_ext.lr_search.trials import find_learning_rate, memory_note, run_trial, trial_arguments
+from trainer_ext.memory.plan import MemoryPlanCallback, apply_memory_plan
+from trainer_ext.run.job import TrainingJob, parse_args_with_defaults
+from trainer_ext.run.model_setup import build_model, load_teacher_for, meta_model
 from trainer_ext.training.arguments import (
     COMMAND_LINE_DEFAULTS,
     DataArguments,
     ModelArguments,
     RecurrentTrainingArguments,
 )
-from trainer_ext.lr_search.finder import SweepArguments, resolve_sweep_defaults
-from trainer_ext.lr_search.sweep_file import read_progress, remove_progress, write_progress
-from trainer_ext.lr_search.trials import find_learning_rate, memory_note, run_trial, trial_arguments
-from trainer_ext.memory.plan import MemoryPlanCallback, apply_memory_plan
-from trainer_ext.run.model_setup import build_model, load_data_tokenizer, load_teacher_for, meta_model
-from trainer_ext.run.pretrain import check_model_arguments, ensure_data, parse_args_with_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -39,25 +39,26 @@ START_DIR = "sweep_start"  # under --output_dir: the weights every trial starts 
 REPLACED_WHEN_SET = ("learning_rate", "learning_rate_from", "warmup_steps", "max_steps", "num_train_epochs")
 
 
-def parse_find_lr_args(argv=None) -> tuple[ModelArguments, DataArguments, RecurrentTrainingArguments, SweepArguments]:
-    """(model_args, data_args, training_args, sweep_args) of a find-lr command line (sys.argv without `argv`)."""
-    return tuple(parse_args_with_defaults(
-        (ModelArguments, DataArguments, RecurrentTrainingArguments, SweepArguments), argv, FIND_LR_DEFAULTS))
+def parse_find_lr_job(argv=None) -> tuple[TrainingJob, SweepArguments]:
+    """(job, sweep_args) of a find-lr command line (sys.argv without `argv`): parsed, then the job resolved and
+    checked as a training's, without the schedule and output-folder decisions the trials replace."""
+    model_args, data_args, training_args, sweep_args = parse_args_with_defaults(
+        (ModelArguments, DataArguments, RecurrentTrainingArguments, SweepArguments), argv, FIND_LR_DEFAULTS)
+    return TrainingJob.resolve(model_args, data_args, training_args, pretraining=False), sweep_args
 
 
-def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args: RecurrentTrainingArguments,
-            sweep_args: SweepArguments) -> dict:
+def find_lr(job: TrainingJob, sweep_args: SweepArguments) -> dict:
     """Run the sweep, write its files; returns the lr_sweep.json record (`learning_rate` None: no stable rate).
 
-    Fills the sweep fields left None (`lr_finder.resolve_sweep_defaults`, from the model's size), in place."""
-    check_model_arguments(model_args, data_args, training_args)
+    Fills the sweep fields left None (`lr_search.finder.resolve_sweep_defaults`, from the model's size), in place."""
+    model_args, data_args, training_args = job.model_args, job.data_args, job.training_args
     replaced = [name for name in REPLACED_WHEN_SET if getattr(training_args, name) is not None]
     if replaced:
         logger.info("Replaced by each trial's schedule (see --sweep_steps, --learning_rates): %s", replaced)
 
-    data_dir = ensure_data(data_args.data_dir)
-    tokenizer = load_data_tokenizer(data_dir)
-    shape = meta_model(model_args, tokenizer)
+    data = job.prepare_data()
+    data_dir, tokenizer = data.data_dir, data.tokenizer
+    shape = meta_model(model_args, tokenizer, job.model_config(tokenizer))
     num_params = sum(p.numel() for p in shape.parameters())
     config = shape.config
     del shape
@@ -80,8 +81,7 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
     # The plan pretraining would apply (batch size, recompute set, compile), carried by every trial's trainer.
     plan_callbacks = apply_memory_plan(
         training_args, config, train_set.seq_len, resolve_dtype(model_args.dtype, training_args.device).itemsize,
-        distill_topk=read_teacher_manifest(data_args.teacher_cache_dir)["topk"] if data_args.teacher_cache_dir else 0,
-        online_teacher=bool(model_args.teacher_model_name_or_path))
+        distill_topk=job.distill_topk, online_teacher=bool(model_args.teacher_model_name_or_path))
     trainer_kwargs = {"processing_class": tokenizer, "callbacks": plan_callbacks}
     if data_args.teacher_cache_dir:  # the trials then train on the distillation loss, as the run will
         train_set = TeacherCacheDataset(train_set, data_args.teacher_cache_dir)
@@ -106,7 +106,7 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
     # A sweep stopped midway resumes from its progress file: the start's weights and the trials it finished.
     settings = {**{k: v for k, v in info.items() if k != "device"}, "sweep": dataclasses.asdict(sweep_args)}
     progress = None if training_args.overwrite_output_dir else read_progress(training_args.output_dir, settings)
-    teacher = load_teacher_for(model_args, tokenizer, training_args.device)  # loaded once, shared by every trial
+    teacher = load_teacher_for(model_args, training_args.device)  # loaded once, shared by every trial
     if teacher is not None:
         trainer_kwargs.update(teacher=teacher, teacher_vocab_limit=len(tokenizer))
     main_process = training_args.process_index == 0
@@ -118,7 +118,7 @@ def find_lr(model_args: ModelArguments, data_args: DataArguments, training_args:
 
     def make_model():
         set_seed(training_args.seed)  # the seed pretrain builds its model with: every trial, the same init
-        return build_model(start, len(tokenizer), tokenizer, training_args.device)
+        return build_model(start, tokenizer, training_args.device, job.model_config(tokenizer))
 
     if sweep_args.sweep_start_steps:  # from then on every trial loads the start's weights
         start_held_out = progress["start_held_out_loss"] if progress else None

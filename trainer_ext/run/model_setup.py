@@ -1,5 +1,6 @@
-"""What a training command builds from `ModelArguments`: the config (with checked `--config_overrides`), the model
-(fresh from a preset or loaded from a checkpoint), the data's tokenizer and a frozen online teacher."""
+"""What a training command builds from `ModelArguments`: the `--config_overrides` (parsed and checked), the model
+(fresh from a preset's config or loaded from a checkpoint), the data's tokenizer and a frozen online teacher. The
+checks run once, as `trainer_ext.run.job.TrainingJob` resolves a run's arguments."""
 
 import dataclasses
 import difflib
@@ -14,7 +15,7 @@ from trainer_ext.data.shards import tokenizer_hash
 from trainer_ext.devices import resolve_dtype
 from trainer_ext.distill.teacher import TEACHER_TOKENIZER_FIX, load_frozen_teacher
 from trainer_ext.training.arguments import ModelArguments
-from trainer_ext.checkpoints import check_model_dir, load_tokenizer
+from trainer_ext.checkpoints import load_tokenizer
 
 # Fields every config has (transformers_version, id2label, ...): accepted as overrides, left out of error messages.
 _BASE_CONFIG_FIELDS = {f.name for f in dataclasses.fields(PretrainedConfig)}
@@ -85,57 +86,27 @@ def check_depth_arguments(training_args, config) -> None:
                          "through the last k of the sampled steps), or unset for the config's default.")
 
 
-def config_before_data(model_args: ModelArguments):
-    """The model's config as far as it is known before the data is prepared, for the checks that need it: the
-    preset with its --config_overrides (the vocabulary comes from the data's tokenizer later), or the config.json of
-    a local --model_name_or_path; None for a hub id (read once the model is downloaded). Reads, writes nothing."""
-    path = model_args.model_name_or_path
-    if path:
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            return None
-        return AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
-    overrides = check_overrides(parse_overrides(model_args.config_overrides), model_args.preset)
-    return presets.get(model_args.preset, **{key: value for key, value in overrides.items() if key != "vocab_size"})
-
-
-def build_config(model_args: ModelArguments, tokenizer, tokenizer_size: int | None = None):
-    """The config of a fresh --preset model (None with --model_name_or_path, whose checkpoint has one)."""
-    if model_args.model_name_or_path:
-        return None
-    overrides = check_overrides(parse_overrides(model_args.config_overrides), model_args.preset)
-    vocab_size = resolve_vocab_size(overrides, len(tokenizer) if tokenizer_size is None else tokenizer_size)
-    overrides = {key: value for key, value in overrides.items() if key != "vocab_size"}
-    config = presets.get(model_args.preset, vocab_size=vocab_size, **overrides)
-    config.pad_token_id = tokenizer.pad_token_id
-    config.bos_token_id = tokenizer.bos_token_id
-    config.eos_token_id = tokenizer.eos_token_id
-    return config
-
-
-def build_model(model_args: ModelArguments, vocab_size: int, tokenizer, device: torch.device, config=None):
-    """The model to train: --model_name_or_path loaded, or a fresh --preset model (`config`, else built here for a
-    tokenizer of `vocab_size` tokens)."""
+def build_model(model_args: ModelArguments, tokenizer, device: torch.device, config=None):
+    """The model to train: --model_name_or_path loaded (checked by the job), or a fresh --preset model of `config`
+    (`TrainingJob.model_config`), initialised on `device`."""
     dtype = resolve_dtype(model_args.dtype, device)
     if model_args.model_name_or_path:
-        check_model_dir(model_args.model_name_or_path, "--model_name_or_path")
         return AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path, dtype=dtype, attn_implementation=model_args.attn_implementation,
             trust_remote_code=model_args.trust_remote_code)
-    if config is None:
-        config = build_config(model_args, tokenizer, vocab_size)
     with device:  # initialise where it trains: a 7B model's init on the CPU takes minutes
         return AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                 attn_implementation=model_args.attn_implementation)
 
 
-def meta_model(model_args: ModelArguments, tokenizer):
+def meta_model(model_args: ModelArguments, tokenizer, config=None):
     """The model on the meta device (no memory, no initialisation): its size and vocabulary."""
     if model_args.model_name_or_path:
         config = AutoConfig.from_pretrained(model_args.model_name_or_path,
                                             trust_remote_code=model_args.trust_remote_code)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, trust_remote_code=model_args.trust_remote_code)
-    return build_model(model_args, len(tokenizer), tokenizer, torch.device("meta"))
+    return build_model(model_args, tokenizer, torch.device("meta"), config)
 
 
 def load_data_tokenizer(data_dir: str):
@@ -156,19 +127,11 @@ def check_teacher_tokenizer(name_or_path: str, student_tokenizer=None, trust_rem
             f"student's data (hash {tokenizer_hash(student_tokenizer)}); distillation needs one shared vocabulary.")
 
 
-def load_teacher(name_or_path: str, student_tokenizer, device: torch.device, quantization: str = "none",
-                 trust_remote_code: bool = False):
-    """A frozen teacher in eval mode (bf16 on CUDA), checked to share the student's tokenizer before loading."""
-    check_teacher_tokenizer(name_or_path, student_tokenizer, trust_remote_code)
-    return load_frozen_teacher(name_or_path, device, resolve_dtype("auto", device), quantization,
-                               trust_remote_code=trust_remote_code)
-
-
-def load_teacher_for(model_args: ModelArguments, student_tokenizer, training_device: torch.device):
-    """The online teacher of `model_args` (None without --teacher_model_name_or_path), on --teacher_device or the
-    training device."""
+def load_teacher_for(model_args: ModelArguments, training_device: torch.device):
+    """The frozen online teacher of `model_args` in eval mode (None without --teacher_model_name_or_path; its
+    tokenizer checked by the job), bf16 on CUDA, on --teacher_device or the training device."""
     if not model_args.teacher_model_name_or_path:
         return None
     device = torch.device(model_args.teacher_device) if model_args.teacher_device else training_device
-    return load_teacher(model_args.teacher_model_name_or_path, student_tokenizer, device,
-                        model_args.teacher_quantization, model_args.trust_remote_code)
+    return load_frozen_teacher(model_args.teacher_model_name_or_path, device, resolve_dtype("auto", device),
+                               model_args.teacher_quantization, trust_remote_code=model_args.trust_remote_code)

@@ -1,68 +1,40 @@
-"""Pretraining as one library call: `pretrain(model_args, data_args, training_args)` trains a recurrent-depth model
-(or its Transformer baseline) with RecurrentTrainer and writes `<output_dir>/final` (safetensors, config with
-auto_map, modeling code, tokenizer, model card) and `<output_dir>/log_history.json`.
+"""Pretraining as one library call: `pretrain(job)` trains a recurrent-depth model (or its Transformer baseline)
+with RecurrentTrainer and writes `<output_dir>/final` (safetensors, config with auto_map, modeling code, tokenizer,
+model card) and `<output_dir>/log_history.json`.
 
-`check_pretrain_arguments` runs every check the arguments alone allow, before any work (`pretrain` calls it first;
-a pipeline that trains later can call it up front). `parse_pretrain_args` reads a command line or one .json/.yaml
-file into the three argument dataclasses. Without `data_dir` the embedded corpus is prepared first.
+`parse_pretrain_args` reads a command line or one .json/.yaml file into the three argument dataclasses;
+`parse_pretrain_job` also resolves them into a `TrainingJob` (`trainer_ext.run.job`: every check the arguments
+allow, before any work). Without `data_dir` the embedded corpus is prepared first.
 """
 
 import gc
 import logging
 import math
 import os
-import sys
 
 import torch
-from transformers import HfArgumentParser, set_seed
+from transformers import set_seed
 
 from hf_recurrent.cost import tokens_per_optimizer_step
-from trainer_ext.data.prepare import DEFAULT_OUTPUT_DIR, PrepareDataArguments, prepare
-from trainer_ext.data.shards import ShardedTokenDataset, read_manifest, tokenizer_hash
-from trainer_ext.distill.cache import TeacherCacheDataset, read_teacher_manifest
+from trainer_ext.checkpoints import FINAL_DIR
+from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
+from trainer_ext.distill.cache import TeacherCacheDataset
 from trainer_ext.files import write_json
 from trainer_ext.hub.callbacks import HubPushCallback, ModelCardCallback
 from trainer_ext.hub.model_card import ModelCardInfo, write_model_card
+from trainer_ext.memory.plan import apply_memory_plan
+from trainer_ext.run.job import TrainingJob, parse_args_with_defaults
+from trainer_ext.run.model_setup import build_model, check_depth_arguments, load_teacher_for
 from trainer_ext.training.arguments import (
-    COMMAND_LINE_DEFAULTS,
     DataArguments,
     ModelArguments,
     RecurrentTrainingArguments,
     resolve_schedule_defaults,
 )
-from trainer_ext.checkpoints import FINAL_DIR, check_model_dir, check_resume_files
-from trainer_ext.training.distributed import check_processes_coordinated
-from trainer_ext.lr_search.sweep_file import read_sweep_choice
-from trainer_ext.memory.plan import apply_memory_plan
-from trainer_ext.run.model_setup import (
-    build_config,
-    build_model,
-    check_depth_arguments,
-    check_overrides,
-    check_teacher_tokenizer,
-    config_before_data,
-    load_data_tokenizer,
-    load_teacher_for,
-    parse_overrides,
-)
-from trainer_ext.training.output_dir import check_steps_left, clear_output_dir, log_resume, resolve_checkpoint
+from trainer_ext.training.output_dir import check_steps_left, clear_output_dir, log_resume
 from trainer_ext.training.trainer import RecurrentTrainer
 
 logger = logging.getLogger(__name__)
-
-# Where a run without --data_dir finds the embedded corpus (prepared there on first use).
-DEFAULT_DATA_DIR = DEFAULT_OUTPUT_DIR
-
-
-def parse_args_with_defaults(dataclass_types: tuple, argv=None, command_line_defaults=COMMAND_LINE_DEFAULTS):
-    """The dataclasses of a command line, with `command_line_defaults` ({field: value}) in place of the dataclasses'
-    own defaults, or of a single .json/.yaml file argument (the dataclasses' own defaults)."""
-    parser = HfArgumentParser(dataclass_types)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        return parser.parse_yaml_file(argv[0]) if argv[0].endswith("ml") else parser.parse_json_file(argv[0])
-    parser.set_defaults(**command_line_defaults)
-    return parser.parse_args_into_dataclasses(args=argv)
 
 
 def parse_pretrain_args(argv=None) -> tuple[ModelArguments, DataArguments, RecurrentTrainingArguments]:
@@ -70,58 +42,9 @@ def parse_pretrain_args(argv=None) -> tuple[ModelArguments, DataArguments, Recur
     return tuple(parse_args_with_defaults((ModelArguments, DataArguments, RecurrentTrainingArguments), argv))
 
 
-def check_model_arguments(model_args: ModelArguments, data_args: DataArguments,
-                          training_args: RecurrentTrainingArguments) -> None:
-    """The checks of what a run trains and on what, before any work; writes nothing. Shared by pretraining and the
-    learning-rate threshold test.
-
-    The processes of a launch (a group, not each one alone), the config overrides against the preset, the training
-    depths against the model's config, the model and teacher folders (and the teacher's tokenizer against the
-    data's, where the data is prepared), one teacher source."""
-    check_processes_coordinated(training_args.distributed_state)
-    check_overrides(parse_overrides(model_args.config_overrides), model_args.preset, model_args.model_name_or_path)
-    config = config_before_data(model_args)
-    if config is not None:  # else a hub id: checked once its config is downloaded
-        check_depth_arguments(training_args, config)
-    for option, path in (("--model_name_or_path", model_args.model_name_or_path),
-                         ("--teacher_model_name_or_path", model_args.teacher_model_name_or_path)):
-        if path:  # a run folder or truncated weights, found now rather than after the student is built
-            check_model_dir(path, option)
-    if data_args.teacher_cache_dir and model_args.teacher_model_name_or_path:
-        raise ValueError("Pass either --teacher_model_name_or_path (online) or --teacher_cache_dir (offline).")
-    teacher = model_args.teacher_model_name_or_path
-    if teacher and os.path.isdir(teacher):  # a hub id's tokenizer is downloaded with the teacher
-        data_dir = data_args.data_dir
-        prepared = data_dir and os.path.isfile(os.path.join(data_dir, "manifest.json"))
-        check_teacher_tokenizer(teacher, load_data_tokenizer(data_dir) if prepared else None,
-                                model_args.trust_remote_code)
-
-
-def check_pretrain_arguments(model_args: ModelArguments, data_args: DataArguments,
-                             training_args: RecurrentTrainingArguments) -> None:
-    """Every check the arguments allow before any work (data preparation, model initialisation); writes nothing.
-
-    `check_model_arguments`, the learning-rate sweep file, and the output directory (resume, refuse, or start
-    afresh; see `output_dir.resolve_checkpoint`), down to the files of the checkpoint a resume would read."""
-    check_model_arguments(model_args, data_args, training_args)
-    if training_args.learning_rate_from:
-        read_sweep_choice(training_args.learning_rate_from)
-    checkpoint = resolve_checkpoint(training_args)
-    if checkpoint is not None:
-        check_resume_files(checkpoint)
-        if training_args.resume_from_checkpoint is None and training_args.max_steps is not None:
-            check_steps_left(checkpoint, training_args)  # a finished run; else checked once the schedule is known
-
-
-def ensure_data(data_dir: str | None) -> str:
-    """`data_dir` once its manifest reads, or the embedded corpus in DEFAULT_DATA_DIR (prepared on first use)."""
-    if data_dir is not None:
-        read_manifest(data_dir)  # a clear error naming the file and the fix, before anything else loads
-        return data_dir
-    if not os.path.exists(os.path.join(DEFAULT_DATA_DIR, "manifest.json")):
-        logger.info("Preparing the embedded corpus in %s", DEFAULT_DATA_DIR)
-        prepare(PrepareDataArguments(output_dir=DEFAULT_DATA_DIR))
-    return DEFAULT_DATA_DIR
+def parse_pretrain_job(argv=None) -> TrainingJob:
+    """The job of a pretraining command line: parsed, then resolved and checked (`TrainingJob.resolve`)."""
+    return TrainingJob.resolve(*parse_pretrain_args(argv))
 
 
 def load_datasets(data_dir: str, data_args: DataArguments, tokenizer, model_vocab_size: int):
@@ -138,48 +61,43 @@ def load_datasets(data_dir: str, data_args: DataArguments, tokenizer, model_voca
     return train_set, eval_set
 
 
-def pretrain(model_args: ModelArguments, data_args: DataArguments, training_args: RecurrentTrainingArguments,
-             callbacks=None) -> dict:
+def pretrain(job: TrainingJob, callbacks=None) -> dict:
     """Train, evaluate and save; returns the train and eval metrics (with `eval_perplexity`).
 
     Fills the schedule fields left None (`resolve_schedule_defaults`, from the model's size), in place."""
-    check_pretrain_arguments(model_args, data_args, training_args)
-    checkpoint = resolve_checkpoint(training_args)
+    model_args, data_args, training_args = job.model_args, job.data_args, job.training_args
+    checkpoint = job.checkpoint
     log_resume(checkpoint, training_args)
     gc.collect()  # an earlier training of this process (the comparison's cycles) frees its tensors before this one's
-    found_in_output_dir = checkpoint is not None and training_args.resume_from_checkpoint is None
     set_seed(training_args.seed)
 
-    data_dir = ensure_data(data_args.data_dir)
-    tokenizer = load_data_tokenizer(data_dir)
-    config = build_config(model_args, tokenizer)
-    model = build_model(model_args, len(tokenizer), tokenizer, training_args.device, config=config)
-    if config is None:
+    data = job.prepare_data()
+    tokenizer = data.tokenizer
+    config = job.model_config(tokenizer)
+    model = build_model(model_args, tokenizer, training_args.device, config)
+    if config is None and job.config is None:  # a hub id: its config is known now
         check_depth_arguments(training_args, model.config)
-    train_set, eval_set = load_datasets(data_dir, data_args, tokenizer, model.config.vocab_size)
-    teacher_name = model_args.teacher_model_name_or_path
-    if data_args.teacher_cache_dir:
-        teacher_name = read_teacher_manifest(data_args.teacher_cache_dir)["teacher"]["name_or_path"]
+    train_set, eval_set = load_datasets(data.data_dir, data_args, tokenizer, model.config.vocab_size)
     params = sum(p.numel() for p in model.parameters())
-    applied = resolve_schedule_defaults(training_args, params)
+    steps_unknown = training_args.max_steps is None  # the job could not check a found checkpoint's steps left
+    applied = resolve_schedule_defaults(training_args, params, job.swept_learning_rate)
     if applied:
         logger.info("Defaults for a model of %.0fM parameters (set them to override): %s", params / 1e6, applied)
-    if found_in_output_dir:
+    if job.checkpoint_found and steps_unknown:
         check_steps_left(checkpoint, training_args)
     logger.info("Model %s: %.2fM unique parameters, %d train samples of %d tokens",
                 model_args.model_name_or_path or model_args.preset, params / 1e6, len(train_set), train_set.seq_len)
 
     plan_callbacks = apply_memory_plan(
         training_args, model.config, train_set.seq_len, next(model.parameters()).element_size(),
-        distill_topk=read_teacher_manifest(data_args.teacher_cache_dir)["topk"] if data_args.teacher_cache_dir else 0,
-        online_teacher=bool(model_args.teacher_model_name_or_path))
-    teacher = load_teacher_for(model_args, tokenizer, training_args.device)
-    manifest = read_manifest(data_dir)
+        distill_topk=job.distill_topk, online_teacher=bool(model_args.teacher_model_name_or_path))
+    teacher = load_teacher_for(model_args, training_args.device)
+    manifest = data.manifest
     card = ModelCardInfo(
         preset=None if model_args.model_name_or_path else model_args.preset,
         base_model=model_args.model_name_or_path,
-        teacher=teacher_name,
-        training_data=f"{', '.join(str(src) for src in manifest.get('sources', [])) or data_dir} "
+        teacher=job.teacher_name,
+        training_data=f"{', '.join(str(src) for src in manifest.get('sources', [])) or data.data_dir} "
                       f"({manifest.get('total_tokens', train_set.num_tokens):,} tokens prepared)",
     )
     tokens_per_step = tokens_per_optimizer_step(training_args, manifest["seq_len"])

@@ -279,7 +279,8 @@ class RecurrentTrainingArguments(TrainingArguments):
         if self.per_device_eval_batch_size is None:
             self.per_device_eval_batch_size = DEFAULT_EVAL_BATCH_SIZE
         if getattr(self, CHECKPOINTING_FLAG) is None:
-            setattr(self, CHECKPOINTING_FLAG, True if self.gradient_checkpointing is None else self.gradient_checkpointing)
+            setattr(self, CHECKPOINTING_FLAG,
+                    True if self.gradient_checkpointing is None else self.gradient_checkpointing)
         cuda = torch.cuda.is_available() and not self.use_cpu
         if self.torch_compile is None:
             self.torch_compile = cuda or self.torch_compile_mode is not None or self.torch_compile_backend is not None
@@ -366,19 +367,19 @@ class RecurrentTrainingArguments(TrainingArguments):
                     max_rollbacks=self.stability_max_rollbacks)
 
 
-def resolve_schedule_defaults(training_args: RecurrentTrainingArguments, num_params: int) -> dict:
+def resolve_schedule_defaults(training_args: RecurrentTrainingArguments, num_params: int,
+                              swept_learning_rate: float | None = None) -> dict:
     """Fill the schedule fields left None, in place, for a model of `num_params` parameters.
 
-    learning_rate: the rate of the --learning_rate_from sweep file, else the size's default. warmup_steps and
+    learning_rate: `swept_learning_rate` (the rate of the --learning_rate_from sweep file, which the run's job
+    read), else the size's default. warmup_steps and
     max_steps: LARGE_MODEL_SCHEDULE from LARGE_MODEL_PARAMS up (one epoch where max_steps is unset), else
     SMALL_MODEL_SCHEDULE. num_train_epochs: TrainingArguments' default (3) where not set otherwise. Fields the user
     set are never changed. Returns the large-model defaults applied (empty for a small model), for the log.
     """
-    from trainer_ext.lr_search.sweep_file import read_sweep_choice
-
     large = num_params >= LARGE_MODEL_PARAMS
-    if training_args.learning_rate is None and training_args.learning_rate_from:
-        training_args.learning_rate = read_sweep_choice(training_args.learning_rate_from)["learning_rate"]
+    if training_args.learning_rate is None and swept_learning_rate is not None:
+        training_args.learning_rate = swept_learning_rate
         logger.info("Learning rate %g from %s", training_args.learning_rate, training_args.learning_rate_from)
     schedule = LARGE_MODEL_SCHEDULE if large else SMALL_MODEL_SCHEDULE
     applied = {name: value for name, value in schedule.items() if getattr(training_args, name) is None}

@@ -14,7 +14,12 @@ import torch
 
 from trainer_ext.checkpoints import complete_checkpoints, read_trainer_state
 from trainer_ext.training.rollback import restore_in_place, unstable_training_message
-from trainer_ext.training.stability import STABILITY_STATE_KEY, StabilityGuard, UnstableTrainingError, write_interventions
+from trainer_ext.training.stability import (
+    STABILITY_STATE_KEY,
+    StabilityGuard,
+    UnstableTrainingError,
+    write_interventions,
+)
 
 logger = logging.getLogger(__name__)
 
