@@ -55,8 +55,25 @@ def add_static_slots(cache: StaticCache, num_slots: int) -> None:
         cache.layers.append(StaticLayer(max_cache_len=max_cache_len))
 
 
+def grow_static_cache(cache: Cache, config: RecurrentDepthConfig, num_steps: int | None) -> None:
+    """A static cache that `generate` built (one slot per unique layer) gets the slots of depth `num_steps`
+    (default `config.default_num_steps`); other caches are left as they are."""
+    if is_static(cache):
+        add_static_slots(cache, num_cache_slots(config, num_steps or config.default_num_steps))
+
+
 def is_static(cache: Cache) -> bool:
     return all(isinstance(layer, StaticLayer) for layer in cache.layers) and len(cache.layers) > 0
+
+
+def cache_for_call(cache: Cache | None, config: RecurrentDepthConfig, num_steps: int, use_cache: bool) -> Cache | None:
+    """The cache a forward call at depth `num_steps` reads and writes: None unless `use_cache`, else `cache` (or a
+    new `DynamicCache`) with the slots of that depth."""
+    if not use_cache:
+        return None
+    cache = DynamicCache(config=config) if cache is None else cache
+    ensure_cache_slots(cache, config, num_steps)
+    return cache
 
 
 def ensure_cache_slots(cache: Cache, config: RecurrentDepthConfig, num_steps: int) -> None:

@@ -9,20 +9,19 @@ The depth n of a call is, first match wins: the `num_steps` keyword of `forward`
 generation config (`generate(generation_config=GenerationConfig(num_steps=n))`, or the checkpoint's
 generation_config.json); the config's `num_steps` (`from_pretrained(path, num_steps=n)`); `config.mean_recurrence`.
 
-This file and the modules it imports relatively (the configuration, `cache_recurrent_depth`: the KV cache slots and
-static caches, `adaptive_depth`: per-token early exit) import nothing else of this package on purpose:
-`save_pretrained` copies them next to the weights, so a checkpoint loads with `trust_remote_code=True` where this
-package is not installed.
+This file holds the layers and the forward passes. Beside it, imported relatively: the configuration,
+`init_recurrent_depth` (the embedding, weight init, positions, the initial state), `cache_recurrent_depth` (the KV
+cache slots, static caches), `adaptive_depth` (per-token early exit, the output classes) and `loading_recurrent_depth`
+(save / load / generate glue). They import nothing else of this package on purpose: `save_pretrained` copies them
+next to the weights, so a checkpoint loads with `trust_remote_code=True` where this package is not installed.
 """
 
-import math
 from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
 from torch import nn
-from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -39,62 +38,19 @@ from transformers.utils import can_return_tuple
 
 try:
     from .adaptive_depth import DepthExit, RecurrentDepthCausalLMOutput, RecurrentDepthModelOutput, check_exit
-    from .cache_recurrent_depth import (add_static_slots, attend_cache, cache_slot, ensure_cache_slots, is_static,
-                                        num_cache_slots)
+    from .cache_recurrent_depth import attend_cache, cache_for_call, cache_slot, grow_static_cache
     from .configuration_recurrent_depth import RecurrentDepthConfig
+    from .init_recurrent_depth import ScaledEmbedding, init_scaled, initial_state, positions_from_mask
+    from .loading_recurrent_depth import forget_compiled_prefix, keep_num_steps, map_compiled_prefix, pass_num_steps
 except ImportError:  # loaded as flat modules by `trust_remote_code`
     from adaptive_depth import DepthExit, RecurrentDepthCausalLMOutput, RecurrentDepthModelOutput, check_exit
-    from cache_recurrent_depth import (add_static_slots, attend_cache, cache_slot, ensure_cache_slots, is_static,
-                                       num_cache_slots)
+    from cache_recurrent_depth import attend_cache, cache_for_call, cache_slot, grow_static_cache
     from configuration_recurrent_depth import RecurrentDepthConfig
+    from init_recurrent_depth import ScaledEmbedding, init_scaled, initial_state, positions_from_mask
+    from loading_recurrent_depth import forget_compiled_prefix, keep_num_steps, map_compiled_prefix, pass_num_steps
 
 # transformers >= 5.24 calls the cache argument and output field `cache`; 5.17 calls them `past_key_values`.
 CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-# Checkpoints saved from a `torch.compile`d model carry this key prefix; loading strips it.
-COMPILED_PREFIX = r"^_orig_mod\."
-
-
-def initial_state(config: RecurrentDepthConfig, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The state before the first step, shape (B, T, C).
-
-    `normal` is a hash of (seed, position, channel) mapped to a Gaussian, not a draw from a global generator:
-    a token gets the same initial state in a full forward pass, in a cached decode step and in a padded batch.
-    """
-    batch, seq = position_ids.shape
-    size = config.hidden_size
-    if config.state_init == "zeros" or config.state_init_std == 0:
-        return torch.zeros(batch, seq, size, dtype=dtype, device=position_ids.device)
-    channels = torch.arange(size, device=position_ids.device)
-    counter = (position_ids.long()[..., None] * size + channels) * 2  # (B, T, C), two draws per element
-    uniforms = [_hash_to_unit(counter + k, config.state_init_seed) for k in (0, 1)]
-    radius = torch.sqrt(-2.0 * torch.log(uniforms[0]))
-    normal = radius * torch.cos(2 * torch.pi * uniforms[1])  # Box-Muller
-    return (normal * config.state_init_std).to(dtype)
-
-
-def _hash_to_unit(counter: torch.Tensor, seed: int) -> torch.Tensor:
-    """A 31-bit integer hash (xorshift-multiply rounds, exact in int64) mapped to (0, 1)."""
-    mask = (1 << 31) - 1
-    x = (counter + seed * 0x9E3779B1) & mask
-    for _ in range(3):
-        x = ((x >> 15) ^ x) * 0x2C1B3C6D & mask
-        x = ((x >> 12) ^ x) * 0x297A2D39 & mask
-    x = (x >> 15) ^ x
-    return (x.double() + 0.5) / (mask + 1)
-
-
-class ScaledEmbedding(nn.Embedding):
-    """Token embeddings multiplied by `config.embedding_scale` (1.0 leaves them as stored)."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None, scale: float):
-        super().__init__(num_embeddings, embedding_dim, padding_idx)
-        self.scale = scale
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        embedded = super().forward(input_ids)
-        return embedded if self.scale == 1.0 else embedded * self.scale
 
 
 class RecurrentDepthAttention(nn.Module):
@@ -209,32 +165,16 @@ class RecurrentDepthPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
 
     def _init_weights(self, module):
-        config = self.config
-        if config.init_scheme == "normal" or not isinstance(module, (nn.Linear, nn.Embedding)):
+        """`init_scheme="normal"`: transformers' init; `"scaled"`: `init_scaled` for linear and embedding layers."""
+        if self.config.init_scheme == "normal" or not isinstance(module, (nn.Linear, nn.Embedding)):
             return super()._init_weights(module)
-        # "scaled": each layer's output has about the same RMS as its input at any width, and the projections
-        # that write into the residual stream shrink with the unrolled depth, so the stack starts near identity.
-        std = math.sqrt(2 / (5 * config.hidden_size))
-        if getattr(module, "writes_residual", False):
-            unrolled = config.n_prelude_layers + config.n_coda_layers + config.n_core_layers * config.mean_recurrence
-            std /= math.sqrt(2 * unrolled)
-        init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
-        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-            if not getattr(module.weight, "_is_hf_initialized", False):
-                init.zeros_(module.weight[module.padding_idx])
-        elif getattr(module, "bias", None) is not None:
-            init.zeros_(module.bias)
+        init_scaled(module, self.config)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """Also loads weights saved from a `torch.compile`d model (keys prefixed `_orig_mod.`)."""
-        kwargs["key_mapping"] = {COMPILED_PREFIX: "", **(kwargs.get("key_mapping") or {})}
-        loaded = super().from_pretrained(*args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        # transformers re-applies used renamings in reverse on save; the prefix must not come back.
-        conversions = getattr(model, "_weight_conversions", None)
-        if conversions:
-            model._weight_conversions = [c for c in conversions if COMPILED_PREFIX not in c.source_patterns]
+        loaded = super().from_pretrained(*args, **map_compiled_prefix(kwargs))
+        forget_compiled_prefix(loaded)
         return loaded
 
 
@@ -333,22 +273,16 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
                 "model.set_attn_implementation(\"eager\")."
             )
 
-        cache = cache if cache is not None else past_key_values
         use_cache = config.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training:
-            use_cache = False
-        if use_cache and cache is None:
-            cache = DynamicCache(config=config)
-        if not use_cache:
-            cache = None
+        # As in transformers' models, training with gradient checkpointing runs without a cache.
+        cache = cache_for_call(cache if cache is not None else past_key_values, config, num_steps,
+                               use_cache and not (self.gradient_checkpointing and self.training))
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
         past_seen = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
-            position_ids = _positions_from_mask(attention_mask, inputs_embeds, past_seen)
-        if cache is not None:
-            ensure_cache_slots(cache, config, num_steps)
+            position_ids = positions_from_mask(attention_mask, inputs_embeds, past_seen)
 
         mask = create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
@@ -408,17 +342,6 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         )
 
 
-def _positions_from_mask(attention_mask: torch.Tensor | None, inputs_embeds: torch.Tensor,
-                         past_seen: int | torch.Tensor):
-    """Positions that skip left padding, so a padded sequence sees the same rotary phases as unpadded.
-    `past_seen` is a tensor for a static cache: added, not passed to `arange`, so no host sync."""
-    seq = inputs_embeds.shape[1]
-    if attention_mask is None or attention_mask.dim() != 2:
-        return (torch.arange(seq, device=inputs_embeds.device) + past_seen).unsqueeze(0)
-    positions = attention_mask.long().cumsum(-1) - 1
-    return positions.clamp(min=0)[:, -seq:]
-
-
 class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -443,37 +366,21 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
         self.lm_head = new_embeddings
 
     def _prepare_generation_config(self, generation_config: GenerationConfig | None, **kwargs):
-        """Passes a `num_steps` set on the generation config to `forward`.
-
-        transformers keeps attributes it does not know on a `GenerationConfig` (one passed to `generate`, or the
-        model's, loaded from generation_config.json) but does not forward them to the model; once the config has
-        the attribute, it even absorbs a `num_steps` keyword to `generate`. Read back here, the keyword still wins over
-        a passed config, which wins over the checkpoint's.
-        """
+        """Passes a `num_steps` set on the generation config to `forward` (why: `pass_num_steps`)."""
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
-        num_steps = getattr(generation_config, "num_steps", None)
-        if num_steps is not None and model_kwargs.get("num_steps") is None:
-            model_kwargs["num_steps"] = num_steps
+        pass_num_steps(generation_config, model_kwargs)
         return generation_config, model_kwargs
 
     def _prepare_static_cache(self, *args, **kwargs):
         """`generate(..., cache_implementation="static")`: transformers' static cache, grown to the slots of the
         call's depth (`num_steps` is in `model_kwargs` by now)."""
         cache = super()._prepare_static_cache(*args, **kwargs)
-        if is_static(cache):
-            num_steps = (kwargs.get("model_kwargs") or {}).get("num_steps")
-            add_static_slots(cache, num_cache_slots(self.config, num_steps or self.config.default_num_steps))
+        grow_static_cache(cache, self.config, (kwargs.get("model_kwargs") or {}).get("num_steps"))
         return cache
 
     def save_pretrained(self, *args, **kwargs):
-        """Also keeps a `num_steps` set on `model.generation_config` across save and load.
-
-        The generation config a model builds for itself is marked `_from_model_config`, and transformers drops the
-        attributes it does not know when it loads a generation_config.json so marked; unmarked (as transformers'
-        Seq2SeqTrainer does once the config is edited), the file's `num_steps` is read back.
-        """
-        if getattr(self.generation_config, "num_steps", None) is not None:
-            self.generation_config._from_model_config = False
+        """Also keeps a `num_steps` set on `model.generation_config` across save and load (`keep_num_steps`)."""
+        keep_num_steps(self.generation_config)
         return super().save_pretrained(*args, **kwargs)
 
     @can_return_tuple

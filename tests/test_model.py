@@ -286,7 +286,8 @@ def test_save_writes_safetensors_code_and_auto_map(tmp_path):
     model.save_pretrained(tmp_path)
     files = set(os.listdir(tmp_path))
     assert {"model.safetensors", "config.json", "modeling_recurrent_depth.py", "configuration_recurrent_depth.py",
-            "cache_recurrent_depth.py", "adaptive_depth.py"} <= files
+            "cache_recurrent_depth.py", "adaptive_depth.py", "init_recurrent_depth.py",
+            "loading_recurrent_depth.py"} <= files
     auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModelForCausalLM"].endswith("RecurrentDepthForCausalLM")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -1,0 +1,91 @@
+"""Where a recurrent-depth model starts: the weights' initialisation, each token's position, the state s_0.
+
+- `ScaledEmbedding`: token embeddings times `config.embedding_scale` (about sqrt(C) under the scaled init).
+- `init_scaled` is `init_scheme="scaled"` for one module (`init_scheme="normal"` is transformers' default init).
+- `positions_from_mask`: the positions of a call's tokens, which skip left padding and continue after the cache.
+- `initial_state`: s_0 under `state_init`, a function of those positions only.
+
+Together a token gets the same rotary phases and the same initial state in a full forward pass, in a cached decode
+step and in a left-padded batch.
+
+Shipped next to the weights with the modeling file (`trust_remote_code` loads it as a flat module).
+"""
+
+import math
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+try:
+    from .configuration_recurrent_depth import RecurrentDepthConfig
+except ImportError:  # loaded as a flat module by `trust_remote_code`
+    from configuration_recurrent_depth import RecurrentDepthConfig
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embeddings multiplied by `config.embedding_scale` (1.0 leaves them as stored)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None, scale: float):
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embedded = super().forward(input_ids)
+        return embedded if self.scale == 1.0 else embedded * self.scale
+
+
+def init_scaled(module: nn.Linear | nn.Embedding, config: RecurrentDepthConfig) -> None:
+    """`init_scheme="scaled"`: each layer's output has about the same RMS as its input at any width, and the
+    projections that write into the residual stream (marked `writes_residual`) shrink with the unrolled depth, so
+    the stack starts near identity."""
+    std = math.sqrt(2 / (5 * config.hidden_size))
+    if getattr(module, "writes_residual", False):
+        unrolled = config.n_prelude_layers + config.n_coda_layers + config.n_core_layers * config.mean_recurrence
+        std /= math.sqrt(2 * unrolled)
+    init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        if not getattr(module.weight, "_is_hf_initialized", False):
+            init.zeros_(module.weight[module.padding_idx])
+    elif getattr(module, "bias", None) is not None:
+        init.zeros_(module.bias)
+
+
+def positions_from_mask(attention_mask: torch.Tensor | None, inputs_embeds: torch.Tensor,
+                        past_seen: int | torch.Tensor) -> torch.Tensor:
+    """Positions (B or 1, T) that skip left padding, so a padded sequence sees the same rotary phases (and initial
+    state) as unpadded. `past_seen` is a tensor for a static cache: added, not passed to `arange`, so no host sync."""
+    seq = inputs_embeds.shape[1]
+    if attention_mask is None or attention_mask.dim() != 2:
+        return (torch.arange(seq, device=inputs_embeds.device) + past_seen).unsqueeze(0)
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp(min=0)[:, -seq:]
+
+
+def initial_state(config: RecurrentDepthConfig, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The state before the first step, shape (B, T, C), at positions `position_ids` (B, T).
+
+    `normal` is a hash of (seed, position, channel) mapped to a Gaussian, not a draw from a global generator:
+    it depends on the position only, not on the batch, the padding or what the cache holds.
+    """
+    batch, seq = position_ids.shape
+    size = config.hidden_size
+    if config.state_init == "zeros" or config.state_init_std == 0:
+        return torch.zeros(batch, seq, size, dtype=dtype, device=position_ids.device)
+    channels = torch.arange(size, device=position_ids.device)
+    counter = (position_ids.long()[..., None] * size + channels) * 2  # (B, T, C), two draws per element
+    uniforms = [_hash_to_unit(counter + k, config.state_init_seed) for k in (0, 1)]
+    radius = torch.sqrt(-2.0 * torch.log(uniforms[0]))
+    normal = radius * torch.cos(2 * torch.pi * uniforms[1])  # Box-Muller
+    return (normal * config.state_init_std).to(dtype)
+
+
+def _hash_to_unit(counter: torch.Tensor, seed: int) -> torch.Tensor:
+    """A 31-bit integer hash (xorshift-multiply rounds, exact in int64) mapped to (0, 1)."""
+    mask = (1 << 31) - 1
+    x = (counter + seed * 0x9E3779B1) & mask
+    for _ in range(3):
+        x = ((x >> 15) ^ x) * 0x2C1B3C6D & mask
+        x = ((x >> 12) ^ x) * 0x297A2D39 & mask
+    x = (x >> 15) ^ x
+    return (x.double() + 0.5) / (mask + 1)
