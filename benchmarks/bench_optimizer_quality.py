@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
         ]
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "train.log"), "w") as log:
-            code = ("from trainer_ext.run.pretrain import parse_pretrain_args, parse_pretrain_job, pretrain; "
+            code = ("from trainer_ext.run.pretrain import parse_pretrain_job, pretrain; "
                     f"pretrain(parse_pretrain_job({command!r}))")
             subprocess.run([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
         print(json.dumps({"config": config, "seed": seed, "learning_rate": lr, "eval_loss": read_run(out_dir)[0]}),

@@ -126,7 +126,7 @@ def _build(preset: str, device: str):
     config = presets.get(preset)
     if presets.is_recurrent(config):
         config = presets.get(preset, depth_distribution="fixed")
-    return build_model(ModelArguments(preset=preset), config.vocab_size, None, torch.device(device), config=config)
+    return build_model(ModelArguments(preset=preset), torch.device(device), config)
 
 
 def _reset_model(model) -> None:

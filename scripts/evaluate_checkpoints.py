@@ -17,7 +17,7 @@ import sys
 
 from trainer_ext.evaluation.checkpoints import EvaluateArguments, evaluate_checkpoints
 from trainer_ext.evaluation.report import render_report
-from trainer_ext.run.pretrain import parse_args_with_defaults
+from trainer_ext.run.job import parse_args_with_defaults
 
 
 def parse_args(argv=None) -> EvaluateArguments:

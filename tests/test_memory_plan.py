@@ -435,7 +435,7 @@ def test_pinned_batches_go_to_the_gpu_without_waiting_by_default_on_cuda(tiny_da
     from test_trainer import make_trainer
 
     from trainer_ext.training.arguments import COMMAND_LINE_DEFAULTS, DataArguments, ModelArguments
-    from trainer_ext.run.pretrain import parse_args_with_defaults
+    from trainer_ext.run.job import parse_args_with_defaults
 
     pinned = COMMAND_LINE_DEFAULTS["dataloader_pin_memory"]
     assert COMMAND_LINE_DEFAULTS["accelerator_config"] == {"non_blocking": pinned}

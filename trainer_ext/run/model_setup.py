@@ -5,7 +5,6 @@ checks run once, as `trainer_ext.run.job.TrainingJob` resolves a run's arguments
 import dataclasses
 import difflib
 import json
-import os
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
@@ -14,8 +13,8 @@ from hf_recurrent import presets  # importing hf_recurrent registers the model w
 from trainer_ext.data.shards import tokenizer_hash
 from trainer_ext.devices import resolve_dtype
 from trainer_ext.distill.teacher import TEACHER_TOKENIZER_FIX, load_frozen_teacher
-from trainer_ext.training.arguments import ModelArguments
 from trainer_ext.checkpoints import load_tokenizer
+from trainer_ext.training.arguments import ModelArguments
 
 # Fields every config has (transformers_version, id2label, ...): accepted as overrides, left out of error messages.
 _BASE_CONFIG_FIELDS = {f.name for f in dataclasses.fields(PretrainedConfig)}
@@ -86,7 +85,7 @@ def check_depth_arguments(training_args, config) -> None:
                          "through the last k of the sampled steps), or unset for the config's default.")
 
 
-def build_model(model_args: ModelArguments, tokenizer, device: torch.device, config=None):
+def build_model(model_args: ModelArguments, device: torch.device, config=None):
     """The model to train: --model_name_or_path loaded (checked by the job), or a fresh --preset model of `config`
     (`TrainingJob.model_config`), initialised on `device`."""
     dtype = resolve_dtype(model_args.dtype, device)
@@ -99,14 +98,15 @@ def build_model(model_args: ModelArguments, tokenizer, device: torch.device, con
                                                 attn_implementation=model_args.attn_implementation)
 
 
-def meta_model(model_args: ModelArguments, tokenizer, config=None):
-    """The model on the meta device (no memory, no initialisation): its size and vocabulary."""
+def meta_model(model_args: ModelArguments, config=None):
+    """The model on the meta device (no memory, no initialisation): its size and vocabulary. `config` as for
+    `build_model`; a checkpoint's is read from it."""
     if model_args.model_name_or_path:
         config = AutoConfig.from_pretrained(model_args.model_name_or_path,
                                             trust_remote_code=model_args.trust_remote_code)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, trust_remote_code=model_args.trust_remote_code)
-    return build_model(model_args, tokenizer, torch.device("meta"), config)
+    return build_model(model_args, torch.device("meta"), config)
 
 
 def load_data_tokenizer(data_dir: str):

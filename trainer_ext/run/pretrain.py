@@ -74,7 +74,7 @@ def pretrain(job: TrainingJob, callbacks=None) -> dict:
     data = job.prepare_data()
     tokenizer = data.tokenizer
     config = job.model_config(tokenizer)
-    model = build_model(model_args, tokenizer, training_args.device, config)
+    model = build_model(model_args, training_args.device, config)
     if config is None and job.config is None:  # a hub id: its config is known now
         check_depth_arguments(training_args, model.config)
     train_set, eval_set = load_datasets(data.data_dir, data_args, tokenizer, model.config.vocab_size)
