@@ -120,7 +120,7 @@ case $STAGE in
     preset=$1; shift
     [ -n "${LR:-}" ] || python3 -m benchmarks.capped 24 scripts.find_lr --preset $preset --data_dir $DATA --bf16 true \
       --memory_cap_gib 24 --stability_guard false --output_dir outputs/find_lr_$preset "$@" 2>&1 \
-      | grep -E "lr_finder:|lr_trials:|find_lr:|Chosen|Memory plan|rror"
+      | grep -E "lr_search.finder:|lr_search.trials:|find_lr:|Chosen|Memory plan|rror"
     [ -n "${LR:-}" ] || cp outputs/find_lr_$preset/lr_sweep.md outputs/find_lr_$preset/lr_sweep.png "$OUT/"
     [ -n "${LR:-}" ] || LR=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['learning_rate'])" \
       outputs/find_lr_$preset/lr_sweep.json) || exit 1

@@ -33,6 +33,7 @@ import shutil
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from hf_recurrent import presets
+from trainer_ext.checkpoints import checkpoint_step, last_complete_checkpoint
 from trainer_ext.comparison.arguments import (
     NON_IDENTITY_ARGS,
     OPTIONAL_IDENTITY_ARGS,
@@ -52,9 +53,8 @@ from trainer_ext.comparison.training import CycleTraining, whole_run_train_loss
 from trainer_ext.data.prepare import prepare
 from trainer_ext.distill.caching import CacheTeacherArguments, cache_teacher
 from trainer_ext.hub.model_card import ModelCardInfo
-from trainer_ext.checkpoints import checkpoint_step, last_complete_checkpoint
-from trainer_ext.run.model_setup import parse_overrides
 from trainer_ext.run.job import TrainingJob
+from trainer_ext.run.model_setup import parse_overrides
 from trainer_ext.run.pretrain import pretrain
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from trainer_ext.checkpoints import last_complete_checkpoint
 from trainer_ext.comparison.arguments import CYCLE_WARMUP_STEPS, CompareArguments, TrainingOptions
 from trainer_ext.training.arguments import DataArguments, ModelArguments, RecurrentTrainingArguments
-from trainer_ext.checkpoints import last_complete_checkpoint
 
 logger = logging.getLogger(__name__)
 

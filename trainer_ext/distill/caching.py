@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from trainer_ext.checkpoints import load_tokenizer
 from trainer_ext.data.shards import SPLITS, file_sha256, token_dtype, tokenizer_hash, validate_data_dir
 from trainer_ext.devices import resolve_device, resolve_dtype
 from trainer_ext.distill.cache import (
@@ -49,7 +50,6 @@ from trainer_ext.distill.losses import teacher_topk
 from trainer_ext.distill.teacher import QUANTIZATIONS, TEACHER_TOKENIZER_FIX, load_frozen_teacher
 from trainer_ext.files import check_same_run
 from trainer_ext.lm_head import chunked_logits, output_head
-from trainer_ext.checkpoints import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

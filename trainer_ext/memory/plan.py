@@ -2,7 +2,7 @@
 
 For each candidate batch size a mixed-integer program (`scipy.optimize.milp`, HiGHS) chooses which prelude layers,
 coda layers and graph-building core steps recompute their activations: one binary variable each, minimising the
-calibrated step time subject to the calibrated peak reserved memory <= cap - margin (`memory_estimator.py`; both are
+calibrated step time subject to the calibrated peak reserved memory <= cap - margin (`estimator.py`; both are
 linear in the choice at a fixed batch size). The batch size with the highest predicted tokens per second wins. A plain
 Transformer's layers count as prelude layers, and its choice is all of them or none: what transformers' checkpointing
 flag carries out. The plan is fixed for the run: nothing adapts during training.

@@ -3,8 +3,8 @@ pretrain's model, data and training arguments (`TrainingJob`; the trials use its
 and checkpointing, so they fit the same memory) plus the sweep's own (`lr_search.finder.SweepArguments`), and writes
 lr_sweep.json / .md / .png into --output_dir. The schedule, evaluation and saving arguments of a training run are
 replaced by each trial's (`lr_search.trials.trial_arguments`). With `--memory_plan auto` (the default on CUDA) the
-trials take the batch size and recompute set that pretraining's plan chooses for the same arguments, so the rate is tested
-at the batch the run will train with. A sweep stopped midway resumes from lr_sweep.progress.json (the start's
+trials take the batch size and recompute set that pretraining's plan chooses for the same arguments, so the rate is
+tested at the batch the run will train with. A sweep stopped midway resumes from lr_sweep.progress.json (the start's
 weights and held-out loss, the finished trials) when run again with the same settings."""
 
 import dataclasses

@@ -10,10 +10,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from hf_recurrent import presets  # importing hf_recurrent registers the model with the Auto classes
+from trainer_ext.checkpoints import load_tokenizer
 from trainer_ext.data.shards import tokenizer_hash
 from trainer_ext.devices import resolve_dtype
 from trainer_ext.distill.teacher import TEACHER_TOKENIZER_FIX, load_frozen_teacher
-from trainer_ext.checkpoints import load_tokenizer
 from trainer_ext.training.arguments import ModelArguments
 
 # Fields every config has (transformers_version, id2label, ...): accepted as overrides, left out of error messages.

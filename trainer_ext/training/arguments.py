@@ -17,8 +17,8 @@ import torch
 from transformers import TrainingArguments
 
 from hf_recurrent import presets
-from trainer_ext.distill.losses import DIVERGENCES
 from trainer_ext.compat import CHECKPOINTING_FLAG
+from trainer_ext.distill.losses import DIVERGENCES
 from trainer_ext.optim.in_backward import check_gradient_accumulation
 from trainer_ext.training.stability import check_settings
 

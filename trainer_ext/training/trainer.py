@@ -17,6 +17,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from hf_recurrent import DepthSampler, flops_per_token
 from hf_recurrent.presets import is_recurrent
 
+from trainer_ext.checkpoints import TRAINER_STATE_NAME, publish, rotate_checkpoints, staging_dir
 from trainer_ext.distill.losses import OnlineTeacher, TopKTeacher, chunked_lm_loss
 from trainer_ext.optim.momentum import resolve_momentum, resolve_subspace_residual
 from trainer_ext.optim.optimizer import create_optimizer
@@ -26,12 +27,6 @@ from trainer_ext.training.callbacks import (
     PhaseTimingCallback,
     TrainingHooksCallback,
     WarmupEndCheckpointCallback,
-)
-from trainer_ext.checkpoints import (
-    TRAINER_STATE_NAME,
-    publish,
-    rotate_checkpoints,
-    staging_dir,
 )
 from trainer_ext.training.distributed import check_optimizer_supports, saved_as_pretrained_class
 from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError
