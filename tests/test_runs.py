@@ -4,12 +4,15 @@ left half-written by a kill, and arguments checked before any work."""
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 from transformers import AutoTokenizer
 
-from trainer_ext.training.arguments import RecurrentTrainingArguments
 from trainer_ext.checkpoints import last_complete_checkpoint
+from trainer_ext.training.arguments import RecurrentTrainingArguments
 from trainer_ext.run.pretrain import parse_pretrain_args, parse_pretrain_job, pretrain
 from trainer_ext.training.trainer import RecurrentTrainer
 
@@ -292,3 +295,28 @@ def test_console_entry_points_exit_zero_after_a_successful_run(tiny_data_dir, tm
     assert evaluate(["--checkpoints", str(tmp_path / "run" / "final"), "--data_dir", tiny_data_dir, "--depths", "1",
                      "--max_samples", "4", "--new_tokens", "2", "--prompt_len", "4", "--cache_cost_samples", "0",
                      "--no_plots", "--output_dir", str(tmp_path / "eval")]) == 0
+
+
+def test_two_processes_on_a_fresh_folder_prepare_the_embedded_corpus_once(tmp_path):
+    """`torchrun --nproc_per_node 2 scripts/run_pretrain.py` before the embedded corpus exists: the main process
+    prepares it while the other waits (both writing the same shard files broke the second one), then both train."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.join(repo, "scripts", "run_pretrain.py"), "--use_cpu", "true", "--max_steps", "2",
+               "--per_device_train_batch_size", "4", "--eval_strategy", "no", "--save_strategy", "no",
+               "--save_final", "false", "--max_eval_samples", "8", "--logging_steps", "1", "--disable_tqdm", "true"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # own group: a hung collective is ended whole
+    try:
+        output, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    assert proc.returncode == 0, output[-4000:]
+    assert output.count("Preparing the embedded corpus") == 1
+    data = tmp_path / "outputs" / "data" / "kjv"
+    assert (data / "manifest.json").is_file() and not list(data.glob(".*.tmp"))
+    assert len([e for e in json.loads((tmp_path / "outputs" / "run_pretrain" / "log_history.json").read_text())
+                if "loss" in e]) == 2

@@ -133,9 +133,12 @@ class TrainingJob:
         data_dir = self.data_args.data_dir
         if data_dir is None:
             data_dir = DEFAULT_DATA_DIR
-            if not os.path.exists(os.path.join(DEFAULT_DATA_DIR, "manifest.json")):
-                logger.info("Preparing the embedded corpus in %s", DEFAULT_DATA_DIR)
-                prepare(PrepareDataArguments(output_dir=DEFAULT_DATA_DIR))
+            # Under torchrun / accelerate launch the main process prepares while the others wait, then read: two
+            # processes writing the same shard files would break each other's.
+            with self.training_args.main_process_first(desc=f"the preparation of {DEFAULT_DATA_DIR}"):
+                if not os.path.exists(os.path.join(DEFAULT_DATA_DIR, "manifest.json")):
+                    logger.info("Preparing the embedded corpus in %s", DEFAULT_DATA_DIR)
+                    prepare(PrepareDataArguments(output_dir=DEFAULT_DATA_DIR))
         manifest = read_manifest(data_dir)
         tokenizer = load_data_tokenizer(data_dir)
         teacher = self.model_args.teacher_model_name_or_path
