@@ -1,6 +1,9 @@
 """Updating weights inside backward: what the mode requires of a run, and the hooks that run the updates.
 
-Each hook calls its optimizer's update as soon as a parameter's gradient is accumulated. The hooks reach the
+Each hook calls its optimizer's update as soon as a parameter's gradient is accumulated. Under
+DistributedDataParallel that gradient is the process's own: there the update runs in a communication hook after its
+bucket's all-reduce instead (`register_update_after_all_reduce`), on the gradient averaged over the processes, so
+every replica takes the same update. The hooks reach the
 optimizer through a weak reference: hooks bound to it would close a cycle (parameter, its hook table, optimizer,
 parameter) through the tensor's C++ side, which Python's collector does not see, so every finished training of a
 process would keep its weights and optimizer state (results/in-process-trainings). The hooks go when the optimizer
@@ -54,3 +57,36 @@ def _remove(handles: list) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
+
+
+def register_update_after_all_reduce(ddp_model, update) -> None:
+    """A DDP communication hook on `ddp_model` that averages each gradient bucket over the processes (as DDP's
+    default hook does) and then calls ``update(param, averaged_grad)`` for each parameter of the bucket, a bound
+    method held by weak reference like the post-accumulate-grad hooks' (the model holds the hook).
+
+    The all-reduces of later buckets overlap with the rest of backward, as in plain DDP; the updates of a bucket run
+    once its own all-reduce is done. DDP then copies the averaged bucket into the parameters' `.grad` (the step's
+    `zero_grad` clears them): unlike a single process, gradients exist in full, in DDP's buckets, until the step
+    ends.
+    """
+    import torch.distributed as dist
+
+    state = weakref.WeakMethod(update)
+
+    def average_then_update(state, bucket):
+        group = dist.group.WORLD
+        buffer = bucket.buffer().div_(dist.get_world_size(group))
+        reduced = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+
+        def update_bucket(future):
+            averaged = future.value()[0]
+            run = state()
+            if run is not None:
+                with torch.no_grad():
+                    for param, grad in zip(bucket.parameters(), bucket.gradients()):
+                        run(param, grad)
+            return averaged
+
+        return reduced.then(update_bucket)
+
+    ddp_model.register_comm_hook(state, average_then_update)

@@ -210,6 +210,21 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         self._hooks.remove()
         self.in_backward = False
 
+    def update_after_all_reduce(self, ddp_model) -> None:
+        """Under DistributedDataParallel: update each parameter inside backward from the gradient averaged over the
+        processes, as soon as its bucket's all-reduce is done (`in_backward.register_update_after_all_reduce`),
+        instead of from the process's own gradient. Call before the first backward of the wrapped model."""
+        from trainer_ext.optim.in_backward import register_update_after_all_reduce
+
+        if not self.in_backward:
+            raise ValueError("update_after_all_reduce needs the in-backward mode (attach_to_backward)")
+        self._hooks.remove()  # the post-accumulate-grad hooks would see the process's own gradient
+        register_update_after_all_reduce(ddp_model, self._averaged_gradient_hook)
+
+    def _averaged_gradient_hook(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        group_index, index = self._position[p]
+        self._update(p, self.param_groups[group_index], index, grad)
+
     def _backward_hook(self, p: torch.Tensor) -> None:
         group_index, index = self._position[p]
         if self._last_hooked_step[index] == self._num_steps:
@@ -306,8 +321,8 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
     # -- the per-tensor update
 
     @torch.no_grad()
-    def _update(self, p: torch.Tensor, group: dict, index: int) -> None:
-        grad = p.grad
+    def _update(self, p: torch.Tensor, group: dict, index: int, grad: torch.Tensor | None = None) -> None:
+        grad = p.grad if grad is None else grad
         if grad is None or p.numel() == 0:
             return
         if grad.is_sparse:

@@ -11,6 +11,7 @@ import shutil
 import time
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, default_data_collator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -46,6 +47,21 @@ def compile_decoder_layers(model, mode: str = "default", backend: str = "inducto
     for layer in layers:
         layer.compile(mode=mode, backend=backend)
     return len(layers)
+
+
+def _hidden_through_ddp(ddp_model, unwrapped, input_ids, attention_mask, depth: dict) -> torch.Tensor:
+    """The decoder's last hidden state, (B, T, C), from a forward through the DDP wrapper: only a forward through
+    it readies the gradient all-reduce of the backward that follows (the decoder called directly leaves every process
+    training on its own gradient). The LM head runs on no position (the chunked loss applies it); the hidden state
+    is taken from the decoder's output on its way."""
+    caught = {}
+    handle = unwrapped.model.register_forward_hook(lambda module, args, output: caught.update(hidden=output[0]))
+    try:
+        ddp_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                  logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device), **depth)
+    finally:
+        handle.remove()
+    return caught["hidden"]
 
 
 class RecurrentTrainer(StabilityMixin, Trainer):
@@ -147,6 +163,17 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             )
         return self.optimizer
 
+    def _update_from_averaged_gradients(self) -> None:
+        """Under data parallelism (DDP), the in-backward optimizer updates from the gradient averaged over the
+        processes, after each bucket's all-reduce, so that every replica takes the same update: from the process's
+        own gradient (the post-accumulate-grad hooks) the replicas would train apart. Once per wrapped model,
+        before its first backward (the Trainer's `on_train_begin`)."""
+        model, optimizer = self.model_wrapped, self.unwrapped_optimizer
+        if (isinstance(model, DistributedDataParallel) and getattr(optimizer, "in_backward", False)
+                and not getattr(model, "_updates_after_all_reduce", False)):
+            optimizer.update_after_all_reduce(model)
+            model._updates_after_all_reduce = True
+
     def _save(self, output_dir=None, state_dict=None):
         # FSDP2 swaps the model's class for a wrapper; saved code and auto_map must name the real class.
         with saved_as_pretrained_class(self.model):
@@ -228,9 +255,12 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         targets = inputs[TARGETS]
         depth = self.current_depth(training)
         with self.profiler.phase("forward"):
-            hidden = unwrapped.model(
-                input_ids=input_ids, attention_mask=inputs.get("attention_mask"), use_cache=False, **depth
-            ).last_hidden_state
+            if isinstance(model, DistributedDataParallel):
+                hidden = _hidden_through_ddp(model, unwrapped, input_ids, inputs.get("attention_mask"), depth)
+            else:
+                hidden = unwrapped.model(
+                    input_ids=input_ids, attention_mask=inputs.get("attention_mask"), use_cache=False, **depth
+                ).last_hidden_state
         teacher = self._teacher_for(inputs) if training else None  # evaluation reports the plain CE
         with self.profiler.phase("loss"):
             out = chunked_lm_loss(
