@@ -18,6 +18,7 @@ import os
 import sys
 
 from trainer_ext.run.find_lr import find_lr, parse_find_lr_job
+from trainer_ext.training.distributed import end_process_group
 
 
 def main(argv=None) -> int:
@@ -25,6 +26,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     job, sweep_args = parse_find_lr_job(argv)
     result = find_lr(job, sweep_args)
+    end_process_group()
     if result["learning_rate"] is None:
         smaller = [f"{rate / 10:g}" for rate in sweep_args.learning_rates[:3]]
         print(f"No stable learning rate among {[f'{r:g}' for r in sweep_args.learning_rates]} (the smallest was "

@@ -24,12 +24,14 @@ import logging
 import sys
 
 from trainer_ext.run.pretrain import parse_pretrain_job, pretrain
+from trainer_ext.training.distributed import end_process_group
 
 
 def main(argv=None) -> int:
     """Console entry point: 0 after a successful run (a failure raises, which exits non-zero)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     pretrain(parse_pretrain_job(argv))
+    end_process_group()
     return 0
 
 

@@ -115,3 +115,14 @@ def saved_as_pretrained_class(model: nn.Module) -> Iterator[nn.Module]:
         yield model
     finally:
         model.__class__ = sharded_class
+
+
+def end_process_group() -> None:
+    """Destroy the default process group of a launch (torchrun / accelerate launch), if there is one, at the end of a
+    command: left to the interpreter's exit, a gloo group's threads can abort the process ("terminate called without
+    an active exception", exit code -6) after a successful run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no process tears its end down while another still talks to it
+        dist.destroy_process_group()
