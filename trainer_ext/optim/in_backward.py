@@ -3,11 +3,10 @@
 Each hook calls its optimizer's update as soon as a parameter's gradient is accumulated. Under
 DistributedDataParallel that gradient is the process's own: there the update runs in a communication hook after its
 bucket's all-reduce instead (`register_update_after_all_reduce`), on the gradient averaged over the processes, so
-every replica takes the same update. The hooks reach the
-optimizer through a weak reference: hooks bound to it would close a cycle (parameter, its hook table, optimizer,
-parameter) through the tensor's C++ side, which Python's collector does not see, so every finished training of a
-process would keep its weights and optimizer state (results/in-process-trainings). The hooks go when the optimizer
-does.
+every replica takes the same update. The hooks reach the optimizer through a weak reference: hooks bound to it
+would close a cycle (parameter, its hook table, optimizer, parameter) through the tensor's C++ side, which Python's
+collector does not see, so every finished training of a process would keep its weights and optimizer state
+(results/in-process-trainings). The hooks go when the optimizer does.
 """
 
 from __future__ import annotations
@@ -71,9 +70,7 @@ def register_update_after_all_reduce(ddp_model, update) -> None:
     """
     import torch.distributed as dist
 
-    state = weakref.WeakMethod(update)
-
-    def average_then_update(state, bucket):
+    def average_then_update(state, bucket):  # state: the weakly held update
         group = dist.group.WORLD
         buffer = bucket.buffer().div_(dist.get_world_size(group))
         reduced = dist.all_reduce(buffer, group=group, async_op=True).get_future()
@@ -82,11 +79,10 @@ def register_update_after_all_reduce(ddp_model, update) -> None:
             averaged = future.value()[0]
             run = state()
             if run is not None:
-                with torch.no_grad():
-                    for param, grad in zip(bucket.parameters(), bucket.gradients()):
-                        run(param, grad)
+                for param, grad in zip(bucket.parameters(), bucket.gradients()):
+                    run(param, grad)  # the optimizer's update runs under no_grad
             return averaged
 
         return reduced.then(update_bucket)
 
-    ddp_model.register_comm_hook(state, average_then_update)
+    ddp_model.register_comm_hook(weakref.WeakMethod(update), average_then_update)

@@ -24,7 +24,11 @@ import torch
 from torch import nn
 
 from trainer_ext.devices import has_triton
-from trainer_ext.optim.in_backward import BackwardHooks, check_gradient_accumulation
+from trainer_ext.optim.in_backward import (
+    BackwardHooks,
+    check_gradient_accumulation,
+    register_update_after_all_reduce,
+)
 from trainer_ext.optim.kernels import (
     EAGER_KERNELS,
     compiled_kernels,
@@ -214,8 +218,6 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         """Under DistributedDataParallel: update each parameter inside backward from the gradient averaged over the
         processes, as soon as its bucket's all-reduce is done (`in_backward.register_update_after_all_reduce`),
         instead of from the process's own gradient. Call before the first backward of the wrapped model."""
-        from trainer_ext.optim.in_backward import register_update_after_all_reduce
-
         if not self.in_backward:
             raise ValueError("update_after_all_reduce needs the in-backward mode (attach_to_backward)")
         self._hooks.remove()  # the post-accumulate-grad hooks would see the process's own gradient
