@@ -57,8 +57,8 @@ def validate_group(group: dict, check_params: bool = True) -> None:
             raise ValueError("parameters must be contiguous (the update works on views of the weight)")
 
 
-# Salts that give weights, momentum and subspace bases independent random streams.
-WEIGHT_SALT, MOMENTUM_SALT, _PROJECTOR_SALT = 0x1B873593, 0x68E31DA4, 0x2545F491
+# Salts that give weights, momentum, subspace bases and the shards of a sharded weight independent random streams.
+WEIGHT_SALT, MOMENTUM_SALT, _PROJECTOR_SALT, SHARD_SALT = 0x1B873593, 0x68E31DA4, 0x2545F491, 0x3C6EF372
 
 
 # ----------------------------------------------------------------------------- random bits and rounding
@@ -184,18 +184,25 @@ def _grad_stats(grad: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tenso
 
 def _update_factors(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_sum: torch.Tensor,
                     grad_sq: torch.Tensor, step: torch.Tensor, totals: torch.Tensor, hyper: torch.Tensor,
-                    beta2_decay: bool):
+                    beta2_decay: bool, row_totals: torch.Tensor | None = None, rows: int | None = None):
     """Update the row (B, R) and column (B, C) averages; return ok and the factors of 1/sqrt(v_hat).
 
     v_hat[i, j] = row[i] * col[j] / mean(row) / bias_correction, the rank-1 estimate of Adafactor.
+    A shard of rows (trainer_ext/optim/shards.py) passes the whole weight's number of rows and ``row_totals``, the
+    sums of ``row`` and ``row_mean`` over all of its rows, from which mean(row) follows.
     """
+    rows = row.shape[-1] if rows is None else rows
     beta2, bias_correction = _beta2_and_bias_correction(step + 1.0, hyper, beta2_decay)
     new_row = beta2 * row + (1.0 - beta2) * row_mean
-    new_col = beta2 * col + (1.0 - beta2) * col_sum / row.shape[-1]
+    new_col = beta2 * col + (1.0 - beta2) * col_sum / rows
     ok = _record(step, grad_sq, totals)
     row.copy_(torch.where(ok, new_row, row))
     col.copy_(torch.where(ok, new_col, col))
-    row_factor = torch.rsqrt(new_row / (new_row.mean(-1, keepdim=True) * bias_correction))
+    if row_totals is None:
+        row_average = new_row.mean(-1, keepdim=True)
+    else:
+        row_average = (beta2 * row_totals[0] + (1.0 - beta2) * row_totals[1]) / rows
+    row_factor = torch.rsqrt(new_row / (row_average * bias_correction))
     return ok, row_factor, torch.rsqrt(new_col)
 
 
@@ -224,27 +231,37 @@ _WHOLE = ((slice(None), slice(None)),)
 
 
 def factored_update(param, grad, row, col, momentum, step, keys, hyper, totals, projector=None, *,
-                     chunks, kernels: _Kernels, beta2_decay: bool) -> None:
+                     chunks, kernels: _Kernels, beta2_decay: bool, shard=None) -> None:
     """One tensor's factored update. param, grad: (B, R, C); row: (B, R); col: (B, C); momentum: (B, R, C), or
     (B, R, r) in the subspace of ``projector`` (C, r).
 
     ``chunks`` index (B, R) and cover it; three passes over them, because the column statistics and the
-    update RMS each need the whole tensor before anything can be written.
+    update RMS each need the whole tensor before anything can be written. ``shard``: a `shards.RowShard` when
+    the tensors hold a block of rows (B = 1) of a sharded weight; the sums that span rows are then taken over
+    every shard.
     """
     row_mean = torch.empty_like(row)
     col_sum = torch.zeros_like(col)
     grad_sq = torch.zeros((), dtype=torch.float32, device=row.device)
     for rows in chunks:
         kernels.grad_stats(grad[rows], row_mean[rows], col_sum[rows[0]], grad_sq, hyper)
+    row_totals = None
+    if shard is not None:
+        row_totals = torch.stack([row.sum(), row_mean.sum()])
+        shard.sum_(col_sum, grad_sq, row_totals)
     ok, row_factor, col_factor = kernels.update_factors(
-        row, col, row_mean, col_sum, grad_sq, step, totals, hyper, beta2_decay
+        row, col, row_mean, col_sum, grad_sq, step, totals, hyper, beta2_decay, row_totals,
+        None if shard is None else shard.rows,
     )
     update_sq = torch.zeros_like(grad_sq)
     for rows in chunks:
         kernels.update_sq(grad[rows], row_factor[rows], col_factor[rows[0]], update_sq)
+    if shard is not None:
+        shard.sum_(update_sq)
+    numel = grad.numel() if shard is None else shard.numel
     for i, rows in enumerate(chunks):
         kernels.apply(param[rows], grad[rows], None if momentum is None else momentum[rows], row_factor[rows],
-                      col_factor[rows[0]], update_sq, grad.numel(), ok, step, keys[i], hyper, projector)
+                      col_factor[rows[0]], update_sq, numel, ok, step, keys[i], hyper, projector)
 
 
 def _factored_update_whole(param, grad, row, col, momentum, step, keys, hyper, totals, projector=None, *,
@@ -254,12 +271,13 @@ def _factored_update_whole(param, grad, row, col, momentum, step, keys, hyper, t
                      chunks=_WHOLE, kernels=EAGER_KERNELS, beta2_decay=beta2_decay)
 
 
-def range_finder(grad: torch.Tensor, chunks, rank: int, key: torch.Tensor, refresh: int) -> torch.Tensor:
+def range_finder(grad: torch.Tensor, chunks, rank: int, key: torch.Tensor, refresh: int, shard=None) -> torch.Tensor:
     """An orthonormal basis (C, rank) of the dominant right singular subspace of ``grad`` (B, R, C).
 
     One step of randomized subspace iteration: Y = G^T (G Omega) with a pseudo-random Omega (C, rank) drawn from
     the counter hash of (key, refresh), then QR. Row chunks keep the fp32 temporaries small. Not finite (a
-    non-finite gradient): the caller keeps its previous basis.
+    non-finite gradient): the caller keeps its previous basis. A ``shard`` of rows sums Y over the shards, so every
+    process gets the same basis.
     """
     columns = grad.shape[-1]
     bits = _random_bits(torch.Size((columns, rank)), key, torch.tensor(refresh, device=key.device), _PROJECTOR_SALT)
@@ -268,20 +286,29 @@ def range_finder(grad: torch.Tensor, chunks, rank: int, key: torch.Tensor, refre
     for rows in chunks:
         block = grad[rows].float().reshape(-1, columns)
         basis += block.T @ (block @ omega)
+    if shard is not None:
+        shard.sum_(basis)
     return torch.linalg.qr(basis).Q
 
 
 def unfactored_update(param, grad, second_moment, momentum, step, keys, hyper, totals, *,
-                       beta2_decay: bool) -> None:
-    """Tensors with ndim < 2 (biases, norm scales): a full fp32 second moment; they are small."""
+                      beta2_decay: bool, shard=None) -> None:
+    """Tensors with ndim < 2 (biases, norm scales): a full fp32 second moment; they are small. A ``shard`` (a block
+    of a sharded vector) sums the squared gradient and the squared update over every shard."""
     grad32 = grad.float()
     grad_sq = grad32.square()
     beta2, bias_correction = _beta2_and_bias_correction(step + 1.0, hyper, beta2_decay)
     new_second_moment = beta2 * second_moment + (1.0 - beta2) * (grad_sq + hyper[EPS])
-    ok = _record(step, grad_sq.sum(), totals)
+    grad_sq_sum = grad_sq.sum()
+    if shard is not None:
+        shard.sum_(grad_sq_sum)
+    ok = _record(step, grad_sq_sum, totals)
     second_moment.copy_(torch.where(ok, new_second_moment, second_moment))
     update = grad32 * torch.rsqrt(new_second_moment / bias_correction)
-    update = update * _clip_scale(update.square().sum(), update.numel(), hyper)
+    update_sq = update.square().sum()
+    if shard is not None:
+        shard.sum_(update_sq)
+    update = update * _clip_scale(update_sq, update.numel() if shard is None else shard.numel, hyper)
     _apply_update(param, update, momentum, ok, step, keys[0], hyper)
 
 

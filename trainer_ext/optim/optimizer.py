@@ -14,7 +14,6 @@ or fused, on CPU or GPU, and a resumed run reproduces them without saving any ge
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 from collections.abc import Callable, Iterable
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from trainer_ext.devices import has_triton
+from trainer_ext.optim.bookkeeping import StepBookkeeping
 from trainer_ext.optim.in_backward import (
     BackwardHooks,
     check_gradient_accumulation,
@@ -31,6 +31,7 @@ from trainer_ext.optim.in_backward import (
 )
 from trainer_ext.optim.kernels import (
     EAGER_KERNELS,
+    SHARD_SALT,
     compiled_kernels,
     factored_update,
     hyper_values,
@@ -41,6 +42,7 @@ from trainer_ext.optim.kernels import (
     unfactored_update,
     validate_group,
 )
+from trainer_ext.optim.shards import RowShard, local, row_shard, zero_state
 
 __all__ = ["LowMemoryAdafactor", "check_gradient_accumulation", "create_optimizer", "subspace_rank",
            "SUBSPACE_MOMENTUM_FRACTION"]
@@ -68,7 +70,7 @@ def subspace_rank(shape: torch.Size | tuple[int, int], fraction: float) -> int:
     return max(1, math.ceil(fraction * min(shape[-2:])))
 
 
-class LowMemoryAdafactor(torch.optim.Optimizer):
+class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
     """Adafactor-style optimizer for bf16 (or fp32) weights with MB-scale state.
 
     Per tensor and step t (fp32 math; g = gradient):
@@ -171,14 +173,10 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
         self.fused = fused
         self.seed = seed
-        self._rng_keys: dict[tuple[int, torch.device, int], torch.Tensor] = {}
+        self._rng_keys: dict[tuple, torch.Tensor] = {}
+        self._shards: dict[torch.Tensor, RowShard | None] = {}  # per parameter: the block this process holds
         self._hyper_cache: dict[tuple[int, torch.device], tuple[tuple, torch.Tensor]] = {}
-        self._totals: dict[torch.device, torch.Tensor] = {}  # per device: [sum of grad**2, skips]
-        self._pending: collections.deque = collections.deque()
-        self._last_grad_norm = float("nan")
-        self._last_step_skips = 0
-        self._skipped_updates = 0
-        self._consecutive_skip_steps = 0
+        self._reset_bookkeeping()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -223,6 +221,30 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         self._hooks.remove()  # the post-accumulate-grad hooks would see the process's own gradient
         register_update_after_all_reduce(ddp_model, self._averaged_gradient_hook)
 
+    def rebind_parameters(self) -> None:
+        """Follow the parameters of `param_groups` as they are now. FSDP2 replaces a model's parameters by sharded
+        ones, and a training loop that built the optimizer first (the HF Trainer; accelerate then swaps each
+        group's parameters) leaves its positions and backward hooks on the old ones. Call before the first step.
+
+        Sharded parameters get their state now (zeros, as a first update would create it): loaders that fill a state
+        dict in place (`torch.distributed.checkpoint`, accelerate's FSDP loading) need the tensors, and would else
+        call `step()` to make them."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        if all(p in self._position for p in params):
+            return
+        if self.state:
+            raise RuntimeError("rebind_parameters after the first step: the state belongs to the old parameters")
+        self._position = {p: (g, i) for i, (g, p) in enumerate(
+            (g, p) for g, group in enumerate(self.param_groups) for p in group["params"])}
+        self._shards.clear()
+        if self.in_backward:
+            self._hooks.remove()
+            for p in params:
+                if p.requires_grad:
+                    self._hooks.add(p)
+        if any(row_shard(p) is not None for p in params):
+            self.init_state()
+
     def _averaged_gradient_hook(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         group_index, index = self._position[p]
         self._update(p, self.param_groups[group_index], index, grad)
@@ -259,146 +281,93 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
         self._finish_step()
         return loss
 
-    def _finish_step(self) -> None:
-        self._num_steps += 1
-        snapshot = []
-        for device, totals in self._totals.items():
-            if device.type == "cuda":
-                host = torch.empty(2, dtype=totals.dtype, pin_memory=True)
-                host.copy_(totals, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                snapshot.append((host, event))
-            else:
-                snapshot.append((totals, None))
-        self._totals = {}
-        self._pending.append(snapshot)
-        # Leave the newest GPU snapshot unread: reading it now would wait for the GPU.
-        keep = 1 if any(event is not None for _, event in snapshot) else 0
-        while len(self._pending) > keep:
-            self._resolve(self._pending.popleft())
-
-    def _resolve(self, snapshot: list) -> None:
-        grad_sq, skips = 0.0, 0
-        for host, event in snapshot:
-            if event is not None:
-                event.synchronize()
-            grad_sq += float(host[0])
-            skips += int(host[1])
-        self._last_grad_norm = math.sqrt(grad_sq) if math.isfinite(grad_sq) else float("nan")
-        self._last_step_skips = skips
-        self._skipped_updates += skips
-        self._consecutive_skip_steps = self._consecutive_skip_steps + 1 if skips else 0
-        if self._consecutive_skip_steps >= self.max_consecutive_skips:
-            raise RuntimeError(
-                f"non-finite gradients in {self._consecutive_skip_steps} consecutive steps "
-                f"(max_consecutive_skips={self.max_consecutive_skips}; {skips} tensor(s) in the last one); "
-                "stopping training. Those updates were skipped, so the weights and the last checkpoint "
-                "hold no NaN/Inf: resume from the checkpoint with a lower learning rate or check the data."
-            )
-
-    def _resolve_all(self) -> None:
-        while self._pending:
-            self._resolve(self._pending.popleft())
-
-    @property
-    def last_grad_norm(self) -> float:
-        """L2 norm of all gradients of the last finished step (nan before the first step or when a
-        gradient was not finite)."""
-        self._resolve_all()
-        return self._last_grad_norm
-
-    @property
-    def last_step_skips(self) -> int:
-        """Number of tensors whose update was skipped in the last finished step."""
-        self._resolve_all()
-        return self._last_step_skips
-
-    @property
-    def skipped_updates(self) -> int:
-        """Number of tensor updates skipped for non-finite gradients since construction (or resume)."""
-        self._resolve_all()
-        return self._skipped_updates
-
     # -- the per-tensor update
 
     @torch.no_grad()
     def _update(self, p: torch.Tensor, group: dict, index: int, grad: torch.Tensor | None = None) -> None:
         grad = p.grad if grad is None else grad
-        if grad is None or p.numel() == 0:
+        if grad is None or p.numel() == 0:  # a sharded weight's empty shard still joins the shards' sums
             return
         if grad.is_sparse:
             raise ValueError("LowMemoryAdafactor does not support sparse gradients")
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            if p.ndim >= 2:
-                state["row"] = torch.zeros(p.shape[:-1], dtype=torch.float32, device=p.device)
-                state["col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32, device=p.device)
-            else:
-                state["second_moment"] = torch.zeros_like(p, dtype=torch.float32)
-        subspace = group["momentum"] is not None and group["momentum_rank_fraction"] is not None and p.ndim == 2
-        if group["momentum"] is not None and "momentum" not in state:
-            rank = subspace_rank(p.shape, group["momentum_rank_fraction"]) if subspace else None
-            state["momentum"] = torch.zeros(p.shape[0], rank, dtype=p.dtype, device=p.device) if subspace \
-                else torch.zeros_like(p)
-        momentum = state["momentum"] if group["momentum"] is not None else None
+        shard = self._shards[p] if p in self._shards else self._shards.setdefault(p, row_shard(p))
+        if shard is not None and p.ndim > 2:
+            raise ValueError(f"LowMemoryAdafactor updates sharded vectors and matrices, got a {p.ndim}-D parameter")
+        subspace = _subspace(group, p)
+        state = self._state_of(p, group)
+        momentum = local(state["momentum"]) if group["momentum"] is not None else None
 
         hyper = self._hyper(group, p.device)
         totals = self._totals.get(p.device)
         if totals is None:
             totals = self._totals[p.device] = torch.zeros(2, dtype=torch.float32, device=p.device)
         beta2_decay = group["beta2_decay"] is not None
-        param = p.detach()
+        param, grad = local(p.detach()), local(grad)
         compiled = self.compile if self.compile is not None else p.is_cuda and has_triton()
+        fused = compiled and self.fused is not False and shard is None  # the fused kernels see whole tensors
 
         if p.ndim < 2:
-            if compiled and self.fused is not False and _fused_kernels().supports_vector(param):
+            if fused and _fused_kernels().supports_vector(param):
                 update = _fused_kernels().fused_vector_update
-            else:
-                update = compiled_kernels()[2] if compiled else unfactored_update
-            update(param, grad, state["second_moment"], momentum, state["step"], self._keys(index, p.device, 1),
-                   hyper, totals, beta2_decay=beta2_decay)
+            else:  # a shard's sums are collectives: eager
+                update = compiled_kernels()[2] if compiled and shard is None else unfactored_update
+            extra = {} if shard is None else {"shard": shard}
+            update(param, grad, local(state["second_moment"]), momentum, state["step"],
+                   self._keys(index, p.device, 1, shard), hyper, totals, beta2_decay=beta2_decay, **extra)
             return
-        shape3 = (-1, *p.shape[-2:])
-        views = (param.view(shape3), grad.reshape(shape3), state["row"].view(shape3[:2]),
-                 state["col"].view(-1, p.shape[-1]),
+        shape3 = (-1, *param.shape[-2:])
+        views = (param.view(shape3), grad.reshape(shape3), local(state["row"]).view(shape3[:2]),
+                 local(state["col"]).view(-1, param.shape[-1]),
                  None if momentum is None else momentum.view(-1, *momentum.shape[-2:]))
         num_slices, rows, cols = views[0].shape
         chunks = row_chunks(num_slices, rows, cols, self.max_chunk_numel)
-        keys = self._keys(index, p.device, len(chunks))
-        projector = self._projector(state, views[1], chunks, keys[0], group) if subspace else None
+        keys = self._keys(index, p.device, len(chunks), shard)
+        projector = self._projector(state, views[1], chunks, index, group, shard) if subspace else None
         args = (*views, state["step"], keys, hyper, totals, projector)
-        if compiled and self.fused is not False and _fused_kernels().supports(param):
+        if fused and _fused_kernels().supports(param):
             _fused_kernels().fused_factored_update(param, grad, *views[2:4], momentum, *args[5:],
                                                    rows_per_chunk=chunks[0][1].stop or rows, beta2_decay=beta2_decay)
         elif not compiled:
-            factored_update(*args, chunks=chunks, kernels=EAGER_KERNELS, beta2_decay=beta2_decay)
-        elif len(chunks) == 1:
+            factored_update(*args, chunks=chunks, kernels=EAGER_KERNELS, beta2_decay=beta2_decay, shard=shard)
+        elif len(chunks) == 1 and shard is None:
             compiled_kernels()[1](*args, beta2_decay=beta2_decay)
-        else:
-            factored_update(*args, chunks=chunks, kernels=compiled_kernels()[0], beta2_decay=beta2_decay)
+        else:  # compiled kernels, with a shard's sums between them
+            factored_update(*args, chunks=chunks, kernels=compiled_kernels()[0], beta2_decay=beta2_decay, shard=shard)
 
-    def _projector(self, state: dict, grad: torch.Tensor, chunks, key: torch.Tensor, group: dict) -> torch.Tensor:
+    def _state_of(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if not state:
+            rank = subspace_rank(p.shape, group["momentum_rank_fraction"]) if _subspace(group, p) else None
+            state.update(zero_state(p, group["momentum"] is not None, rank))
+        return state
+
+    def init_state(self) -> None:
+        """Create every parameter's state now, as its first update would (zeros). Loaders that fill the tensors of
+        a state dict in place (`torch.distributed.checkpoint`) need them to exist before the first step."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state_of(p, group)
+
+    def _projector(self, state: dict, grad: torch.Tensor, chunks, index: int, group: dict,
+                   shard: RowShard | None) -> torch.Tensor:
         """The subspace basis P (C, r) of a matrix's momentum, refreshed every ``projection_interval`` steps.
 
         At a refresh the momentum moves into the new basis (m <- m P_old^T P_new). Decided on the host from the
         optimizer's step count, computed on the device with no sync: a non-finite gradient keeps the old basis
-        (the first basis then falls back to the first r unit vectors).
+        (the first basis then stays the first r unit vectors). The random test matrix is keyed by the parameter,
+        not the shard: every shard of a weight draws the same one.
         """
-        previous = state.get("projector")
-        if previous is not None and self._num_steps % group["projection_interval"]:
+        previous = local(state["projector"])
+        if self._num_steps % group["projection_interval"]:
             return previous
-        momentum = state["momentum"]
-        basis = range_finder(grad, chunks, momentum.shape[-1], key, self._num_steps)
+        momentum = local(state["momentum"])
+        key = self._keys(index, grad.device, 1)[0]
+        basis = range_finder(grad, chunks, momentum.shape[-1], key, self._num_steps, shard)
         ok = torch.isfinite(basis).all()
-        if previous is None:
-            previous = torch.eye(*basis.shape, dtype=basis.dtype, device=basis.device)
-        else:
-            moved = momentum.float() @ (previous.T @ basis)
-            momentum.copy_(torch.where(ok, moved, momentum.float()))
-        state["projector"] = torch.where(ok, basis, previous).contiguous()  # row-major for the fused kernels
-        return state["projector"]
+        moved = momentum.float() @ (previous.T @ basis)
+        momentum.copy_(torch.where(ok, moved, momentum.float()))
+        previous.copy_(torch.where(ok, basis, previous))  # in place: row-major, as the fused kernels read it
+        return previous
 
     def _hyper(self, group: dict, device: torch.device) -> torch.Tensor:
         """The group's hyperparameters as one device tensor, rebuilt only when one of them changes."""
@@ -410,12 +379,15 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             cached = self._hyper_cache[key] = (values, to_device(list(values), torch.float32, device))
         return cached[1]
 
-    def _keys(self, index: int, device: torch.device, num_chunks: int) -> torch.Tensor:
-        """Per-chunk int32 keys of the random-bit hash: a function of (seed, parameter index, chunk)."""
-        cache_key = (index, device, num_chunks)
+    def _keys(self, index: int, device: torch.device, num_chunks: int, shard: RowShard | None = None) -> torch.Tensor:
+        """Per-chunk int32 keys of the random-bit hash: a function of (seed, parameter index, chunk), and of the
+        shard of a sharded parameter (each shard rounds with bits of its own)."""
+        cache_key = (index, device, num_chunks, None if shard is None else shard.rank)
         keys = self._rng_keys.get(cache_key)
         if keys is None:
             base = mix32(torch.tensor(self.seed, dtype=torch.int32) ^ mix32(torch.tensor(index, dtype=torch.int32)))
+            if shard is not None:
+                base = mix32(base ^ mix32(torch.tensor(shard.rank + 1, dtype=torch.int32) ^ SHARD_SALT))
             keys = mix32(base + torch.arange(num_chunks, dtype=torch.int32))
             keys = self._rng_keys[cache_key] = to_device(keys.tolist(), torch.int32, device)
         return keys
@@ -424,25 +396,26 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Total bytes of optimizer state tensors (second-moment factors, momentum, step counters)."""
-        return sum(v.numel() * v.element_size()
+        return sum(local(v).numel() * v.element_size()
                    for s in self.state.values() for v in s.values() if isinstance(v, torch.Tensor))
 
     def state_dict(self) -> dict[str, Any]:
         self._resolve_all()
         state_dict = super().state_dict()
-        state_dict[_STATE_DICT_KEY] = {
-            "seed": self.seed,
-            "num_steps": self._num_steps,
-            "skipped_updates": self._skipped_updates,
-            "consecutive_skip_steps": self._consecutive_skip_steps,
-        }
+        counters = {"seed": self.seed, "num_steps": self._num_steps, "skipped_updates": self._skipped_updates,
+                    "consecutive_skip_steps": self._consecutive_skip_steps}
+        for group in state_dict["param_groups"]:  # in each group: torch.distributed.checkpoint keeps only those
+            group[_STATE_DICT_KEY] = dict(counters)
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Standard loading, except that state tensors keep their dtype (torch's default would cast the
         fp32 row/column statistics to the bf16 dtype of the weights)."""
         state_dict = dict(state_dict)
-        extra = state_dict.pop(_STATE_DICT_KEY, None)
+        extra = state_dict.pop(_STATE_DICT_KEY, None)  # where checkpoints of earlier versions kept the counters
+        state_dict["param_groups"] = [dict(group) for group in state_dict["param_groups"]]
+        for group in state_dict["param_groups"]:
+            extra = group.pop(_STATE_DICT_KEY, extra)
         saved_state = state_dict["state"]
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         super().load_state_dict({**state_dict, "state": {}})
@@ -465,6 +438,11 @@ class LowMemoryAdafactor(torch.optim.Optimizer):
             self._skipped_updates = extra["skipped_updates"]
             self._consecutive_skip_steps = extra["consecutive_skip_steps"]
         self._last_hooked_step = [-1] * len(self._position)
+
+
+def _subspace(group: dict, p: torch.Tensor) -> bool:
+    """Whether `p` keeps its momentum in a subspace (matrices, with momentum_rank_fraction)."""
+    return group["momentum"] is not None and group["momentum_rank_fraction"] is not None and p.ndim == 2
 
 
 @functools.cache

@@ -45,7 +45,7 @@ class TrainingHooksCallback(TrainerCallback):
             args.logging_nan_inf_filter, self._nan_filter = self._nan_filter, None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._update_from_averaged_gradients()  # the model is wrapped (DDP) by now, not yet run
+        self.trainer._bind_optimizer()  # the model is wrapped (DDP, FSDP2) by now, not yet run
         if args.stability_guard:
             self.trainer._start_stability_guard(state)
         self.trainer._reset_health_bookkeeping()

@@ -1,9 +1,9 @@
 """Guards and fixes for training on several processes (FSDP2, DeepSpeed, plain data parallel).
 
-* `check_optimizer_supports`: the low-memory optimizer updates each parameter in place inside backward, from a
-  gradient hook on the parameter object, with factored statistics shaped like the whole weight. FSDP2 replaces
-  every parameter by a DTensor shard (hooks registered before wrapping sit on the old objects); DeepSpeed owns
-  gradients and the optimizer step. Neither combination is verified, so it is refused up front.
+* `check_optimizer_supports`: DeepSpeed owns gradients and the optimizer step, so the low-memory optimizer, which
+  updates each parameter in place inside backward, is refused there up front. Under FSDP2 it updates the shards
+  (trainer_ext/optim/shards.py).
+* `bind_optimizer`: what the launch did to the model, the in-backward optimizer follows before the first backward.
 * `check_processes_coordinated`: a launcher can start several processes that never form a group (accelerate
   turns FSDP/DeepSpeed on for accelerators only; without one each process trains alone on the same data and
   writes the same output directory). That is refused instead of wasting the run.
@@ -20,6 +20,9 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer_ext.optim.optimizer import LowMemoryAdafactor
 
 LOW_MEMORY_OPTIMIZER = "low_memory"
 SAFE_CHOICE = "--optimizer hf --optim adamw_torch (or --optim adafactor)"
@@ -27,7 +30,9 @@ SAFE_CHOICE = "--optimizer hf --optim adamw_torch (or --optim adafactor)"
 __all__ = [
     "LOW_MEMORY_OPTIMIZER",
     "check_optimizer_supports",
+    "bind_optimizer",
     "check_processes_coordinated",
+    "is_fsdp_module",
     "pretrained_class",
     "saved_as_pretrained_class",
     "sharding_backend",
@@ -68,14 +73,42 @@ def check_optimizer_supports(model: nn.Module, optimizer_name: str, accelerator=
     """Raise ValueError if `optimizer_name` cannot train `model` under the sharding in use."""
     if optimizer_name != LOW_MEMORY_OPTIMIZER:
         return
-    backend = sharding_backend(model, accelerator)
-    if backend is None:
+    if sharding_backend(model, accelerator) != "DeepSpeed":
         return
     raise ValueError(
-        f"--optimizer {LOW_MEMORY_OPTIMIZER} is not verified on parameters sharded by {backend}: its in-backward, "
-        f"in-place update is written for whole, unsharded tensors. Under FSDP or DeepSpeed pass {SAFE_CHOICE} "
+        f"--optimizer {LOW_MEMORY_OPTIMIZER} does not run under DeepSpeed, which owns the gradients and the optimizer "
+        f"step: use FSDP2 (trainer_ext/configs/accelerate_fsdp2_*.yaml) with it, or pass {SAFE_CHOICE} under DeepSpeed "
         "(RecurrentTrainingArguments.optimizer / .optim)."
     )
+
+
+def is_fsdp_module(model: nn.Module) -> bool:
+    """Whether `fully_shard` (FSDP2) wrapped `model` itself."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def bind_optimizer(wrapped_model: nn.Module, optimizer) -> None:
+    """Make the in-backward low-memory optimizer follow what the launch did to the model; idempotent. Before the
+    first backward and before a resumed optimizer state loads.
+
+    * DDP (`wrapped_model` a DistributedDataParallel): each update runs in a communication hook after its bucket's
+      all-reduce, on the gradient averaged over the processes; from the process's own gradient (the
+      post-accumulate-grad hooks) the replicas would train apart.
+    * FSDP2: accelerate swapped the sharded parameters into the optimizer's groups after the optimizer was built
+      (the HF Trainer builds it first); its hooks and positions move to them and its state is created on the
+      shards, so that a distributed checkpoint has tensors to load into.
+    """
+    if not isinstance(optimizer, LowMemoryAdafactor):
+        return
+    optimizer.rebind_parameters()
+    if (isinstance(wrapped_model, DistributedDataParallel) and optimizer.in_backward
+            and not getattr(wrapped_model, "_updates_after_all_reduce", False)):
+        optimizer.update_after_all_reduce(wrapped_model)
+        wrapped_model._updates_after_all_reduce = True
 
 
 def check_processes_coordinated(accelerator) -> None:

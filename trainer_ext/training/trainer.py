@@ -29,7 +29,12 @@ from trainer_ext.training.callbacks import (
     TrainingHooksCallback,
     WarmupEndCheckpointCallback,
 )
-from trainer_ext.training.distributed import check_optimizer_supports, saved_as_pretrained_class
+from trainer_ext.training.distributed import (
+    bind_optimizer,
+    check_optimizer_supports,
+    is_fsdp_module,
+    saved_as_pretrained_class,
+)
 from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError
 from trainer_ext.training.stability_mixin import StabilityMixin
 from trainer_ext.training.telemetry import PhaseProfiler, device_peak_flops, memory_stats, reset_memory_peaks
@@ -49,16 +54,21 @@ def compile_decoder_layers(model, mode: str = "default", backend: str = "inducto
     return len(layers)
 
 
-def _hidden_through_ddp(ddp_model, unwrapped, input_ids, attention_mask, depth: dict) -> torch.Tensor:
-    """The decoder's last hidden state, (B, T, C), from a forward through the DDP wrapper: only a forward through
-    it readies the gradient all-reduce of the backward that follows (the decoder called directly leaves every process
-    training on its own gradient). The LM head runs on no position (the chunked loss applies it); the hidden state
-    is taken from the decoder's output on its way."""
+def decoder_hidden(model, unwrapped, input_ids, attention_mask, depth: dict) -> torch.Tensor:
+    """The decoder's last hidden state, (B, T, C). Under DDP and FSDP2 from a forward through the wrapped root:
+    only that readies DDP's gradient all-reduce and FSDP2's gathering of the root's own parameters (embeddings, the
+    LM head, the final norm; the root keeps them gathered after its forward, for the loss that reads the LM head);
+    the decoder called directly would leave each process training on its own gradient, or the root's parameters
+    sharded. The LM head then runs on no position (the chunked loss applies it); the hidden state is taken from the
+    decoder's output on its way."""
+    if not (isinstance(model, DistributedDataParallel) or is_fsdp_module(unwrapped)):
+        return unwrapped.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                               **depth).last_hidden_state
     caught = {}
     handle = unwrapped.model.register_forward_hook(lambda module, args, output: caught.update(hidden=output[0]))
     try:
-        ddp_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                  logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device), **depth)
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device), **depth)
     finally:
         handle.remove()
     return caught["hidden"]
@@ -163,16 +173,15 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             )
         return self.optimizer
 
-    def _update_from_averaged_gradients(self) -> None:
-        """Under data parallelism (DDP), the in-backward optimizer updates from the gradient averaged over the
-        processes, after each bucket's all-reduce, so that every replica takes the same update: from the process's
-        own gradient (the post-accumulate-grad hooks) the replicas would train apart. Once per wrapped model,
-        before its first backward (the Trainer's `on_train_begin`)."""
-        model, optimizer = self.model_wrapped, self.unwrapped_optimizer
-        if (isinstance(model, DistributedDataParallel) and getattr(optimizer, "in_backward", False)
-                and not getattr(model, "_updates_after_all_reduce", False)):
-            optimizer.update_after_all_reduce(model)
-            model._updates_after_all_reduce = True
+    def _bind_optimizer(self) -> None:
+        """The in-backward optimizer follows the wrapped model (DDP's averaged gradients, FSDP2's shards):
+        `distributed.bind_optimizer`, before the first backward and before a resumed optimizer state loads."""
+        bind_optimizer(self.model_wrapped, self.unwrapped_optimizer)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is not None:
+            self._bind_optimizer()  # under FSDP2 the state to load into lives on the shards
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     def _save(self, output_dir=None, state_dict=None):
         # FSDP2 swaps the model's class for a wrapper; saved code and auto_map must name the real class.
@@ -255,12 +264,7 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         targets = inputs[TARGETS]
         depth = self.current_depth(training)
         with self.profiler.phase("forward"):
-            if isinstance(model, DistributedDataParallel):
-                hidden = _hidden_through_ddp(model, unwrapped, input_ids, inputs.get("attention_mask"), depth)
-            else:
-                hidden = unwrapped.model(
-                    input_ids=input_ids, attention_mask=inputs.get("attention_mask"), use_cache=False, **depth
-                ).last_hidden_state
+            hidden = decoder_hidden(model, unwrapped, input_ids, inputs.get("attention_mask"), depth)
         teacher = self._teacher_for(inputs) if training else None  # evaluation reports the plain CE
         with self.profiler.phase("loss"):
             out = chunked_lm_loss(
