@@ -10,7 +10,8 @@
 (`python -m trainer_ext.cli.cache_teacher ...` is the same command.) The teacher must come with the data's
 tokenizer. Cache shards sit beside the token shards' names (`train-00000.topk_ids.npy`, `...topk_logprobs.npy`);
 train with `--teacher_cache_dir`. An interrupted run continues where it stopped when started again with the same
-arguments; other arguments are refused unless --overwrite.
+arguments; other arguments are refused unless --overwrite. Started by torchrun / accelerate launch, one process
+builds the cache (on its device) while the others wait.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ import sys
 from transformers import HfArgumentParser
 
 from trainer_ext.distill.caching import CacheTeacherArguments, cache_teacher
+from trainer_ext.files import launch_process_group, one_process_writes
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     (args,) = HfArgumentParser(CacheTeacherArguments).parse_args_into_dataclasses(args=argv)
-    cache_teacher(args)
+    with launch_process_group(), one_process_writes(f"the teacher cache in {args.output_dir}") as writes:
+        if writes:
+            cache_teacher(args)
     return 0
 
 

@@ -35,7 +35,12 @@ by the next start of the same command. The token comes from `HF_TOKEN` or the st
 
 Distillation applies to both models: online with `--teacher_model_name_or_path`, or offline with
 `--teacher_cache_model TEACHER`, which caches the teacher's top-k log-probs over each cycle's shards (the data
-must then use the teacher's tokenizer: `--tokenizer TEACHER`). The trainings run in this one process.
+must then use the teacher's tokenizer: `--tokenizer TEACHER`).
+
+Under `torchrun --nproc_per_node N scripts/compare.py ...` (or accelerate launch) both trainings run data-parallel
+on the N processes, each step over N x `--per_device_train_batch_size` x `--gradient_accumulation_steps` samples;
+one process prepares, caches the teacher, evaluates and writes the state and results while the others wait. The
+number of processes is part of the run: a run continues under the number it started with.
 """
 
 import logging

@@ -12,6 +12,8 @@
 --vocab_size entries is trained on the corpus. A rerun with the same arguments finds the manifest and does nothing;
 other arguments are refused unless --overwrite. The last example takes the piece of the stream that starts where an
 earlier directory's manifest says it ended (its `stream_end`) and shares the held-out set of outputs/data/heldout.
+Started by torchrun / accelerate launch (a job that launches each of its commands that way), one process prepares
+while the others wait.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ import sys
 from transformers import HfArgumentParser
 
 from trainer_ext.data.prepare import PrepareDataArguments, prepare
+from trainer_ext.files import launch_process_group, one_process_writes
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     (args,) = HfArgumentParser(PrepareDataArguments).parse_args_into_dataclasses(args=argv)
-    prepare(args)
+    with launch_process_group(), one_process_writes(f"the data in {args.output_dir}") as writes:
+        if writes:
+            prepare(args)
     return 0
 
 

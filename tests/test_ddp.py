@@ -1,7 +1,11 @@
 """Data parallelism with the in-backward optimizer on CPU (gloo): 2 and 4 processes train the debug preset on the same
 global batch as one process. Each update must see the gradient averaged over the processes: every replica ends
-bit-identical, and the losses and weights match the single process."""
+bit-identical, and the losses and weights match the single process.
 
+Files that every process reads are written by one of them while the others wait: the comparison's data pieces,
+teacher cache, state and results; the data preparation and teacher cache commands started by torchrun."""
+
+import itertools
 import json
 import os
 import signal
@@ -10,6 +14,11 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from hf_recurrent import presets
+from trainer_ext.data import corpus
+from trainer_ext.files import launch_process_group, one_process_writes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLOBAL_BATCH = 8
@@ -17,24 +26,32 @@ STEPS = 4
 TIMEOUT_S = 300
 
 
-def train(data_dir, out, processes: int, *extra) -> tuple[list[dict], list[dict]]:
-    """(logged loss entries, each process's final parameters) of a run over `processes` processes."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+def launch(script, processes: int, *args, cwd=REPO) -> subprocess.CompletedProcess:
+    """`script` (a path) with `args`, as one process or under torch.distributed.run on CPU (gloo): its exit code and
+    output."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
-    command = [*(launcher if processes > 1 else [sys.executable]), os.path.join(REPO, "tests", "ddp_worker.py"),
-               "--data_dir", data_dir, "--output_dir", str(out), "--use_cpu", "true", "--max_steps", str(STEPS),
-               "--per_device_train_batch_size", str(GLOBAL_BATCH // processes), "--logging_steps", "1",
-               "--eval_strategy", "no", "--save_strategy", "no", "--save_final", "false", "--max_eval_samples", "8",
-               "--learning_rate", "3e-3", "--warmup_steps", "0", "--lr_scheduler_type", "constant",
-               "--disable_tqdm", "true", *extra]
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    command = [*(launcher if processes > 1 else [sys.executable]), script, *args]
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # own group: a hung collective is ended whole
     try:
         output, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-    assert proc.returncode == 0, output[-4000:]
+    return subprocess.CompletedProcess(command, proc.returncode, output)
+
+
+def train(data_dir, out, processes: int, *extra) -> tuple[list[dict], list[dict]]:
+    """(logged loss entries, each process's final parameters) of a run over `processes` processes."""
+    proc = launch(os.path.join(REPO, "tests", "ddp_worker.py"), processes,
+                  "--data_dir", data_dir, "--output_dir", str(out), "--use_cpu", "true", "--max_steps", str(STEPS),
+                  "--per_device_train_batch_size", str(GLOBAL_BATCH // processes), "--logging_steps", "1",
+                  "--eval_strategy", "no", "--save_strategy", "no", "--save_final", "false", "--max_eval_samples", "8",
+                  "--learning_rate", "3e-3", "--warmup_steps", "0", "--lr_scheduler_type", "constant",
+                  "--disable_tqdm", "true", *extra)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     with open(out / "log_history.json") as f:
         logged = [entry for entry in json.load(f) if "loss" in entry]
     replicas = [torch.load(out / f"replica-{rank}.pt") for rank in range(processes)]
@@ -78,3 +95,102 @@ def test_the_stability_guard_skips_the_same_steps_on_every_process(tiny_data_dir
     assert skipped == [e["stability/skipped_steps"] for e in reference] and skipped[-1] >= 1
     assert_identical(replicas)
     assert [e["loss"] for e in logged] == pytest.approx([e["loss"] for e in reference], rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- one process writes, the others wait
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    """A --files corpus: 60 KJV chapters as JSONL."""
+    path = tmp_path_factory.mktemp("files") / "chapters.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for chapter in itertools.islice(corpus.iter_default_documents(), 60):
+            f.write(json.dumps({"text": chapter}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_data_dir, tmp_path_factory):
+    """A tiny Llama teacher with the tiny corpus's tokenizer, initialised apart from the students (seed 0)."""
+    path = str(tmp_path_factory.mktemp("teacher"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_data_dir)
+    torch.manual_seed(1)
+    LlamaForCausalLM(presets.get("transformer-debug", vocab_size=len(tokenizer))).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_without_a_launcher_the_one_writer_is_this_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    initialized = torch.distributed.is_initialized()
+    with launch_process_group(), one_process_writes("nothing") as writes:
+        assert writes
+    assert torch.distributed.is_initialized() == initialized  # no group formed, none ended
+
+
+def test_the_waiting_processes_stop_when_the_writer_fails(tmp_path):
+    """Process 0 fails inside the block: process 1 raises instead of going on to read, and never enters the block.
+    (Process 0 waits before it exits, so that the launcher does not end process 1 before it reports.)"""
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import time, torch.distributed as dist\n"
+        "from trainer_ext.files import one_process_writes\n"
+        "dist.init_process_group('gloo')\n"
+        "try:\n"
+        "    with one_process_writes('the data') as writes:\n"
+        "        print(f'rank {dist.get_rank()} entered, writes={writes}', flush=True)\n"
+        "        raise ValueError('bad data')\n"
+        "except Exception as error:\n"
+        "    print(f'rank {dist.get_rank()}: {type(error).__name__}: {error}', flush=True)\n"
+        "    time.sleep(3 if dist.get_rank() == 0 else 0)\n")
+    output = launch(str(worker), 2).stdout
+    assert "rank 0 entered, writes=True" in output and "rank 0: ValueError: bad data" in output
+    assert "rank 1 entered" not in output
+    assert "rank 1: RuntimeError: Process 0 failed while writing the data" in output
+
+
+def test_the_data_and_cache_commands_under_torchrun_write_once(documents, teacher, tmp_path):
+    """hf-recurrent-prepare-data --files and hf-recurrent-cache-teacher started by torchrun on a fresh folder: one
+    process prepares (caches) while the other waits; both exit 0."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    prepared = launch(os.path.join(REPO, "scripts", "prepare_data.py"), 2, "--files", documents, "--output_dir",
+                      str(data), "--tokenizer", teacher, "--seq_len", "32", "--eval_samples", "8", "--disable_tqdm",
+                      "true")
+    assert prepared.returncode == 0, prepared.stdout[-4000:]
+    assert prepared.stdout.count(f"Wrote {data}:") == 1
+    cached = launch(os.path.join(REPO, "scripts", "cache_teacher.py"), 2, "--teacher_model_name_or_path", teacher,
+                    "--data_dir", str(data), "--output_dir", str(cache), "--topk", "8", "--device", "cpu")
+    assert cached.returncode == 0, cached.stdout[-4000:]
+    assert cached.stdout.count("Caching top-8") == 1
+    for folder in (data, cache):
+        assert not list(folder.glob(".*.tmp"))
+    assert (cache / "teacher_manifest.json").is_file()
+
+
+def test_the_comparison_on_two_processes_prepares_and_caches_once_and_trains_on_both(documents, teacher, tmp_path):
+    """hf-recurrent-compare --files --teacher_cache_model under torchrun on a fresh folder: the held-out set, the
+    cycle's shards and its teacher cache are written once, both models train data-parallel on a global batch of
+    2 processes x 2 samples (one pass over the cycle's 8 samples in 2 steps), both processes exit 0."""
+    out = tmp_path / "run"
+    proc = launch(os.path.join(REPO, "scripts", "compare.py"), 2,
+                  "--output_dir", str(out), "--files", documents, "--use_cpu", "true", "--num_cycles", "1",
+                  "--cycle_tokens", "256", "--per_device_train_batch_size", "2", "--seq_len", "32",
+                  "--eval_tokens", "264", "--eval_depths", "1", "--warmup_steps", "0", "--learning_rate", "3e-3",
+                  "--logging_steps", "1", "--tokenizer", teacher, "--teacher_cache_model", teacher,
+                  "--teacher_cache_topk", "8", "--device", "cpu", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for piece in ("heldout", "cycle-001"):
+        assert proc.stdout.count(f"Wrote {out / 'data' / piece}:") == 1
+    assert proc.stdout.count("Caching top-8") == 1
+    state = json.loads((out / "compare_state.json").read_text())
+    assert state["identity"]["compare"]["num_processes"] == 2
+    cycle = state["cycles"]["1"]
+    assert cycle["prepare"]["train_samples"] == 8 and list(cycle) == ["prepare", "cache_teacher", "train_recurrent",
+                                                                      "train_baseline", "evaluate", "cleanup"]
+    for model in ("recurrent", "baseline"):
+        assert cycle[f"train_{model}"]["steps"] == 2
+        steps = [e for e in json.loads((out / model / "cycle-001" / "log_history.json").read_text()) if "loss" in e]
+        assert [e["epoch"] for e in steps] == [0.5, 1.0] and all(e["kd"] > 0 for e in steps)
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2
+    assert sorted(os.listdir(out / "data")) == ["heldout"]

@@ -18,6 +18,10 @@ piece of the stream ends, and the next one skips to there by whole documents wit
 
 Progress lives in `<output_dir>/compare_state.json` (`CompareState`): killed at any point, the same run continues
 where it stopped; finished stages are not redone, an interrupted training resumes from its last checkpoint.
+
+Under torchrun / accelerate launch both trainings run data-parallel on every process, with a global batch of the
+processes x batch x gradient accumulation; every other stage, and the state and results files, are written by one
+process while the others wait, then read the state it recorded (`trainer_ext.files.one_process_writes`).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from trainer_ext.comparison.state import CYCLE_STAGES, MODELS, STATE_NAME, Compa
 from trainer_ext.comparison.training import CycleTraining, whole_run_train_loss
 from trainer_ext.data.prepare import prepare
 from trainer_ext.distill.caching import CacheTeacherArguments, cache_teacher
+from trainer_ext.files import one_process_writes
 from trainer_ext.hub.model_card import ModelCardInfo
 from trainer_ext.run.job import TrainingJob
 from trainer_ext.run.model_setup import parse_overrides
@@ -70,7 +75,12 @@ class ComparisonRun:
         self.out = training.output_dir
         self._check_arguments()
         self.sample_len = data_args.seq_len + 1
-        self.global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps
+        # The launcher's count: `training.world_size` follows accelerate's shared state, which the next
+        # TrainingArguments made (the defaults `changed_options` compares with) resets. A launch whose processes
+        # do not form one group is refused with the cycle jobs below.
+        self.num_processes = int(os.environ.get("WORLD_SIZE", "1"))
+        self.global_batch = (training.per_device_train_batch_size * training.gradient_accumulation_steps
+                             * self.num_processes)
         self.tokens_per_step = self.global_batch * data_args.seq_len
         self.steps_per_cycle = args.cycle_tokens // self.tokens_per_step
         if self.steps_per_cycle < 1:
@@ -88,14 +98,12 @@ class ComparisonRun:
         for model in MODELS:  # cycle 1's jobs, so a bad option fails in seconds, not after data preparation
             TrainingJob.resolve(*self.training(model, 1).arguments(args, options))
         self.state: CompareState | None = None
+        self.writer = True  # this process writes the run's files (the first of a launch of several)
         self.pushes: CyclePushes | None = None
         self.progress: RunProgress | None = None
 
     def _check_arguments(self) -> None:
         args, data_args, options = self.args, self.data_args, self.options
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("The comparison runs its trainings in one process; start it with `hf-recurrent-compare`, "
-                             "not through accelerate launch / torchrun.")
         check_training_options(options)
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
             if getattr(options.training, name) < 1:
@@ -148,6 +156,8 @@ class ComparisonRun:
         compare = {k: v for k, v in dataclasses.asdict(self.args).items()
                    if k not in NON_IDENTITY_ARGS and not (k in OPTIONAL_IDENTITY_ARGS and v is None)}
         compare.update({name: getattr(self.options.training, name) for name in RUN_TRAINING_ARGS})
+        if self.num_processes > 1:  # part of the global batch; recorded only then, so one-process runs continue
+            compare["num_processes"] = self.num_processes
         data = {k: v for k, v in dataclasses.asdict(self.data_args).items() if k not in NON_IDENTITY_ARGS}
         train_args = [[name, value] for name, value in changed_options(self.options)
                       if name not in NON_IDENTITY_ARGS and name not in RUN_TRAINING_ARGS]
@@ -252,13 +262,17 @@ class ComparisonRun:
         # (--overwrite, a changed run), so the folder decisions of the jobs resolved up front may no longer hold.
         job = TrainingJob.resolve(*self.training(model, cycle, previous).arguments(self.args, self.options))
         metrics = pretrain(job, callbacks=[callback])
-        with open(os.path.join(output_dir, "log_history.json"), encoding="utf-8") as f:
-            log_history = json.load(f)
-        train_loss = whole_run_train_loss(log_history, checkpoint_step(resumed) if resumed else None,
-                                          metrics.get("train_loss"))
-        self.state.mark_done(cycle, f"train_{model}", final_dir=os.path.join(output_dir, "final"), base=previous,
-                             tokens_seen=cycle * self.tokens_per_cycle, steps=self.steps_per_cycle,
-                             train_loss=train_loss)
+
+        def record():  # by the process that wrote the log history, once it is written
+            with open(os.path.join(output_dir, "log_history.json"), encoding="utf-8") as f:
+                log_history = json.load(f)
+            train_loss = whole_run_train_loss(log_history, checkpoint_step(resumed) if resumed else None,
+                                              metrics.get("train_loss"))
+            self.state.mark_done(cycle, f"train_{model}", final_dir=os.path.join(output_dir, "final"), base=previous,
+                                 tokens_seen=cycle * self.tokens_per_cycle, steps=self.steps_per_cycle,
+                                 train_loss=train_loss)
+
+        self._by_one_process(f"the record of cycle {cycle}'s {model} training", record)
 
     def evaluate(self, cycle: int) -> None:
         heldout = HeldoutEvaluation(self.heldout_dir(), self.state.heldout["tokenizer_hash"], self.depths,
@@ -307,26 +321,46 @@ class ComparisonRun:
                 stage = self.state.stage(cycle, f"train_{model}")
                 self.pushes.submit(cycle, model, stage["final_dir"], stage["tokens_seen"])
 
-    def _stage(self, cycle: int | str, model: str, name: str, work, *work_args) -> None:
+    def _stage(self, cycle: int | str, model: str, name: str, work, *work_args, every_process: bool = False) -> None:
+        """Run a stage: on `every_process` (a training, which records itself), else on one while the others wait."""
         self.progress.begin(cycle, model, name)
         with inner_bars_off():
-            work(*work_args)
+            if every_process:
+                work(*work_args)
+            else:
+                self._by_one_process(f"the {name} stage" + (f" of cycle {cycle}" if cycle != "-" else ""), work,
+                                     *work_args)
         self.progress.end()
         if self.pushes is not None:
             self.pushes.sync()
+
+    def _by_one_process(self, what: str, work, *work_args) -> None:
+        """`work` (which writes files and records them in the state) on one process of a launch while the others
+        wait, then read the state it recorded; just `work` in a run of one process."""
+        with one_process_writes(what) as writes:
+            if writes:
+                work(*work_args)
+            else:
+                self.state = CompareState.read(self.state.path)
 
     def run(self) -> dict:
         """Run (or continue) the comparison; returns the output folder, the records, the results files and the
         state file."""
         args = self.args
-        os.makedirs(self.out, exist_ok=True)
-        self.state = CompareState.open(os.path.join(self.out, STATE_NAME), self.identity(), args.overwrite,
-                                       remove_outputs=self._remove_outputs)
-        if self.options.training.push_to_hub:
+        path = os.path.join(self.out, STATE_NAME)
+        with one_process_writes(f"the state of {self.out}") as writes:
+            if writes:
+                os.makedirs(self.out, exist_ok=True)
+                self.state = CompareState.open(path, self.identity(), args.overwrite,
+                                               remove_outputs=self._remove_outputs)
+            else:
+                self.state = CompareState.read(path)
+        self.writer = writes
+        if self.writer and self.options.training.push_to_hub:
             self.pushes = CyclePushes(self.repos, self.options.training.hub_private_repo, self.state)
         total = 1 + len(self.stages_per_cycle()) * args.num_cycles
         with logging_redirect_tqdm():
-            self.progress = RunProgress(total, self.state.stages_done())
+            self.progress = RunProgress(total, self.state.stages_done(), shown=self.writer)
             try:
                 if self.pushes is not None:  # cycles evaluated by an earlier start whose push did not finish
                     for cycle in self.state.completed_cycles():
@@ -344,7 +378,11 @@ class ComparisonRun:
                 self.progress.close()
         failures = self.pushes.wait() if self.pushes is not None else []
         records = self.all_records()
-        paths = write_results(self.out, records)
+        with one_process_writes(f"the results files in {self.out}") as writes:
+            if writes:
+                paths = write_results(self.out, records)
+            else:
+                paths = [p for p in (os.path.join(self.out, name) for name in RESULT_FILES) if os.path.exists(p)]
         if failures:
             raise RuntimeError("Pushes failed (the checkpoints are intact; the same command retries them):\n"
                                + "\n".join(failures))
@@ -360,7 +398,7 @@ class ComparisonRun:
             self._stage(cycle, "-", "cache_teacher", self.cache_teacher, cycle)
         for model in MODELS:
             if not state.is_done(cycle, f"train_{model}"):
-                self._stage(cycle, model, f"train_{model}", self.train, model, cycle)
+                self._stage(cycle, model, f"train_{model}", self.train, model, cycle, every_process=True)
         if not state.is_done(cycle, "evaluate"):
             self._stage(cycle, "both", "evaluate", self.evaluate, cycle)
             if self.pushes is not None:

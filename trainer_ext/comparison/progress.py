@@ -19,11 +19,13 @@ logger = logging.getLogger(__name__)
 
 
 class RunProgress:
-    """One bar for the whole run, `done` of its `total` stages finished by earlier starts."""
+    """One bar for the whole run, `done` of its `total` stages finished by earlier starts; `shown` False hides it
+    (the processes of a launch other than the first, which would draw the same bar again)."""
 
-    def __init__(self, total: int, done: int):
+    def __init__(self, total: int, done: int, shown: bool = True):
         self.bar = tqdm(total=total, initial=min(done, total), desc="compare", unit="stage", dynamic_ncols=True,
-                        disable=False, bar_format="{l_bar}{bar}| {percentage:3.0f}% [{elapsed}<{remaining}{postfix}]")
+                        disable=not shown,
+                        bar_format="{l_bar}{bar}| {percentage:3.0f}% [{elapsed}<{remaining}{postfix}]")
         self.stage_start = self.bar.n
 
     def begin(self, cycle: int | str, model: str, stage: str) -> None:

@@ -75,6 +75,11 @@ class CompareState:
         state.save()
         return state
 
+    @classmethod
+    def read(cls, path: str) -> "CompareState":
+        """The state as the process that writes it left it (the others of a launch of several processes read it)."""
+        return cls(path, cls._read(path, overwrite=False))
+
     @staticmethod
     def _read(path: str, overwrite: bool) -> dict | None:
         """The state's content; None for an unreadable file when `overwrite` (it is replaced anyway)."""

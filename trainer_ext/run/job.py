@@ -22,6 +22,7 @@ from trainer_ext.checkpoints import check_model_dir, check_resume_files
 from trainer_ext.data.prepare import DEFAULT_OUTPUT_DIR, PrepareDataArguments, prepare
 from trainer_ext.data.shards import read_manifest
 from trainer_ext.distill.cache import read_teacher_manifest
+from trainer_ext.files import one_process_writes
 from trainer_ext.lr_search.sweep_file import read_sweep_choice
 from trainer_ext.run.model_setup import (
     check_depth_arguments,
@@ -133,10 +134,10 @@ class TrainingJob:
         data_dir = self.data_args.data_dir
         if data_dir is None:
             data_dir = DEFAULT_DATA_DIR
-            # Under torchrun / accelerate launch the main process prepares while the others wait, then read: two
+            # Under torchrun / accelerate launch one process prepares while the others wait, then read: two
             # processes writing the same shard files would break each other's.
-            with self.training_args.main_process_first(desc=f"the preparation of {DEFAULT_DATA_DIR}"):
-                if not os.path.exists(os.path.join(DEFAULT_DATA_DIR, "manifest.json")):
+            with one_process_writes(f"the embedded corpus in {DEFAULT_DATA_DIR}") as writes:
+                if writes and not os.path.exists(os.path.join(DEFAULT_DATA_DIR, "manifest.json")):
                     logger.info("Preparing the embedded corpus in %s", DEFAULT_DATA_DIR)
                     prepare(PrepareDataArguments(output_dir=DEFAULT_DATA_DIR))
         manifest = read_manifest(data_dir)
