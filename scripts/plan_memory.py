@@ -1,6 +1,7 @@
 """Plan batch size and activation recompute for a memory cap, before training (no GPU needed):
 
     hf-recurrent-plan-memory --preset recurrent-3.3b --cap_gib 24 --seq_len 2048 [--json]
+    hf-recurrent-plan-memory --preset recurrent-7b --cap_gib 24 --num_processes 2 --sharding fsdp2   # per card
 
 A mixed-integer program picks, for each batch size, which prelude / coda layers and unrolled core steps recompute
 their activations, minimising the calibrated step time under a calibrated peak reserved memory <= cap - margin; the
@@ -33,6 +34,13 @@ def main(argv=None) -> int:
     parser.add_argument("--torch_compile", choices=("auto", "true", "false"), default="auto",
                         help="auto: on where the calibration measured it faster.")
     parser.add_argument("--distill_topk", type=int, default=0, help="Top-k of a teacher cache in the batch.")
+    parser.add_argument("--num_processes", type=int, default=1, help="Processes (GPUs) of the launch; plans one.")
+    parser.add_argument("--sharding", default=None,
+                        help="ddp (data parallel: torchrun; the default for several processes), fsdp2 "
+                             "(accelerate_fsdp2_<N>x24gb.yaml) or none (one process).")
+    parser.add_argument("--mixed_precision", default="no",
+                        help="accelerate's mixed_precision of an FSDP2 launch (accelerate_fsdp2_<N>x24gb.yaml: no): "
+                             "other than no, accelerate keeps the shards as fp32 master weights.")
     parser.add_argument("--calibration", default=None,
                         help="Calibration file to use (default: the package's), or to write with --calibrate.")
     parser.add_argument("--calibrate", metavar="PROBES", default=None,
@@ -52,7 +60,8 @@ def main(argv=None) -> int:
         compiled = None if args.torch_compile == "auto" else args.torch_compile == "true"
         plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, args.margin_gib,
                                args.optimizer_momentum, args.optimizer_momentum_rank_fraction, compiled,
-                               args.distill_topk, args.max_batch_size)
+                               args.distill_topk, args.max_batch_size, args.num_processes, args.sharding,
+                               args.mixed_precision)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -65,7 +74,15 @@ def main(argv=None) -> int:
     print(f"  torch.compile {'on' if plan.torch_compile else 'off'}")
     print(f"  predicted peak reserved {plan.predicted_peak_gib:.2f} GiB, "
           f"{plan.predicted_tokens_per_second:,.0f} tokens/s ({plan.predicted_step_seconds:.3f} s per step)")
-    print(f"hf-recurrent-pretrain --preset {args.preset} --memory_plan auto --memory_cap_gib {args.cap_gib:g} "
+    if plan.sharding:
+        print(f"  {plan.describe_processes()}")
+        if plan.sharding == "fsdp2" and args.mixed_precision != "no":
+            print("  (fp32 master shards of accelerate's mixed precision; mixed_precision: no keeps them bf16)")
+    launches = {"ddp": f"torchrun --nproc_per_node {args.num_processes} scripts/run_pretrain.py",
+                "fsdp2": f"accelerate launch --config_file trainer_ext/configs/accelerate_fsdp2_2x24gb.yaml "
+                         f"--num_processes {args.num_processes} scripts/run_pretrain.py"}
+    launch = launches.get(plan.sharding, "hf-recurrent-pretrain")
+    print(f"{launch} --preset {args.preset} --memory_plan auto --memory_cap_gib {args.cap_gib:g} "
           "applies it (the default on CUDA).")
     return 0
 

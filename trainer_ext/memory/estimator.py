@@ -3,22 +3,24 @@
 The estimate of one training configuration (a model shape, batch size, sequence length, the number of layer
 applications that recompute their activations, the optimizer state, a cached teacher's top-k):
 
-    peak = weights + optimizer state                                         (known: bytes per parameter, accountant)
+    peak = weights + optimizer state + processes' terms       (known: bytes per parameter, accountant, `processes`)
          + c . [1, N * kept * I, N * kept * H, N * recomputed * H, N * graph steps * adapter width, N * H,
                 N * top-k, max(theta * V * H, N * (H + I)), C * V]
 
 with N = batch * sequence tokens, H / I / V the hidden, MLP and vocabulary sizes, `kept` / `recomputed` the layer
 applications of the graph-building part of the loop that keep their activations / only their input. The eighth term
 is the larger of two transients: the head's update at the start of backward (about V x H) and one layer's workspace
-(about N x (H + I)); it is why the peak grows faster from batch 8 up. With a cached teacher the loss takes its torch
-path, whose fp32 temporaries scale with a chunk of C positions' logits: a last term C x V, zero without a teacher. A
-compiled step fuses elementwise work, so it keeps other buffers than an eager one: the kept-activation, teacher and
-transient terms have coefficients of their own for compiled steps (the features' `compiled_` entries; an eager
-configuration's are zero, and the other way round). The coefficients c >= 0 and theta are fitted to the probes' peak
-reserved memory (`scipy.optimize.nnls`, theta by a grid search for the smallest maximum relative error); the features
-carry the model's shape, so every preset of a family shares them. The two families, our recurrent-depth model and a
-plain Transformer (transformers' Llama code, other saved tensors), are fitted apart: one set of coefficients for
-both missed the measured peaks of both by 3-9% where each fitted alone is within 0.1-4% (2026-12-02).
+(about N x (H + I)); it is why the peak grows faster from batch 8 up. It also covers the gradients one process has at
+any moment: the in-backward update consumes each as it is made, so no whole gradient exists (DDP's buckets, which do
+hold one, are a term of `processes`). With a cached teacher the loss takes its torch path, whose fp32 temporaries
+scale with a chunk of C positions' logits: a last term C x V, zero without a teacher. A compiled step fuses
+elementwise work, so it keeps other buffers than an eager one: the kept-activation, teacher and transient terms have
+coefficients of their own for compiled steps (the features' `compiled_` entries; an eager configuration's are zero,
+and the other way round). The coefficients c >= 0 and theta are fitted to the probes' peak reserved memory
+(`scipy.optimize.nnls`, theta by a grid search for the smallest maximum relative error); the features carry the model's
+shape, so every preset of a family shares them. The two families, our recurrent-depth model and a plain Transformer
+(transformers' Llama code, other saved tensors), are fitted apart: one set of coefficients for both missed the
+measured peaks of both by 3-9% where each fitted alone is within 0.1-4% (2026-12-02).
 
     step time = t . [1, N * training FLOPs / token, N * recompute FLOPs / token, training FLOPs / token,
                      layer applications, parameters]          (x a fitted factor with torch.compile)
@@ -71,8 +73,17 @@ class ModelShape:
     graph_steps: int
     adapter_width: int  # activations the input adapter keeps per token and graph step, in units of H
     params: int
-    weight_bytes: int
+    weight_bytes: int  # per rank, as `optimizer_state_bytes`
     optimizer_state_bytes: int
+    # One rank of several processes (`processes.per_rank_shape`): what they add to its memory, named, in bytes.
+    num_processes: int = 1
+    sharding: str | None = None
+    process_terms: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What the step's peak holds whatever the batch: weights, optimizer state and the processes' terms."""
+        return self.weight_bytes + self.optimizer_state_bytes + sum(size for _, size in self.process_terms)
 
     @classmethod
     def from_config(cls, config, optimizer_state_bytes: int, params: int | None = None, bytes_per_param: int = 2):
@@ -186,7 +197,7 @@ class Calibration:
         """Predicted peak reserved memory in bytes."""
         fit = self.fit_for(shape)
         variable = memory_features(shape, batch_size, seq_len, recomputed, fit.theta, distill_topk, compiled)
-        return shape.weight_bytes + shape.optimizer_state_bytes + float(variable @ fit.memory_coefficients) * GIB
+        return shape.fixed_bytes + float(variable @ fit.memory_coefficients) * GIB
 
     def step_seconds(self, shape: ModelShape, batch_size: int, seq_len: int, recomputed: float,
                      compiled: bool = False) -> float:
@@ -275,7 +286,7 @@ def steady_step_seconds(record: dict) -> float:
 def _fit_memory(shapes, probes, thetas=_THETAS):
     from scipy.optimize import nnls
 
-    fixed = np.array([(s.weight_bytes + s.optimizer_state_bytes) / GIB for s in shapes])
+    fixed = np.array([s.fixed_bytes / GIB for s in shapes])
     measured = np.array([p["peak_reserved_bytes"] / GIB for p in probes])
     best = None
     for theta in thetas:

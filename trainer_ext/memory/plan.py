@@ -5,9 +5,11 @@ coda layers and graph-building core steps recompute their activations: one binar
 calibrated step time subject to the calibrated peak reserved memory <= cap - margin (`estimator.py`; both are
 linear in the choice at a fixed batch size). The batch size with the highest predicted tokens per second wins. A plain
 Transformer's layers count as prelude layers, and its choice is all of them or none: what transformers' checkpointing
-flag carries out. The plan is fixed for the run: nothing adapts during training.
+flag carries out. On several processes (data parallel or FSDP2) it plans one rank, whose weights, optimizer state and
+buffers `processes.py` accounts; the batch is per device. The plan is fixed for the run: nothing adapts during training.
 """
 
+import dataclasses
 import json
 import logging
 import math
@@ -18,6 +20,7 @@ import numpy as np
 from transformers import TrainerCallback
 
 from trainer_ext.memory.estimator import GIB, Calibration, ModelShape, load_calibration
+from trainer_ext.memory.processes import FP32_BYTES, layout_of, per_rank_shape, resolve_sharding
 from trainer_ext.memory.recompute import RecomputeCallback, RecomputeSet
 
 logger = logging.getLogger(__name__)
@@ -27,6 +30,7 @@ MAX_BATCH_SIZE = 64
 PLAN_FILE = "memory_plan.json"
 # The settings given on the command line that decide the training's own memory (an explicit evaluation batch does not).
 TRAINING_SETTINGS = frozenset({"per_device_train_batch_size", "activation_checkpointing"})
+MIXED_PRECISIONS = ("no", "bf16", "fp16")  # accelerate's; under FSDP2 anything but "no" keeps fp32 master shards
 MEASURE_AFTER_STEPS = 3  # the peak of the first steps (warm-up and compilation included) is compared with the plan
 
 
@@ -48,6 +52,9 @@ class MemoryPlan:
     calibration: str | None = None
     candidates: list = field(default_factory=list)
     transformer: bool = False  # a plain Transformer: its layers, counted as prelude layers, all or none
+    num_processes: int = 1
+    sharding: str | None = None  # "ddp", "fsdp2", or None for one process
+    fixed_gib: dict = field(default_factory=dict)  # one rank's memory whatever the batch, by term
 
     @property
     def recompute_description(self) -> str:
@@ -67,26 +74,40 @@ class MemoryPlan:
                 "predicted_peak_gib": round(self.predicted_peak_gib, 3),
                 "predicted_step_seconds": round(self.predicted_step_seconds, 4),
                 "predicted_tokens_per_second": round(self.predicted_tokens_per_second, 1),
-                "calibration": self.calibration, "candidates": self.candidates}
+                "calibration": self.calibration, "num_processes": self.num_processes, "sharding": self.sharding,
+                "per_rank_fixed_gib": self.fixed_gib, "candidates": self.candidates}
 
     def describe(self) -> str:
-        return (f"batch {self.per_device_train_batch_size} x {self.seq_len} tokens, {self.recompute_description}, "
+        text = (f"batch {self.per_device_train_batch_size} x {self.seq_len} tokens, {self.recompute_description}, "
                 f"torch.compile {'on' if self.torch_compile else 'off'}: predicted peak reserved "
                 f"{self.predicted_peak_gib:.2f} GiB (cap {self.cap_gib:g} - margin {self.margin_gib:g} GiB), "
                 f"{self.predicted_tokens_per_second:,.0f} tokens/s")
+        return f"{text}; {self.describe_processes()}" if self.sharding else text
+
+    def describe_processes(self) -> str:
+        """The process count, the sharding and one rank's fixed terms (empty for one process)."""
+        if not self.sharding:
+            return ""
+        terms = ", ".join(f"{name} {gib:.2f}" for name, gib in self.fixed_gib.items())
+        return (f"per device, on each of {self.num_processes} processes ({self.sharding}): {terms} GiB "
+                f"({sum(self.fixed_gib.values()):.2f} GiB before activations)")
 
 
 def training_shape(config, momentum: float | None = None, rank_fraction: float | None = None,
-                   bytes_per_param: int = 2) -> ModelShape:
-    """The estimator's view of `config` trained with LowMemoryAdafactor (momentum resolved as training does)."""
+                   bytes_per_param: int = 2, num_processes: int = 1, sharding: str | None = None,
+                   sharded_weight_bytes: int | None = None) -> ModelShape:
+    """The estimator's view of `config` trained with LowMemoryAdafactor (momentum resolved as training does), on one
+    rank of `num_processes` with `sharding` ("ddp", "fsdp2"; None: one process, or data parallel for several);
+    `sharded_weight_bytes`: bytes per element of an FSDP2 shard (default: `bytes_per_param`)."""
     from hf_recurrent.cost import parameter_counts
     from trainer_ext.optim.momentum import resolve_momentum
     from trainer_ext.optim.state import low_memory_state, optimizer_state_bytes
 
     params = parameter_counts(config).unique
     momentum, rank_fraction = resolve_momentum(momentum, rank_fraction, params)
-    state_bytes = optimizer_state_bytes(config, low_memory_state(momentum, rank_fraction))
-    return ModelShape.from_config(config, state_bytes, params, bytes_per_param)
+    state = low_memory_state(momentum, rank_fraction)
+    shape = ModelShape.from_config(config, optimizer_state_bytes(config, state), params, bytes_per_param)
+    return per_rank_shape(shape, config, state, bytes_per_param, num_processes, sharding, sharded_weight_bytes)
 
 
 def _items(shape: ModelShape) -> list[tuple[str, int, int]]:
@@ -182,25 +203,39 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
             f"No batch size fits a cap of {cap_gib:g} GiB minus a margin of {margin_gib:g} GiB at sequence length "
             f"{seq_len}: the smallest predicted peak reserved memory is {smallest / GIB:.2f} GiB (batch "
             f"{min(batch_sizes or [1])}{fixed}). Raise the cap (--cap_gib / --memory_cap_gib), lower the margin, "
-            "shorten the sequence, or turn momentum off (--optimizer_momentum 0).")
+            "shorten the sequence, or turn momentum off (--optimizer_momentum 0)."
+            + (f" On {shape.num_processes} processes ({shape.sharding}) each rank holds "
+               f"{shape.fixed_bytes / GIB:.2f} GiB before activations; FSDP2 over more processes holds less."
+               if shape.sharding else ""))
     batch, chosen, peak, seconds = best
+    fixed = {"weights": shape.weight_bytes, "optimizer_state": shape.optimizer_state_bytes, **dict(shape.process_terms)}
     return MemoryPlan(seq_len, cap_gib, margin_gib, batch, chosen, compiled, peak / GIB, seconds, preset,
-                      calibration_path, candidates, transformer=not shape.n_core_layers)
+                      calibration_path, candidates, transformer=not shape.n_core_layers,
+                      num_processes=shape.num_processes, sharding=shape.sharding,
+                      fixed_gib={name: round(size / GIB, 3) for name, size in fixed.items()})
 
 
 def plan_for_preset(preset: str, seq_len: int, cap_gib: float, calibration_path: str | None = None,
                     margin_gib: float = DEFAULT_MARGIN_GIB, momentum: float | None = None,
                     rank_fraction: float | None = None, compiled: bool | None = None, distill_topk: int = 0,
-                    max_batch_size: int = MAX_BATCH_SIZE) -> MemoryPlan:
-    """The plan of a named preset (its default vocabulary), checks first (ValueError naming the fix)."""
+                    max_batch_size: int = MAX_BATCH_SIZE, num_processes: int = 1, sharding: str | None = None,
+                    mixed_precision: str = "no") -> MemoryPlan:
+    """The plan of a named preset (its default vocabulary) for one rank of `num_processes` with `sharding` ("ddp",
+    "fsdp2"; None: one process, or data parallel for several) under accelerate's `mixed_precision`; checks first
+    (ValueError naming the fix)."""
     from hf_recurrent import presets
 
     if preset not in presets.NAMES:
         raise ValueError(f"--preset {preset!r} is not a preset; choose one of {list(presets.NAMES)}.")
     config = presets.get(preset)
     check_plan_numbers(seq_len, cap_gib, margin_gib, max_batch_size)
+    sharding = resolve_sharding(num_processes, sharding)
+    if mixed_precision not in MIXED_PRECISIONS:
+        raise ValueError(f"--mixed_precision={mixed_precision!r} is not known; choose one of {list(MIXED_PRECISIONS)}.")
     calibration = load_calibration(calibration_path)
-    shape = training_shape(config, momentum, rank_fraction)
+    upcast = sharding == "fsdp2" and mixed_precision != "no"
+    shape = training_shape(config, momentum, rank_fraction, num_processes=num_processes, sharding=sharding,
+                           sharded_weight_bytes=FP32_BYTES if upcast else None)
     return plan_memory(shape, seq_len, cap_gib, calibration, margin_gib, range(1, max_batch_size + 1),
                        compiled=compiled, distill_topk=distill_topk, preset=preset, calibration_path=calibration_path)
 
@@ -217,9 +252,14 @@ def check_plan_numbers(seq_len, cap_gib, margin_gib, max_batch_size=MAX_BATCH_SI
 
 
 def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int, distill_topk: int = 0,
-                      online_teacher: bool = False):
+                      online_teacher: bool = False, num_processes: int | None = None,
+                      sharding: str | None = None):
     """Apply `--memory_plan auto` to `training_args` in place, before the Trainer is built; returns the callbacks
-    that carry the plan out (the recompute set, the predicted against measured peak), empty when nothing applies."""
+    that carry the plan out (the recompute set, the predicted against measured peak), empty when nothing applies.
+
+    The plan is one rank's: `num_processes` and `sharding` ("ddp", "fsdp2") default to what the arguments and the
+    launcher's environment say (`processes.layout_of`); given, they replace it. DeepSpeed, FSDP1 and the other
+    layouts `layout_of` names are not planned (logged)."""
     import torch
 
     from hf_recurrent.presets import is_recurrent
@@ -227,8 +267,13 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
 
     if training_args.memory_plan != "auto":
         return []
+    layout = layout_of(training_args)
+    if num_processes is not None or sharding is not None:
+        num = layout.num_processes if num_processes is None else num_processes
+        sharding = sharding or (layout.sharding if layout.sharding == "fsdp2" else None)
+        layout = dataclasses.replace(layout, num_processes=num, sharding=resolve_sharding(num, sharding))
     reason = (training_args.optimizer != "low_memory" and "--optimizer hf is not calibrated"
-              or training_args.world_size > 1 and "several processes"
+              or layout.not_planned
               or online_teacher and "an online teacher's memory is not modelled"
               or not torch.cuda.is_available() and "no CUDA device")
     if reason:
@@ -238,9 +283,11 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
     explicit = getattr(training_args, "explicit_memory_settings", set())
     cap = training_args.memory_cap_gib or torch.cuda.get_device_properties(0).total_memory / GIB
     shape = training_shape(config, training_args.optimizer_momentum, training_args.optimizer_momentum_rank_fraction,
-                           bytes_per_param)
+                           bytes_per_param, layout.num_processes, layout.sharding, layout.sharded_weight_bytes)
     fixed_set = None
-    if "activation_checkpointing" in explicit:
+    if layout.fsdp_activation_checkpointing:  # FSDP's checkpoint wrapper recomputes every decoder layer
+        fixed_set = RecomputeSet.named("all", shape, shape.graph_steps)
+    elif "activation_checkpointing" in explicit:
         fixed_set = RecomputeSet.named("all" if getattr(training_args, CHECKPOINTING_FLAG) else "none", shape,
                                        shape.graph_steps)
     batches = [training_args.per_device_train_batch_size] if "per_device_train_batch_size" in explicit else None
@@ -264,7 +311,10 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
         # 2.5 GiB more than the training, at batch 6 nothing more (results/training-control, eighth set).
         training_args.per_device_eval_batch_size = plan.per_device_train_batch_size
     callbacks = [MemoryPlanCallback(plan, training_args.output_dir)]
-    if "activation_checkpointing" not in explicit:
+    if layout.fsdp_activation_checkpointing:
+        # transformers refuses its own checkpointing flag next to FSDP's, which recomputes every layer already
+        logger.info("--memory_plan auto: FSDP's activation checkpointing recomputes every decoder layer; planned so.")
+    elif "activation_checkpointing" not in explicit:
         setattr(training_args, CHECKPOINTING_FLAG, not plan.recompute.empty)
         if not plan.recompute.empty and is_recurrent(config):  # a Transformer's checkpointing is all or nothing
             callbacks.insert(0, RecomputeCallback(plan.recompute))
