@@ -43,6 +43,12 @@
 #       python3 -m benchmarks.memory_probe --fit all.jsonl
 #   bash benchmarks/bench_gpu.sh waits [host_waits / run_pretrain args]   a 125M run's waits for the GPU (their Python
 #       stacks), batch fetch times and garbage collections (benchmarks/host_waits.py; seq 1024 data)
+#   bash benchmarks/bench_gpu.sh scaleout [bench_scaleout args]   tokens/s, MFU and peak memory of recurrent-3.3b and
+#       recurrent-7b with the defaults on 1, 2, 4, 8 GPUs (as many as the machine has), data parallel and FSDP2
+#       (trainer_ext/configs/accelerate_{ddp,fsdp2}_<N>x24gb.yaml), each GPU under a 24 GiB cap, and the scaling
+#       efficiency; on one GPU the 1-GPU rows (and FSDP2 on one process); then, on CUDA, the FSDP2 tests
+#       (tests/test_fsdp_optimizer.py: the Trainer under accelerate, resume, loadable final/) (STEPS default 12);
+#       $OUT/scaleout/results.jsonl, scaleout.md
 #   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
 set -uo pipefail
@@ -189,6 +195,11 @@ case $STAGE in
     python3 -m benchmarks.memory_probe --presets ${PRESETS:-recurrent-125m transformer-125m} --seq_len "${SEQ:-1024}" \
       --output "$OUT/probes.jsonl" --max_seconds "${SECONDS_LIMIT:-300}" "$@" 2>&1 | grep -E '^\{|rror|probes of' \
       | cut -c1-300 ;;
+  scaleout)  # NCCL_NVLS_ENABLE=0: no NVLink multicast (a PCIe workstation has none)
+    prepare_2048
+    python3 -m benchmarks.bench_scaleout --data_dir $DATA --steps "${STEPS:-12}" --peak_flops 780e12 \
+      --output_dir "$OUT/scaleout" "$@" 2>&1 | quiet
+    NCCL_NVLS_ENABLE=0 python3 -m pytest -q -x tests/test_fsdp_optimizer.py -k accelerate 2>&1 | tail -15 ;;
   waits)
     prepare_1024
     python3 -m benchmarks.host_waits --data_dir $DATA_1024 "$@" 2>&1 | grep -vE "it/s\]|s/it\]" | tail -"${TAIL:-80}" ;;

@@ -11,12 +11,16 @@ import sys
 
 
 def set_memory_cap(cap_gib: float) -> None:
-    """Cap this process's CUDA allocations at `cap_gib` GiB of device 0 (at most all of it)."""
+    """Cap this process's CUDA allocations at `cap_gib` GiB of its device (at most all of it): device 0, or under
+    torchrun / accelerate launch the process's own, LOCAL_RANK."""
+    import os
+
     import torch
 
     if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(cap_gib * 2**30 / total, 1.0))
+        device = int(os.environ.get("LOCAL_RANK", "0"))
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(cap_gib * 2**30 / total, 1.0), device)
 
 
 def main(argv=None) -> None:
