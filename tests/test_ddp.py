@@ -75,6 +75,20 @@ def test_replicas_stay_identical_and_match_one_process_on_the_global_batch(tiny_
     assert moved < 1e-5
 
 
+def test_a_run_stopped_at_a_checkpoint_resumes_the_losses_on_every_process(tiny_data_dir, tmp_path, single):
+    """2 processes stopped after step 2 (its checkpoint: weights, the optimizer's state and counters, each process's
+    RNG) and rerun to step 4: the rerun resumes there, logs the losses of one process on the global batch, and the
+    replicas stay identical."""
+    save = ["--save_strategy", "steps", "--save_steps", "2"]
+    stopped, _ = train(tiny_data_dir, tmp_path, 2, *save, "--max_steps", "2")
+    assert [e["step"] for e in stopped] == [1, 2] and (tmp_path / "checkpoint-2").is_dir()
+    logged, replicas = train(tiny_data_dir, tmp_path, 2, *save)
+    reference_logged, _ = single
+    assert [e["step"] for e in logged] == [1, 2, 3, 4]  # the checkpoint's history, then the resumed steps
+    assert [e["loss"] for e in logged] == pytest.approx([e["loss"] for e in reference_logged], abs=1e-5)
+    assert_identical(replicas)
+
+
 def assert_identical(replicas: list[dict]) -> None:
     """Bit-identical replicas: every process took the same updates."""
     first = replicas[0]
