@@ -27,6 +27,9 @@ from trainer_ext.training.arguments import RecurrentTrainingArguments
 from trainer_ext.training.trainer import RecurrentTrainer
 
 TOPK = 16
+# The tests below check the cached values against the teacher to fp16 precision: the fp16 layout. The compact
+# codec's own tests are in tests/test_cache_codec.py.
+FP16 = ["--cache_format", "fp16"]
 TRAIN_SHARDS = [f"train-{i:05d}.npy" for i in range(4)]
 
 
@@ -69,7 +72,7 @@ def cache_dir(data_dir, teacher_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("cache") / "topk")
     cache_teacher.main(["--teacher_model_name_or_path", teacher_dir, "--data_dir", data_dir,
                         "--output_dir", out, "--topk", str(TOPK), "--batch_size", "128",
-                        "--position_chunk_size", "1000"])
+                        "--position_chunk_size", "1000", *FP16])
     return out
 
 
@@ -171,7 +174,7 @@ def test_resume_recomputes_only_missing_or_damaged_shards(data_dir, teacher_dir,
     with pytest.raises(ValueError, match="incomplete"):
         validate_teacher_cache(cache, data_dir)
 
-    args = ["--teacher_model_name_or_path", teacher_dir, "--data_dir", data_dir, "--output_dir", cache,
+    args = ["--teacher_model_name_or_path", teacher_dir, "--data_dir", data_dir, "--output_dir", cache, *FP16,
             "--topk", str(TOPK), "--batch_size", "128"]
     cache_teacher.main(args)
     after = shard_inodes(cache)
@@ -225,7 +228,7 @@ def test_cache_of_other_token_shards_or_tokenizer_is_refused(data_dir, teacher_d
     shutil.copytree(cache_dir, cache)
     before = shard_inodes(cache)
     cache_teacher.main(["--teacher_model_name_or_path", teacher_dir, "--data_dir", str(data), "--output_dir", cache,
-                        "--topk", str(TOPK), "--batch_size", "128"])
+                        "--topk", str(TOPK), "--batch_size", "128", *FP16])
     after = shard_inodes(cache)
     assert sorted(n for n in before if before[n] != after[n]) == ["train-00000.topk_ids.npy",
                                                                   "train-00000.topk_logprobs.npy"]
@@ -247,7 +250,7 @@ def test_recurrent_teacher_is_cached_at_the_requested_depth(data_dir, teacher_di
     save_teacher(path, presets.get("debug", vocab_size=len(tokenizer)), tokenizer, head_std=1.0)
     out = str(tmp_path / "cache")
     cache_teacher.main(["--teacher_model_name_or_path", str(path), "--data_dir", data_dir, "--output_dir", out,
-                        "--splits", "eval", "--topk", "8", "--num_steps", "2"])
+                        "--splits", "eval", "--topk", "8", "--num_steps", "2", *FP16])
     assert read_teacher_manifest(out)["teacher"]["num_steps"] == 2
     data = TeacherCacheDataset(ShardedTokenDataset(data_dir, "eval"), out)
     batch = default_data_collator([data[i] for i in range(len(data))])
@@ -300,3 +303,78 @@ def test_quantized_teacher_needs_cuda_and_a_known_mode(data_dir, teacher_dir, tm
         cache_teacher.main(args + ["--quantization", "2bit"])
     with pytest.raises(ValueError, match="--quantization 4bit needs a CUDA device"):
         cache_teacher.main(args + ["--quantization", "4bit"])
+
+
+@pytest.fixture(scope="module")
+def compact_cache_dir(data_dir, teacher_dir, tmp_path_factory):
+    """The same teacher cached with the default (compact) codec."""
+    out = str(tmp_path_factory.mktemp("cache") / "compact")
+    cache_teacher.main(["--teacher_model_name_or_path", teacher_dir, "--data_dir", data_dir, "--output_dir", out,
+                        "--topk", str(TOPK), "--batch_size", "128"])
+    return out
+
+
+def test_the_compact_cache_serves_the_same_ids_head_and_tail_in_fewer_bytes(data_dir, cache_dir, compact_cache_dir):
+    manifest = read_teacher_manifest(compact_cache_dir)
+    assert manifest["format_version"] == 2 and manifest["codec"]["name"] == "compact"
+    # 16 ids of 9 bits (18 bytes) + 3 exact log-probs, 2 coefficients and the tail in fp16 (12 bytes)
+    assert manifest["bytes_per_token"] == 30 < read_teacher_manifest(cache_dir)["bytes_per_token"] == 64
+    entry = manifest["splits"]["train"]["shards"][0]
+    on_disk = entry["ids_size_bytes"] + entry["logprobs_size_bytes"]
+    assert on_disk == pytest.approx(30 * entry["num_samples"] * 32, abs=512)  # the .npy headers
+    tokens = ShardedTokenDataset(data_dir, "train")
+    compact, exact = TeacherCacheDataset(tokens, compact_cache_dir), TeacherCacheDataset(tokens, cache_dir)
+    for index in (0, 401, len(tokens) - 1):
+        got, want = compact[index], exact[index]
+        assert torch.equal(got["teacher_topk_ids"], want["teacher_topk_ids"])
+        torch.testing.assert_close(got["teacher_topk_logprobs"][:, :3], want["teacher_topk_logprobs"][:, :3],
+                                   rtol=0, atol=2e-3)
+        tails = [1 - item["teacher_topk_logprobs"].double().exp().sum(-1) for item in (got, want)]
+        torch.testing.assert_close(tails[0], tails[1], rtol=0, atol=3e-3)
+
+
+def test_a_version_1_cache_still_reads(data_dir, cache_dir, tmp_path):
+    """Caches written before the compact codec (format version 1: no codec, no file checksums) read as fp16."""
+    old = str(tmp_path / "v1")
+    shutil.copytree(cache_dir, old)
+    manifest = read_teacher_manifest(old)
+    manifest["format_version"] = 1
+    for key in ("codec", "bytes_per_token"):
+        del manifest[key]
+    for split in manifest["splits"].values():
+        for entry in split["shards"]:
+            del entry["ids_sha256"], entry["logprobs_sha256"]
+    write_teacher_manifest(old, manifest)
+    tokens = ShardedTokenDataset(data_dir, "eval")
+    got, want = TeacherCacheDataset(tokens, old)[3], TeacherCacheDataset(tokens, cache_dir)[3]
+    assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def test_a_cache_file_changed_after_writing_is_refused_before_training(data_dir, cache_dir, tmp_path):
+    """Log-probs overwritten with +5.0 (ids set past the vocabulary alike): the sha256 recorded at writing catches
+    it before training, naming the file; read without the checksums, the range check names it at the sample."""
+    cache = str(tmp_path / "cache")
+    shutil.copytree(cache_dir, cache)
+    path = os.path.join(cache, "eval-00000.topk_logprobs.npy")
+    logprobs = np.load(path, mmap_mode="r+")
+    logprobs[2, 5, :] = 5.0
+    logprobs.flush()
+    del logprobs
+    tokens = ShardedTokenDataset(data_dir, "eval")
+    with pytest.raises(ValueError, match="eval-00000.topk_logprobs.npy: sha256 differs.*hf-recurrent-cache-teacher"):
+        TeacherCacheDataset(tokens, cache)
+    unchecked = TeacherCacheDataset(tokens, cache, verify_checksums=False)
+    unchecked[1]  # an intact sample reads
+    with pytest.raises(ValueError, match="eval-00000.topk_logprobs.npy, sample 2: log-probs above 0"):
+        unchecked[2]
+    ids = np.load(os.path.join(cache, "eval-00000.topk_ids.npy"), mmap_mode="r+")
+    ids[1, 0, 0] = 65000
+    ids.flush()
+    del ids
+    with pytest.raises(ValueError, match="eval-00000.topk_ids.npy .* sample 1: ids outside \\[0, 384\\)"):
+        unchecked[1]
+    # a rerun of the cache builder recomputes the damaged shard
+    cache_teacher.main(["--teacher_model_name_or_path", read_teacher_manifest(cache)["teacher"]["name_or_path"],
+                        "--data_dir", data_dir, "--output_dir", cache, "--topk", str(TOPK), "--batch_size", "128",
+                        *FP16])
+    TeacherCacheDataset(tokens, cache)[2]

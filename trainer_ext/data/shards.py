@@ -178,7 +178,8 @@ def remove_data_files(data_dir: str) -> None:
 # ----------------------------------------------------------------------------- reading + validation
 
 
-def load_manifest(path: str, required: tuple[str, ...], format_version: int, not_found: str, fix: str) -> dict:
+def load_manifest(path: str, required: tuple[str, ...], format_version: int | tuple[int, ...], not_found: str,
+                  fix: str) -> dict:
     """Read a JSON manifest and check its fields and format version; every error names the file and the fix."""
     if not os.path.isfile(path):
         raise ValueError(f"{path}: not found; {not_found}")
@@ -190,10 +191,11 @@ def load_manifest(path: str, required: tuple[str, ...], format_version: int, not
     missing = [k for k in required if k not in manifest]
     if missing:
         raise ValueError(f"{path}: missing fields {missing}; {fix}.")
-    if manifest["format_version"] != format_version:
+    versions = format_version if isinstance(format_version, tuple) else (format_version,)
+    if manifest["format_version"] not in versions:
         raise ValueError(
             f"{path}: format_version {manifest['format_version']} but this code reads "
-            f"version {format_version}; {fix}."
+            f"version {' or '.join(map(str, versions))}; {fix}."
         )
     return manifest
 
@@ -279,6 +281,22 @@ def validate_shard(data_dir: str, entry: dict, manifest: dict, model_vocab_size:
 _VERIFIED: set[tuple] = set()
 
 
+def check_file_sha256(path: str, expected: str, manifest_path: str, fix: str) -> int:
+    """ValueError naming `path` unless its sha256 is `expected` (what `manifest_path` records); `fix` ends the message.
+    Once per process for an unchanged file; returns the bytes hashed now (0 when it was checked before)."""
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, expected)
+    if key in _VERIFIED:
+        return 0
+    if file_sha256(path) != expected:
+        raise ValueError(
+            f"{path}: sha256 differs from {manifest_path}; the file is corrupt (a damaged copy or disk, or it was "
+            f"changed after it was written). {fix}."
+        )
+    _VERIFIED.add(key)
+    return stat.st_size
+
+
 def verify_shard_checksums(data_dir: str, shards: list[dict], split: str) -> None:
     """Hash every shard of `split` and compare it with the manifest's sha256; ValueError naming the corrupt file.
 
@@ -287,20 +305,12 @@ def verify_shard_checksums(data_dir: str, shards: list[dict], split: str) -> Non
     and what it cost, so that a user with a huge corpus knows what `verify_checksums=False` would save.
     """
     start, hashed_bytes, hashed = time.perf_counter(), 0, 0
+    manifest_path = os.path.join(data_dir, MANIFEST_NAME)
     for entry in shards:
-        path = os.path.join(data_dir, entry["file"])
-        stat = os.stat(path)
-        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, entry["sha256"])
-        if key in _VERIFIED:
-            continue
-        if file_sha256(path) != entry["sha256"]:
-            raise ValueError(
-                f"{path}: sha256 differs from {MANIFEST_NAME}; the file is corrupt (a damaged copy or disk, or it "
-                f"was changed after preparation). Copy it again from where it was prepared, or {_FIX_REPREPARE}."
-            )
-        _VERIFIED.add(key)
-        hashed_bytes += stat.st_size
-        hashed += 1
+        size = check_file_sha256(os.path.join(data_dir, entry["file"]), entry["sha256"], manifest_path,
+                                 f"Copy it again from where it was prepared, or {_FIX_REPREPARE}")
+        hashed_bytes += size
+        hashed += size > 0
     if hashed:
         logger.info("%s: sha256 of %d %s shard(s) (%.1f MB) matches %s, checked in %.2f s (verify_checksums=False "
                     "skips this)", data_dir, hashed, split, hashed_bytes / 1e6, MANIFEST_NAME,

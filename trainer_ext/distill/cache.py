@@ -4,9 +4,14 @@ serves it to the trainer (``trainer_ext.distill.caching`` runs the teacher that 
 A teacher cache directory holds, next to nothing else,
 
     teacher_manifest.json             what the cache was built from (written after every finished shard)
-    train-00000.topk_ids.npy          (num_samples, seq_len, k) uint16, or uint32 if the vocabulary > 65,536
-    train-00000.topk_logprobs.npy     (num_samples, seq_len, k) float16, temperature-1 log-probs
+    train-00000.topk_ids.npy          (num_samples, seq_len, ids width) of the codec
+    train-00000.topk_logprobs.npy     (num_samples, seq_len, log-probs width) float16
     eval-00000.topk_ids.npy, ...      one pair per token shard of each cached split
+
+What a position's row holds is the codec's (``cache_codec.py``): in format version 2 by default the compact codec
+(ids bit-packed at ceil(log2 V) bits, a few exact log-probs, a fit of the others, the tail mass: 148 bytes per
+token at k = 64 and V = 99,520), or the fp16 layout of version 1 (k ids as uint16 / uint32 and k fp16 log-probs:
+256 / 384 bytes per token at k = 64), which version 1 caches keep and are read as.
 
 Shard ``train-00000`` of the cache belongs to token shard ``train-00000.npy`` of the data directory:
 same stem, same sample count, same sample order, and position t of a sample holds the teacher's
@@ -14,14 +19,12 @@ prediction for ``shift_labels[t]`` (the token after ``input_ids[t]``). Log-probs
 vocabulary (the tokenizer's size; head padding never appears), so the teacher's mass outside the
 top k, the tail bucket of ``TopKTeacher``, is ``1 - sum(exp(logprobs))``.
 
-Size: k * (2 + 2) bytes per token with uint16 ids, k * (4 + 2) with uint32 ids; at the default k = 64
-that is 256 (or 384) bytes per token, about 256 GB per billion tokens, against 2 (or 4) bytes per
-token for the token shards themselves. Choose k (and how many tokens to cache) with that in mind.
-
 The manifest ties the cache to its token shards (the data's tokenizer hash, seq_len, and the
 sha256 / size of every token shard it was computed from) and to the teacher (name or path, revision,
-tokenizer hash, k, num_steps). ``validate_teacher_cache`` checks all of it before training, so a
-cache built from other shards or another tokenizer is refused instead of silently teaching garbage.
+tokenizer hash, k, num_steps), and (version 2) records the sha256 of every cache file. ``validate_teacher_cache``
+checks all of it before training, so a cache built from other shards or another tokenizer, or a cache file
+changed after it was written, is refused instead of silently teaching garbage; each sample read is range-checked
+(ids below the vocabulary, log-probs finite and <= 0, probabilities adding up to at most one).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import bisect
 import glob
 import logging
+import math
 import os
 import warnings
 from collections.abc import Iterable
@@ -40,23 +44,26 @@ from torch.utils.data import Dataset
 from trainer_ext.data.shards import (
     MANIFEST_NAME,
     ShardedTokenDataset,
-    read_npy_header,
+    check_file_sha256,
     file_sha256,
     load_manifest,
     read_manifest,
+    read_npy_header,
 )
+from trainer_ext.distill.cache_codec import CompactCodec, Fp16Codec, codec_from_manifest
 from trainer_ext.files import atomic_path, write_json
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # version 1: the fp16 layout, no cache-file checksums; read as such
+READ_FORMAT_VERSIONS = (1, 2)
 TEACHER_MANIFEST_NAME = "teacher_manifest.json"
 LOGPROBS_DTYPE = np.dtype(np.float16)
 IDS_SUFFIX = ".topk_ids.npy"
 LOGPROBS_SUFFIX = ".topk_logprobs.npy"
 _FIX_RECACHE = "re-run `hf-recurrent-cache-teacher` for this cache directory"
-# The smallest finite fp16: a log-prob below it (a -inf logit) is stored as that, i.e. probability 0.
-_FP16_MIN = float(np.finfo(np.float16).min)
+# Slack of the range check on the probabilities' sum: fp16 log-probs of a near-certain prediction round up.
+_MASS_SLACK = 1e-2
 
 
 def cache_file_names(token_file: str) -> tuple[str, str]:
@@ -73,7 +80,7 @@ def read_teacher_manifest(cache_dir: str) -> dict:
     not_found = (f"{cache_dir} is not a teacher cache. Build one with `hf-recurrent-cache-teacher "
                  f"--output_dir {cache_dir} --data_dir ... --teacher_model_name_or_path ...`.")
     required = ("format_version", "topk", "ids_dtype", "data", "teacher", "splits")
-    return load_manifest(path, required, CACHE_FORMAT_VERSION, not_found, f"{_FIX_RECACHE} with --overwrite")
+    return load_manifest(path, required, READ_FORMAT_VERSIONS, not_found, f"{_FIX_RECACHE} with --overwrite")
 
 
 def write_teacher_manifest(cache_dir: str, manifest: dict) -> str:
@@ -93,33 +100,36 @@ def record_shard(manifest: dict, split: str, entry: dict, token_order: list[str]
 # ----------------------------------------------------------------------------- writing
 
 
-def write_cache_shard(cache_dir: str, token_file: str, shape: tuple[int, int, int], id_dtype: np.dtype,
-                      batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+def write_cache_shard(cache_dir: str, token_file: str, num_samples: int, seq_len: int,
+                      codec: CompactCodec | Fp16Codec, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> dict:
     """Write the cache shard of token shard ``token_file``; return the file part of its manifest entry.
 
-    ``batches`` yields (ids, log-probs) tensors of consecutive samples, (batch, seq_len, k) each, until ``shape``
-    (num_samples, seq_len, k) is filled. They go straight into memory-mapped temp files, which are fsynced and
-    renamed into place only once complete.
+    ``batches`` yields (ids, log-probs) tensors of consecutive samples, (batch, seq_len, k) each, until
+    ``num_samples`` are written. They are encoded by ``codec`` on their device and go straight into memory-mapped
+    temp files, which are fsynced, hashed and renamed into place only once complete.
     """
     ids_file, logprobs_file = cache_file_names(token_file)
     ids_path, logprobs_path = (os.path.join(cache_dir, name) for name in (ids_file, logprobs_file))
     with atomic_path(ids_path) as ids_tmp, atomic_path(logprobs_path) as logprobs_tmp:
-        ids_out = np.lib.format.open_memmap(ids_tmp, mode="w+", dtype=id_dtype, shape=shape)
-        logprobs_out = np.lib.format.open_memmap(logprobs_tmp, mode="w+", dtype=LOGPROBS_DTYPE, shape=shape)
+        ids_out = np.lib.format.open_memmap(ids_tmp, mode="w+", dtype=codec.ids_dtype,
+                                            shape=(num_samples, seq_len, codec.ids_width))
+        logprobs_out = np.lib.format.open_memmap(logprobs_tmp, mode="w+", dtype=LOGPROBS_DTYPE,
+                                                 shape=(num_samples, seq_len, codec.logprobs_width))
         start = 0
         for ids, logprobs in batches:
-            ids_out[start:start + len(ids)] = ids.cpu().numpy().astype(id_dtype)
-            logprobs_out[start:start + len(ids)] = logprobs.clamp(min=_FP16_MIN).cpu().numpy().astype(LOGPROBS_DTYPE)
+            ids_out[start:start + len(ids)], logprobs_out[start:start + len(ids)] = codec.encode(ids, logprobs)
             start += len(ids)
-        assert start == shape[0], (start, shape)
+        assert start == num_samples, (start, num_samples)
         ids_out.flush()
         logprobs_out.flush()
         del ids_out, logprobs_out  # no memmap refers to the files once they are renamed
+        sha256 = {"ids_sha256": file_sha256(ids_tmp), "logprobs_sha256": file_sha256(logprobs_tmp)}
     return {
         "ids_file": ids_file,
         "logprobs_file": logprobs_file,
         "ids_size_bytes": os.path.getsize(ids_path),
         "logprobs_size_bytes": os.path.getsize(logprobs_path),
+        **sha256,
     }
 
 
@@ -151,10 +161,14 @@ def drop_stale_shards(cache_dir: str, token_manifest: dict, manifest: dict) -> N
 # ----------------------------------------------------------------------------- validation
 
 
-def check_cache_shard(cache_dir: str, entry: dict, seq_len: int, topk: int, id_dtype: np.dtype) -> None:
-    """ValueError unless both files of one cache shard exist whole, with the expected shape and dtype."""
-    shape = (entry["num_samples"], seq_len, topk)
-    for name, dtype in ((entry["ids_file"], id_dtype), (entry["logprobs_file"], LOGPROBS_DTYPE)):
+def check_cache_shard(cache_dir: str, entry: dict, seq_len: int, codec: CompactCodec | Fp16Codec,
+                      verify_checksums: bool = False) -> None:
+    """ValueError unless both files of one cache shard exist whole, with the codec's shape and dtype, and (with
+    ``verify_checksums``, where the manifest records them) the sha256 they were written with."""
+    for name, dtype, width, key in ((entry["ids_file"], codec.ids_dtype, codec.ids_width, "ids_sha256"),
+                                    (entry["logprobs_file"], LOGPROBS_DTYPE, codec.logprobs_width,
+                                     "logprobs_sha256")):
+        shape = (entry["num_samples"], seq_len, width)
         path = os.path.join(cache_dir, name)
         if not os.path.isfile(path):
             raise ValueError(f"{path}: listed in {TEACHER_MANIFEST_NAME} but missing; {_FIX_RECACHE}.")
@@ -165,7 +179,7 @@ def check_cache_shard(cache_dir: str, entry: dict, seq_len: int, topk: int, id_d
         if tuple(file_shape) != shape or file_dtype != dtype or fortran_order:
             raise ValueError(
                 f"{path}: {file_dtype} {tuple(file_shape)} but {TEACHER_MANIFEST_NAME} implies {dtype} {shape} "
-                f"(num_samples, seq_len, topk); {_FIX_RECACHE}."
+                f"(num_samples, seq_len, {codec.name} codec width); {_FIX_RECACHE}."
             )
         expected = offset + int(np.prod(shape)) * dtype.itemsize
         if os.path.getsize(path) != expected:
@@ -173,6 +187,9 @@ def check_cache_shard(cache_dir: str, entry: dict, seq_len: int, topk: int, id_d
                 f"{path}: {os.path.getsize(path)} bytes, expected {expected}; the file is truncated or corrupt; "
                 f"{_FIX_RECACHE} (it recomputes only the damaged shards)."
             )
+        if verify_checksums and key in entry:
+            check_file_sha256(path, entry[key], os.path.join(cache_dir, TEACHER_MANIFEST_NAME),
+                              f"{_FIX_RECACHE}: it recomputes the shards whose files do not match")
 
 
 def check_token_shard_match(data_dir: str, token_entry: dict, cache_entry: dict) -> None:
@@ -204,8 +221,8 @@ def missing_shards(cache_dir: str, data_dir: str, token_manifest: dict, manifest
             if entry is not None:
                 try:
                     check_token_shard_match(data_dir, token_entry, entry)
-                    check_cache_shard(cache_dir, entry, token_manifest["seq_len"], manifest["topk"],
-                                      np.dtype(manifest["ids_dtype"]))
+                    check_cache_shard(cache_dir, entry, token_manifest["seq_len"], codec_from_manifest(manifest),
+                                      verify_checksums=True)
                     continue
                 except ValueError as err:
                     logger.warning("Recomputing %s: %s", token_entry["file"], err)
@@ -221,7 +238,8 @@ def validate_teacher_cache(
     Raises ValueError, naming both hashes or files, when the cache was built with another tokenizer,
     another seq_len, or from other token shards (a re-prepared data directory), and when a cache
     shard is missing, truncated or of the wrong shape. ``splits`` defaults to every split the cache
-    holds. ``verify_checksums`` also re-hashes the token shards on disk (slow for big data).
+    holds. ``verify_checksums`` also re-hashes the token shards and the cache files on disk (once per process; about
+    a second per GB).
     Returns the teacher manifest with each split's shards in token-manifest order.
     """
     cache_dir, data_dir = os.fspath(cache_dir), os.fspath(data_dir)
@@ -242,7 +260,7 @@ def validate_teacher_cache(
             f"{token_manifest['seq_len']}; {_FIX_RECACHE} with --data_dir {data_dir}."
         )
     splits = list(manifest["splits"]) if splits is None else list(splits)
-    topk, id_dtype = manifest["topk"], np.dtype(manifest["ids_dtype"])
+    codec = codec_from_manifest(manifest)
     for split in splits:
         if split not in token_manifest["splits"]:
             raise ValueError(f"{data_manifest_path}: no split {split!r} (has {sorted(token_manifest['splits'])}).")
@@ -256,14 +274,11 @@ def validate_teacher_cache(
                     f"{split!r}); the cache is incomplete. {_FIX_RECACHE} to finish it (finished shards are kept)."
                 )
             check_token_shard_match(data_dir, token_entry, cache_entry)
-            check_cache_shard(cache_dir, cache_entry, token_manifest["seq_len"], topk, id_dtype)
+            check_cache_shard(cache_dir, cache_entry, token_manifest["seq_len"], codec, verify_checksums)
             if verify_checksums:
-                actual = file_sha256(os.path.join(data_dir, token_entry["file"]))
-                if actual != cache_entry["token_sha256"]:
-                    raise ValueError(
-                        f"{os.path.join(data_dir, token_entry['file'])}: sha256 {actual} on disk, but the teacher "
-                        f"cache was computed from sha256 {cache_entry['token_sha256']}; {_FIX_RECACHE}."
-                    )
+                check_file_sha256(os.path.join(data_dir, token_entry["file"]), cache_entry["token_sha256"],
+                                  cache_manifest_path, f"the teacher cache was computed from other data; "
+                                  f"{_FIX_RECACHE}")
             aligned.append(cache_entry)
         if cached:
             raise ValueError(
@@ -283,11 +298,12 @@ class TeacherCacheDataset(Dataset):
     ``ds[i]`` is the token dataset's item with ``teacher_topk_ids`` (int64, (seq_len, k)) and
     ``teacher_topk_logprobs`` (float32, (seq_len, k)) added; RecurrentTrainer distills against
     batches carrying those keys. The cache is validated against the token shards here, before
-    training. Like the token reader, each cache file is opened once with ``np.load(mmap_mode="r")``
-    and wrapped by one ``torch.from_numpy``; a sample is a row of that tensor.
+    training, its files' sha256 too (``verify_checksums``, on by default as for the token shards). Like the token
+    reader, each cache file is opened once with ``np.load(mmap_mode="r")`` and wrapped by one ``torch.from_numpy``;
+    a sample is a row of that tensor, decoded by the cache's codec and range-checked.
     """
 
-    def __init__(self, token_dataset: ShardedTokenDataset, cache_dir: str, verify_checksums: bool = False):
+    def __init__(self, token_dataset: ShardedTokenDataset, cache_dir: str, verify_checksums: bool = True):
         if not isinstance(token_dataset, ShardedTokenDataset):
             raise ValueError(
                 f"TeacherCacheDataset wraps a ShardedTokenDataset (whose shards the cache is aligned with), got "
@@ -299,6 +315,7 @@ class TeacherCacheDataset(Dataset):
             self.cache_dir, token_dataset.data_dir, splits=[token_dataset.split], verify_checksums=verify_checksums
         )
         self.topk: int = self.manifest["topk"]
+        self.codec = codec_from_manifest(self.manifest)
         shards = self.manifest["splits"][token_dataset.split]["shards"]
         self._paths = [
             (os.path.join(self.cache_dir, s["ids_file"]), os.path.join(self.cache_dir, s["logprobs_file"]))
@@ -340,9 +357,30 @@ class TeacherCacheDataset(Dataset):
         shard = bisect.bisect_right(self._starts, index) - 1
         ids, logprobs = self._shard(shard)
         row = index - self._starts[shard]
-        item["teacher_topk_ids"] = ids[row].to(torch.long)  # (seq_len, k)
-        item["teacher_topk_logprobs"] = logprobs[row].to(torch.float32)  # (seq_len, k)
+        ids, logprobs = self.codec.decode(ids[row], logprobs[row])  # (seq_len, k) each
+        self._check_range(ids, logprobs, shard, row)
+        item["teacher_topk_ids"] = ids
+        item["teacher_topk_logprobs"] = logprobs
         return item
+
+    def _check_range(self, ids: torch.Tensor, logprobs: torch.Tensor, shard: int, row: int) -> None:
+        """ValueError naming the shard's files unless the ids are below the vocabulary and the log-probs finite,
+        <= 0 and of probabilities adding up to at most one: what a teacher can have written. The sha256 check
+        before training catches files changed since; this catches a writer that went wrong."""
+        vocab_size = self.manifest["data"]["vocab_size"]
+        problem = None
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            problem = f"ids outside [0, {vocab_size}) (the vocabulary): {int(ids.min())} .. {int(ids.max())}"
+        elif not bool(torch.isfinite(logprobs).all()):
+            problem = "non-finite log-probs"
+        elif float(logprobs.max()) > 0 or float(torch.logsumexp(logprobs, -1).max()) > math.log1p(_MASS_SLACK):
+            problem = f"log-probs above 0 or probabilities adding up to more than one (largest {float(logprobs.max()):.3f})"
+        if problem is not None:
+            ids_path, logprobs_path = self._paths[shard]
+            raise ValueError(
+                f"{ids_path} / {logprobs_path}, sample {row}: {problem}; the cache shard is corrupt. Delete these "
+                f"two files and {_FIX_RECACHE}: it recomputes only the missing shards."
+            )
 
     def __getstate__(self) -> dict:
         # Pickling memmap-backed tensors would copy whole shards into every DataLoader worker; reopen lazily.

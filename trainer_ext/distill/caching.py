@@ -6,8 +6,9 @@ come with the data's tokenizer: a different tokenizer hash is refused before any
 the tokenizer size; only the first ``len(tokenizer)`` logits count.
 
 Per position it stores the top-k token ids and their temperature-1 log-probs, aligned 1:1 with the token shards
-(format and ``teacher_manifest.json``: trainer_ext.distill.cache). Cost: k * (2 + 2) bytes per token (uint16 ids,
-vocab <= 65,536) or k * (4 + 2) (uint32 ids); 256 / 384 bytes per token at k = 64.
+(format and ``teacher_manifest.json``: trainer_ext.distill.cache; the bytes of a position: cache_codec.py). Cost with
+the default compact codec: ceil(k * ceil(log2 V) / 8) + 12 bytes per token, 148 at k = 64 and V = 99,520 (the fp16
+layout, ``--cache_format fp16``: k * (2 + 2) or k * (4 + 2) above V = 65,536, 384 there).
 
 Memory: the teacher's final hidden states are computed for a batch, then its head is applied to
 ``position_chunk_size`` positions at a time, so a (batch, seq_len, vocab) fp32 logit tensor of a large vocabulary is
@@ -32,11 +33,10 @@ import torch
 from tqdm.auto import tqdm
 
 from trainer_ext.checkpoints import load_tokenizer
-from trainer_ext.data.shards import SPLITS, file_sha256, token_dtype, tokenizer_hash, validate_data_dir
+from trainer_ext.data.shards import SPLITS, file_sha256, tokenizer_hash, validate_data_dir
 from trainer_ext.devices import resolve_device, resolve_dtype
 from trainer_ext.distill.cache import (
     CACHE_FORMAT_VERSION,
-    LOGPROBS_DTYPE,
     TEACHER_MANIFEST_NAME,
     drop_stale_shards,
     missing_shards,
@@ -46,6 +46,7 @@ from trainer_ext.distill.cache import (
     write_cache_shard,
     write_teacher_manifest,
 )
+from trainer_ext.distill.cache_codec import CompactCodec, Fp16Codec
 from trainer_ext.distill.losses import teacher_topk
 from trainer_ext.distill.teacher import QUANTIZATIONS, TEACHER_TOKENIZER_FIX, load_frozen_teacher
 from trainer_ext.files import check_same_run
@@ -62,6 +63,14 @@ class CacheTeacherArguments:
     output_dir: str = field(metadata={"help": "Cache directory (shards + teacher_manifest.json)."})
     splits: list[str] = field(default_factory=lambda: list(SPLITS), metadata={"help": "Splits to cache."})
     topk: int = field(default=64, metadata={"help": "Token ids kept per position; the rest is one tail bucket."})
+    cache_format: str = field(
+        default="compact", metadata={"help": "compact (bit-packed ids, a few exact log-probs, a fit of the rest, the "
+                                             "tail mass: 148 bytes per token at k = 64, V = 99,520) or fp16 (every "
+                                             "log-prob in fp16, uint16/uint32 ids: 384 bytes there)."})
+    cache_exact_logprobs: int = field(
+        default=3, metadata={"help": "compact: the largest log-probs of a position stored exactly (fp16)."})
+    cache_fit_degree: int = field(
+        default=1, metadata={"help": "compact: degree of the fit in log(rank) of the other log-probs."})
     num_steps: int | None = field(
         default=None, metadata={"help": "Depth of a recurrent teacher (default: its config's mean_recurrence)."})
     revision: str | None = field(default=None, metadata={"help": "Teacher revision (branch, tag or commit)."})
@@ -92,15 +101,29 @@ class CacheTeacherArguments:
         bad = [s for s in self.splits if s not in SPLITS]
         if bad or not self.splits:
             raise ValueError(f"--splits {self.splits} is not allowed; choose from {list(SPLITS)}.")
+        if self.cache_format not in CACHE_FORMATS:
+            raise ValueError(f"--cache_format={self.cache_format!r} is not allowed; choose one of {CACHE_FORMATS}.")
+        self.codec(vocab_size=2)  # the codec's own checks of --topk and its options, before any work
+
+    def codec(self, vocab_size: int) -> CompactCodec | Fp16Codec:
+        """What one position of this cache holds, for a vocabulary of `vocab_size` entries."""
+        if self.cache_format == "fp16":
+            return Fp16Codec(self.topk, vocab_size)
+        return CompactCodec(self.topk, vocab_size, self.cache_exact_logprobs, self.cache_fit_degree)
+
+
+CACHE_FORMATS = ("compact", "fp16")
 
 
 def cache_identity(args: CacheTeacherArguments, token_manifest: dict, teacher_hash: str, dtype: torch.dtype) -> dict:
     """The manifest fields that say what this cache holds (compared on reruns)."""
     vocab_limit = token_manifest["vocab_size"]
+    codec = args.codec(vocab_limit)
     return {
         "topk": args.topk,
-        "ids_dtype": token_dtype(vocab_limit).name,
-        "logprobs_dtype": LOGPROBS_DTYPE.name,
+        "codec": codec.describe(),
+        "ids_dtype": codec.ids_dtype.name,
+        "bytes_per_token": codec.bytes_per_token,
         "data": {
             "tokenizer_hash": token_manifest["tokenizer_hash"],
             "seq_len": token_manifest["seq_len"],
@@ -124,6 +147,8 @@ def existing_manifest(args: CacheTeacherArguments, identity: dict) -> dict | Non
     if not os.path.exists(path):
         return None
     manifest = read_teacher_manifest(args.output_dir)
+    manifest.setdefault("codec", {"name": "fp16"})  # a version 1 cache: the fp16 layout
+    manifest.setdefault("bytes_per_token", args.codec(identity["data"]["vocab_size"]).bytes_per_token)
     check_same_run(f"{path}: this directory caches a teacher", {k: manifest.get(k) for k in identity}, identity,
                    "Pass --overwrite to replace it, or choose another --output_dir.")
     return manifest
@@ -185,7 +210,7 @@ class TeacherTopK:
 
 
 def cache_shard(args: CacheTeacherArguments, teacher: TeacherTopK, token_entry: dict, seq_len: int,
-                id_dtype: np.dtype, device: torch.device, progress) -> dict:
+                codec: CompactCodec | Fp16Codec, device: torch.device, progress) -> dict:
     """Compute the cache shard of one token shard and return its manifest entry."""
     token_path = os.path.join(args.data_dir, token_entry["file"])
     # The manifest records the token shard's sha256; hash the bytes actually read so the record is true.
@@ -203,8 +228,7 @@ def cache_shard(args: CacheTeacherArguments, teacher: TeacherTopK, token_entry: 
             yield teacher(batch)
             progress.update(len(batch))
 
-    files = write_cache_shard(args.output_dir, token_entry["file"], (rows.shape[0], seq_len, args.topk), id_dtype,
-                              batches())
+    files = write_cache_shard(args.output_dir, token_entry["file"], rows.shape[0], seq_len, codec, batches())
     return {
         "token_file": token_entry["file"],
         "token_sha256": token_sha256,
@@ -267,16 +291,18 @@ def cache_teacher(args: CacheTeacherArguments) -> dict:
     teacher.check_against_full_forward(torch.from_numpy(sample.astype(np.int64)).to(device),
                                        atol=1e-3 if dtype == torch.float32 else 0.1)
 
-    seq_len, id_dtype = token_manifest["seq_len"], np.dtype(manifest["ids_dtype"])
+    seq_len, codec = token_manifest["seq_len"], args.codec(vocab_limit)
     total = sum(entry["num_samples"] for _, entry in todo)
-    logger.info("Caching top-%d of %s over %d shards (%d samples of %d tokens) into %s", args.topk,
-                args.teacher_model_name_or_path, len(todo), total, seq_len, args.output_dir)
+    logger.info("Caching top-%d of %s over %d shards (%d samples of %d tokens) into %s: %s codec, %d bytes per "
+                "token, %.2f GB for these shards", args.topk, args.teacher_model_name_or_path, len(todo), total,
+                seq_len, args.output_dir, codec.name, codec.bytes_per_token,
+                total * seq_len * codec.bytes_per_token / 1e9)
     # disable=None: a bar on a terminal only; a log file (a GPU job's) gets the per-shard lines below instead of
     # one carriage-return line per refresh.
     start, done = time.perf_counter(), 0
     with tqdm(total=total, desc="Teacher top-k", unit="sample", disable=None) as progress:
         for index, (split, token_entry) in enumerate(todo, 1):
-            entry = cache_shard(args, teacher, token_entry, seq_len, id_dtype, device, progress)
+            entry = cache_shard(args, teacher, token_entry, seq_len, codec, device, progress)
             token_order = [e["file"] for e in token_manifest["splits"][split]["shards"]]
             record_shard(manifest, split, entry, token_order)
             write_teacher_manifest(args.output_dir, manifest)

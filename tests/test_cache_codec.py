@@ -1,0 +1,76 @@
+"""The compact teacher-cache codec (trainer_ext/distill/cache_codec.py): ids bit-packed exactly, log-probs stored as a
+few exact values, a fit of the rest and the tail mass, within the issue's byte budget."""
+
+import math
+
+import pytest
+import torch
+
+from trainer_ext.distill.cache_codec import CompactCodec, Fp16Codec, codec_from_manifest
+
+
+@pytest.mark.parametrize("vocab_size", [384, 4096, 65536, 99520, 151936])
+def test_ids_round_trip_exactly(vocab_size):
+    codec = CompactCodec(topk=64, vocab_size=vocab_size)
+    ids = torch.randint(0, vocab_size, (3, 7, 64))
+    ids[0, 0, :2] = torch.tensor([0, vocab_size - 1])  # both ends of the range
+    packed = codec.pack_ids(ids)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 7, math.ceil(64 * codec.bits / 8))
+    assert torch.equal(codec.unpack_ids(packed), ids)
+
+
+def test_bytes_per_token_meet_the_budget_at_the_users_vocabulary():
+    """148 bytes at k = 64 and V = 99,520 (<= 150, against 384 in fp16 with uint32 ids); 119 at k = 50 (<= 120)."""
+    assert CompactCodec(64, 99520).bytes_per_token == 148 <= 150
+    assert CompactCodec(50, 99520).bytes_per_token == 119 <= 120
+    assert Fp16Codec(64, 99520).bytes_per_token == 384 and Fp16Codec(64, 65536).bytes_per_token == 256
+
+
+def zipf_topk(k: int, vocab_size: int = 8192, positions: int = 256, seed: int = 0):
+    """Top-k log-probs of peaked, Zipf-like distributions (a trained LM's shape), with their real tail."""
+    generator = torch.Generator().manual_seed(seed)
+    base = -1.1 * torch.log(torch.arange(1, vocab_size + 1, dtype=torch.float64))
+    logits = base[torch.randperm(vocab_size, generator=generator)] + 2 * torch.randn(positions, vocab_size,
+                                                                                     generator=generator,
+                                                                                     dtype=torch.float64)
+    return torch.log_softmax(logits, -1).topk(k, -1).values
+
+
+def test_log_probs_keep_the_head_and_the_tail_and_lose_little():
+    codec = CompactCodec(topk=64, vocab_size=8192)
+    logprobs = zipf_topk(64)
+    decoded = codec.decode_logprobs(codec.encode_logprobs(logprobs)).double()
+    assert decoded.shape == logprobs.shape
+    # the exact head: as stored in fp16
+    torch.testing.assert_close(decoded[:, :3], logprobs[:, :3], rtol=0, atol=2e-3)
+    # the tail mass, outside the k ids, as stored
+    tail, decoded_tail = (1 - lp.exp().sum(-1) for lp in (logprobs, decoded))
+    torch.testing.assert_close(decoded_tail, tail, rtol=2e-3, atol=1e-4)
+    # what distillation sees: the KL of the k + 1 buckets from the stored to the decoded distribution
+    p, q = logprobs.exp(), decoded.exp()
+    kl = (p * (logprobs - decoded)).sum(-1) + tail * (tail.log() - decoded_tail.log())
+    assert kl.mean() < 0.01 and kl.max() < 0.05
+    # a worse codec (no exact head, a constant fit) loses clearly more: the test can fail
+    crude = CompactCodec(topk=64, vocab_size=8192, exact=1, degree=0)
+    crude_decoded = crude.decode_logprobs(crude.encode_logprobs(logprobs)).double()
+    crude_kl = (p * (logprobs - crude_decoded)).sum(-1).mean()
+    assert crude_kl > 2 * kl.mean()
+
+
+def test_a_certain_teacher_and_a_minus_infinity_survive():
+    codec = CompactCodec(topk=8, vocab_size=100)
+    logprobs = torch.full((2, 8), -1e4, dtype=torch.float64)
+    logprobs[:, 0] = 0.0  # all mass on one id
+    logprobs[1, 1:] = float("-inf")
+    decoded = codec.decode_logprobs(codec.encode_logprobs(logprobs))
+    assert torch.isfinite(decoded).all() and decoded[:, 0].abs().max() < 1e-3
+    assert decoded.exp().sum(-1).max() <= 1 + 1e-6
+
+
+def test_options_are_checked_and_manifests_name_their_codec():
+    with pytest.raises(ValueError, match="--cache_exact_logprobs 8 .* = 11 \\(got 8\\)"):
+        CompactCodec(topk=8, vocab_size=100, exact=8, degree=1)
+    manifest = {"topk": 16, "data": {"vocab_size": 384}, "codec": CompactCodec(16, 384).describe()}
+    assert codec_from_manifest(manifest) == CompactCodec(16, 384)
+    del manifest["codec"]  # a version 1 cache
+    assert codec_from_manifest(manifest) == Fp16Codec(16, 384)

@@ -1,0 +1,186 @@
+"""How a teacher cache stores one position's top-k: the compact codec of format version 2, and the fp16 layout of
+version 1 (still read, and written with `--cache_format fp16`).
+
+Compact, per position, for k ids of a vocabulary of V entries and log-probs sorted from the largest:
+
+    ids        k ids bit-packed at b = ceil(log2 V) bits (17 at V = 99,520), little-endian: ceil(k b / 8) bytes
+    log-probs  fp16: the `exact` largest log-probs as they are, then the `degree + 1` coefficients of a
+               least-squares fit of the others against t = log(rank) (centred), then log(tail mass), the
+               teacher's probability outside the k ids: 2 (exact + degree + 2) bytes
+
+At k = 64, V = 99,520, exact 3, degree 1: 136 + 12 = 148 bytes per token, against 384 in fp16 with uint32 ids; at
+k = 50, 107 + 12 = 119. A top-k distribution's log-probs fall almost linearly in log(rank) (Zipf): the fit
+carries the shape of the ranks past the first few, and decoding rescales the fitted part so that the k
+probabilities and the tail add up to one again: the largest probabilities and the tail mass, which weigh most in
+the distillation loss, come back as stored (to fp16). `benchmarks/cache_codec_error.py` measures what the fit
+loses on a real teacher's outputs.
+
+Decoding is vectorized over positions (torch), one sample at a time in the data loader: no Python loop over
+tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["CompactCodec", "Fp16Codec", "codec_from_manifest", "id_bits"]
+
+# The smallest finite fp16: a log-prob below it (a -inf logit) is stored as that, i.e. probability 0.
+FP16_MIN = float(np.finfo(np.float16).min)
+
+
+def id_bits(vocab_size: int) -> int:
+    """Bits that hold every id below `vocab_size`."""
+    return max(1, math.ceil(math.log2(vocab_size)))
+
+
+@dataclass(frozen=True)
+class Fp16Codec:
+    """Format version 1: ids as uint16 (V <= 65,536) or uint32, log-probs as fp16, k of each per position."""
+
+    topk: int
+    vocab_size: int
+    name = "fp16"
+
+    @property
+    def ids_dtype(self) -> np.dtype:
+        return np.dtype(np.uint16 if self.vocab_size <= 2**16 else np.uint32)
+
+    @property
+    def ids_width(self) -> int:
+        return self.topk
+
+    @property
+    def logprobs_width(self) -> int:
+        return self.topk
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.topk * (self.ids_dtype.itemsize + 2)
+
+    def describe(self) -> dict:
+        return {"name": self.name}
+
+    def encode(self, ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(…, k) ids and temperature-1 log-probs -> the two arrays the shard files hold."""
+        return (ids.cpu().numpy().astype(self.ids_dtype),
+                logprobs.clamp(min=FP16_MIN).cpu().numpy().astype(np.float16))
+
+    def decode(self, ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the shard files -> int64 ids and float32 log-probs, (…, k) each."""
+        return ids.to(torch.long), logprobs.to(torch.float32)
+
+
+@dataclass(frozen=True)
+class CompactCodec:
+    """Format version 2 (module docstring): bit-packed ids, a few exact log-probs, a fit of the rest, the tail."""
+
+    topk: int
+    vocab_size: int
+    exact: int = 3
+    degree: int = 1
+    name = "compact"
+
+    def __post_init__(self):
+        if self.exact < 1 or self.degree < 0 or self.topk < self.exact + self.degree + 2:
+            raise ValueError(
+                f"--cache_exact_logprobs {self.exact} and --cache_fit_degree {self.degree} need --topk >= "
+                f"exact + degree + 2 = {self.exact + self.degree + 2} (got {self.topk}) and exact >= 1, degree >= 0; "
+                "lower them, or store every log-prob with --cache_format fp16."
+            )
+
+    @property
+    def bits(self) -> int:
+        return id_bits(self.vocab_size)
+
+    ids_dtype = np.dtype(np.uint8)
+
+    @property
+    def ids_width(self) -> int:
+        return math.ceil(self.topk * self.bits / 8)
+
+    @property
+    def logprobs_width(self) -> int:
+        return self.exact + self.degree + 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.ids_width + 2 * self.logprobs_width
+
+    def describe(self) -> dict:
+        return {"name": self.name, "id_bits": self.bits, "exact_logprobs": self.exact, "fit_degree": self.degree}
+
+    # -- ids
+
+    def pack_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """(…, k) ids < 2**bits -> (…, ids_width) uint8, bit i of id j at bit j * bits + i of the row."""
+        shifts = torch.arange(self.bits, device=ids.device)
+        bits = (ids.long().unsqueeze(-1) >> shifts) & 1  # (…, k, bits)
+        bits = bits.flatten(-2)
+        bits = torch.nn.functional.pad(bits, (0, self.ids_width * 8 - bits.shape[-1]))
+        weights = 1 << torch.arange(8, device=ids.device)
+        return (bits.unflatten(-1, (self.ids_width, 8)) * weights).sum(-1).to(torch.uint8)
+
+    def unpack_ids(self, packed: torch.Tensor) -> torch.Tensor:
+        """(…, ids_width) uint8 -> (…, k) int64."""
+        bits = (packed.to(torch.int32).unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1
+        bits = bits.flatten(-2)[..., : self.topk * self.bits].unflatten(-1, (self.topk, self.bits))
+        return (bits << torch.arange(self.bits, device=packed.device)).sum(-1).to(torch.long)
+
+    # -- log-probs
+
+    def _fit_matrices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(basis (k - exact, degree + 1), its pseudo-inverse (degree + 1, k - exact)), float64 on `device`."""
+        basis = _basis(self.topk, self.exact, self.degree)
+        return basis.to(device), torch.linalg.pinv(basis).to(device)
+
+    def encode_logprobs(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """(…, k) sorted temperature-1 log-probs -> (…, logprobs_width) fp16."""
+        logprobs = logprobs.double().clamp(min=FP16_MIN)
+        _, pinv = self._fit_matrices(logprobs.device)
+        coefficients = logprobs[..., self.exact:] @ pinv.T  # (…, degree + 1)
+        tail = torch.log1p(-torch.exp(logprobs).sum(-1, keepdim=True).clamp(max=1.0))  # log(1 - top-k mass)
+        code = torch.cat([logprobs[..., : self.exact], coefficients, tail.clamp(min=FP16_MIN)], dim=-1)
+        return code.clamp(FP16_MIN, -FP16_MIN).to(torch.float16)
+
+    def decode_logprobs(self, code: torch.Tensor) -> torch.Tensor:
+        """(…, logprobs_width) fp16 -> (…, k) float32 log-probs whose probabilities and the tail add up to one."""
+        code = code.double()
+        basis, _ = self._fit_matrices(code.device)
+        head = code[..., : self.exact]
+        rest = code[..., self.exact: self.exact + self.degree + 1] @ basis.T  # (…, k - exact)
+        tail = code[..., -1:].exp()
+        # The fitted part takes what the stored head and tail leave (never less than a sliver): the two kept exactly.
+        rest_mass = (1.0 - tail - head.exp().sum(-1, keepdim=True)).clamp(min=1e-12)
+        rest = rest + (rest_mass.log() - torch.logsumexp(rest, dim=-1, keepdim=True))
+        return torch.cat([head, rest], dim=-1).float()
+
+    # -- files
+
+    def encode(self, ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        return self.pack_ids(ids).cpu().numpy(), self.encode_logprobs(logprobs).cpu().numpy()
+
+    def decode(self, ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.unpack_ids(ids), self.decode_logprobs(logprobs)
+
+
+@functools.cache
+def _basis(topk: int, exact: int, degree: int) -> torch.Tensor:
+    """Powers of the centred log(rank) for ranks exact + 1 .. topk, (topk - exact, degree + 1), float64."""
+    t = torch.log(torch.arange(exact + 1, topk + 1, dtype=torch.float64))
+    t = t - t.mean()  # centred: coefficients of similar size, well conditioned in fp16
+    return torch.stack([t**power for power in range(degree + 1)], dim=-1)
+
+
+def codec_from_manifest(manifest: dict) -> Fp16Codec | CompactCodec:
+    """The codec a teacher manifest records (version 1 caches: fp16)."""
+    vocab_size, topk = manifest["data"]["vocab_size"], manifest["topk"]
+    codec = manifest.get("codec", {"name": "fp16"})
+    if codec["name"] == "compact":
+        return CompactCodec(topk, vocab_size, codec["exact_logprobs"], codec["fit_degree"])
+    return Fp16Codec(topk, vocab_size)
