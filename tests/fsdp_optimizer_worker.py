@@ -3,14 +3,15 @@ sharded by `fully_shard` over gloo (CPU) or whole on one process, trained with t
 backward on a fixed global batch, each process taking its slice.
 
     CUDA_VISIBLE_DEVICES= python -m torch.distributed.run --standalone --nproc_per_node 2 \
-        tests/fsdp_optimizer_worker.py --out OUT --momentum subspace --steps 4
+        tests/fsdp_optimizer_worker.py --out OUT --momentum none full subspace --steps 4
 
 `--trainer_path` takes the order and the code of RecurrentTrainer under accelerate: the optimizer is built on the whole
 model, the sharded parameters are swapped into its groups afterwards (as `accelerator.prepare` does), then
 `bind_optimizer` moves it onto them; the loss is the trainer's (`decoder_hidden`, then the chunked loss).
 
-Rank 0 writes OUT/losses.json (the global batch's loss and the gradient norm of each step) and OUT/weights.pt (the
-whole weights at the end). `--stop_after K` saves a distributed checkpoint after step K to OUT/checkpoint and stops
+Rank 0 writes OUT/losses-<momentum>.json (the global batch's loss and the gradient norm of each step) and
+OUT/weights-<momentum>.pt (the whole weights at the end); several --momentum modes run one after the other in the
+same processes. `--stop_after K` saves a distributed checkpoint after step K to OUT/checkpoint and stops
 (a run killed there); `--resume DIR` loads one and trains the remaining steps; `--full_state`: the checkpoint is
 gathered on rank 0 instead.
 """
@@ -49,23 +50,33 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--momentum", choices=sorted(MOMENTUM), default="none")
+    parser.add_argument("--momentum", nargs="+", choices=sorted(MOMENTUM), default=["none"],
+                        help="one run per mode, one after the other in the same processes")
     parser.add_argument("--stop_after", type=int, default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--trainer_path", action="store_true")
     parser.add_argument("--full_state", action="store_true", help="checkpoints gathered on rank 0, not sharded")
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    for momentum in args.momentum:
+        run(args, momentum, world, int(os.environ.get("RANK", "0")))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run(args, momentum: str, world: int, rank: int) -> None:
+    """Train one model with `momentum`; rank 0 writes OUT/losses-<momentum>.json and OUT/weights-<momentum>.pt."""
     torch.manual_seed(0)
     model = RecurrentDepthForCausalLM(model_config()).float()
     make_optimizer = functools.partial(create_optimizer, lr=3e-3, weight_decay=0.01, compile=False,
-                                       **MOMENTUM[args.momentum])
+                                       **MOMENTUM[momentum])
     optimizer = make_optimizer(model) if args.trainer_path else None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        dist.init_process_group("gloo")
         whole = dict(model.named_parameters())
         shard(model, init_device_mesh("cpu", (world,)))
         if optimizer is not None:  # what accelerate's prepare does to an optimizer built before the sharding
@@ -103,12 +114,9 @@ def main(argv=None) -> None:
             break
     weights = {name: (p.full_tensor() if world > 1 else p).detach().clone() for name, p in model.named_parameters()}
     if rank == 0:
-        with open(os.path.join(args.out, "losses.json"), "w") as f:
+        with open(os.path.join(args.out, f"losses-{momentum}.json"), "w") as f:
             json.dump(history, f)
-        torch.save(weights, os.path.join(args.out, "weights.pt"))
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+        torch.save(weights, os.path.join(args.out, f"weights-{momentum}.pt"))
 
 
 def save(model, optimizer, path: str, step: int, full: bool) -> None:

@@ -19,14 +19,16 @@ STEPS = 4
 TIMEOUT_S = 240  # a run takes ~10 s on 2 cores; a hung collective must not hang the suite
 
 
-def run_worker(out, nproc: int, *args: str) -> tuple[list, dict]:
+def run_worker(out, nproc: int, momenta: tuple[str, ...], *args: str) -> dict[str, tuple[list, dict]]:
+    """Per momentum mode: (logged steps, whole weights at the end) of the worker on `nproc` processes."""
     os.makedirs(out, exist_ok=True)
     script = os.path.join(REPO, "tests", "fsdp_optimizer_worker.py")
     launch = [sys.executable, script] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([*launch, "--out", str(out), "--steps", str(STEPS), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([*launch, "--out", str(out), "--steps", str(STEPS), "--momentum", *momenta, *args],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -34,24 +36,21 @@ def run_worker(out, nproc: int, *args: str) -> tuple[list, dict]:
         output, _ = proc.communicate()
         pytest.fail(f"worker timed out after {TIMEOUT_S} s:\n{output[-4000:]}")
     assert proc.returncode == 0, f"worker failed (rc={proc.returncode}):\n{output[-4000:]}"
-    with open(os.path.join(out, "losses.json")) as f:
-        losses = json.load(f)
-    return losses, torch.load(os.path.join(out, "weights.pt"))
+    runs = {}
+    for momentum in momenta:
+        with open(os.path.join(out, f"losses-{momentum}.json")) as f:
+            runs[momentum] = json.load(f), torch.load(os.path.join(out, f"weights-{momentum}.pt"))
+    return runs
+
+
+MOMENTA = ("none", "full", "subspace")
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    """One process, whole tensors, per momentum mode (and worker flags): (losses, weights)."""
-    cache = {}
-
-    def get(momentum: str, *args: str):
-        key = (momentum, *args)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(f"single-{momentum}")
-            cache[key] = run_worker(out, 1, "--momentum", momentum, *args)
-        return cache[key]
-
-    return get
+    """One process, whole tensors, every momentum mode: {mode: (losses, weights)}; and the Trainer's path."""
+    return {"worker": run_worker(tmp_path_factory.mktemp("single"), 1, MOMENTA),
+            "trainer": run_worker(tmp_path_factory.mktemp("single-trainer"), 1, ("subspace",), "--trainer_path")}
 
 
 def assert_same_run(sharded, reference):
@@ -65,19 +64,20 @@ def assert_same_run(sharded, reference):
         torch.testing.assert_close(weights[name], ref_weights[name], rtol=0, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("nproc,momentum", [(2, "none"), (2, "full"), (2, "subspace"), (4, "subspace")])
-def test_sharded_update_equals_unsharded(tmp_path, single, nproc, momentum):
-    sharded = run_worker(tmp_path, nproc, "--momentum", momentum)
-    reference = single(momentum)
-    assert reference[0][-1]["loss"] < reference[0][0]["loss"] + 0.1  # it trains, not diverges
-    assert_same_run(sharded, reference)
+@pytest.mark.parametrize("nproc,momenta", [(2, MOMENTA), (4, ("subspace",))])
+def test_sharded_update_equals_unsharded(tmp_path, single, nproc, momenta):
+    sharded = run_worker(tmp_path, nproc, momenta)
+    for momentum in momenta:
+        reference = single["worker"][momentum]
+        assert reference[0][-1]["loss"] < reference[0][0]["loss"] + 0.1  # it trains, not diverges
+        assert_same_run(sharded[momentum], reference)
 
 
 def test_trainer_order_and_loss_under_fsdp2(tmp_path, single):
     """The optimizer built before the sharding and bound after it (RecurrentTrainer under accelerate), the loss
     through the wrapped root: the same run as one process."""
-    sharded = run_worker(tmp_path, 2, "--momentum", "subspace", "--trainer_path")
-    assert_same_run(sharded, single("subspace", "--trainer_path"))
+    sharded = run_worker(tmp_path, 2, ("subspace",), "--trainer_path")
+    assert_same_run(sharded["subspace"], single["trainer"]["subspace"])
 
 
 def test_uneven_shards_are_exercised():
@@ -96,12 +96,13 @@ def test_uneven_shards_are_exercised():
 def test_resume_after_stop_reproduces_the_run(tmp_path, single, resume_nproc, flags):
     """Stopped after step 2 of 4 on 2 processes, resumed: a distributed checkpoint (each process its shards) on
     another process count, or one gathered on rank 0 (accelerate's FULL_STATE_DICT) in the Trainer's order."""
-    stopped, _ = run_worker(tmp_path / "stopped", 2, "--momentum", "subspace", "--stop_after", "2", *flags)
+    mode = ("subspace",)
+    stopped = run_worker(tmp_path / "stopped", 2, mode, "--stop_after", "2", *flags)["subspace"][0]
     assert [h["step"] for h in stopped] == [1, 2]
     assert os.listdir(tmp_path / "stopped" / "checkpoint")
-    resumed = run_worker(tmp_path / "resumed", resume_nproc, "--momentum", "subspace",
-                         "--resume", str(tmp_path / "stopped" / "checkpoint"), *flags)
-    losses, weights = single("subspace", *(f for f in flags if f == "--trainer_path"))
+    resumed = run_worker(tmp_path / "resumed", resume_nproc, mode,
+                         "--resume", str(tmp_path / "stopped" / "checkpoint"), *flags)["subspace"]
+    losses, weights = single["trainer" if "--trainer_path" in flags else "worker"]["subspace"]
     assert_same_run(resumed, (losses[2:], weights))
 
 
