@@ -8,39 +8,18 @@ teacher cache, state and results; the data preparation and teacher cache command
 import itertools
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from hf_recurrent import presets
+from launcher import REPO, launch
 from trainer_ext.data import corpus
 from trainer_ext.files import launch_process_group, one_process_writes
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLOBAL_BATCH = 8
 STEPS = 4
-TIMEOUT_S = 300
-
-
-def launch(script, processes: int, *args, cwd=REPO) -> subprocess.CompletedProcess:
-    """`script` (a path) with `args`, as one process or under torch.distributed.run on CPU (gloo): its exit code and
-    output."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
-    command = [*(launcher if processes > 1 else [sys.executable]), script, *args]
-    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # own group: a hung collective is ended whole
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-    return subprocess.CompletedProcess(command, proc.returncode, output)
 
 
 def train(data_dir, out, processes: int, *extra) -> tuple[list[dict], list[dict]]:

@@ -3,9 +3,6 @@ process training on the whole batch; the gathered full state dict must load with
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import types
 
 import pytest
@@ -13,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import fsdp_worker
+from launcher import launch
 from trainer_ext.training.distributed import (
     check_optimizer_supports,
     check_processes_coordinated,
@@ -30,20 +28,9 @@ WORKER_TIMEOUT_S = 180  # a normal run takes ~15 s on 2 cores; a hung collective
 def fsdp_run(tmp_path_factory):
     """Runs the 2-process FSDP2 worker once; returns (output_dir, report)."""
     out = tmp_path_factory.mktemp("fsdp")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    # --standalone: the rendezvous picks a free port, so parallel test runs do not collide.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(REPO, "tests", "fsdp_worker.py"), "--output_dir", str(out), "--train_steps", str(TRAIN_STEPS)]
-    # Own process group: on timeout the launcher and both ranks are ended together.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"FSDP worker timed out after {WORKER_TIMEOUT_S} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"FSDP worker failed (rc={proc.returncode}):\n{output[-4000:]}"
+    proc = launch(os.path.join(REPO, "tests", "fsdp_worker.py"), 2, "--output_dir", out, "--train_steps", TRAIN_STEPS,
+                  timeout=WORKER_TIMEOUT_S)
+    assert proc.returncode == 0, f"FSDP worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}"
     with open(out / "report.json") as f:
         return out, json.load(f)
 

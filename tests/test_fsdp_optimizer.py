@@ -5,7 +5,6 @@ resumed (on the same or another number of processes) must reproduce the uninterr
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -13,29 +12,17 @@ import pytest
 import torch
 
 import fsdp_optimizer_worker as worker
+from launcher import REPO, TIMEOUT_S, launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
-TIMEOUT_S = 240  # a run takes ~10 s on 2 cores; a hung collective must not hang the suite
 
 
 def run_worker(out, nproc: int, momenta: tuple[str, ...], *args: str) -> dict[str, tuple[list, dict]]:
     """Per momentum mode: (logged steps, whole weights at the end) of the worker on `nproc` processes."""
     os.makedirs(out, exist_ok=True)
-    script = os.path.join(REPO, "tests", "fsdp_optimizer_worker.py")
-    launch = [sys.executable, script] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([*launch, "--out", str(out), "--steps", str(STEPS), "--momentum", *momenta, *args],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"worker timed out after {TIMEOUT_S} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"worker failed (rc={proc.returncode}):\n{output[-4000:]}"
+    proc = launch(os.path.join(REPO, "tests", "fsdp_optimizer_worker.py"), nproc, "--out", out, "--steps", STEPS,
+                  "--momentum", *momenta, *args)
+    assert proc.returncode == 0, f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}"
     runs = {}
     for momentum in momenta:
         with open(os.path.join(out, f"losses-{momentum}.json")) as f:
