@@ -67,9 +67,14 @@ def test_a_certain_teacher_and_a_minus_infinity_survive():
     assert decoded.exp().sum(-1).max() <= 1 + 1e-6
 
 
-def test_options_are_checked_and_manifests_name_their_codec():
-    with pytest.raises(ValueError, match="--cache_exact_logprobs 8 .* = 11 \\(got 8\\)"):
-        CompactCodec(topk=8, vocab_size=100, exact=8, degree=1)
+def test_options_are_checked_a_small_k_is_stored_exactly_and_manifests_name_their_codec():
+    with pytest.raises(ValueError, match="--cache_exact_logprobs must be >= 1"):
+        CompactCodec(topk=8, vocab_size=100, exact=0)
+    small = CompactCodec(topk=4, vocab_size=100)  # too few ranks past the exact ones to fit: all 4 exact, the tail
+    assert not small.fitted and small.logprobs_width == 5
+    logprobs = zipf_topk(4, vocab_size=100)
+    decoded = small.decode_logprobs(small.encode_logprobs(logprobs)).double()
+    torch.testing.assert_close(decoded, logprobs, rtol=0, atol=2e-3)
     manifest = {"topk": 16, "data": {"vocab_size": 384}, "codec": CompactCodec(16, 384).describe()}
     assert codec_from_manifest(manifest) == CompactCodec(16, 384)
     del manifest["codec"]  # a version 1 cache

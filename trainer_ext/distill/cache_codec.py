@@ -87,12 +87,18 @@ class CompactCodec:
     name = "compact"
 
     def __post_init__(self):
-        if self.exact < 1 or self.degree < 0 or self.topk < self.exact + self.degree + 2:
-            raise ValueError(
-                f"--cache_exact_logprobs {self.exact} and --cache_fit_degree {self.degree} need --topk >= "
-                f"exact + degree + 2 = {self.exact + self.degree + 2} (got {self.topk}) and exact >= 1, degree >= 0; "
-                "lower them, or store every log-prob with --cache_format fp16."
-            )
+        if self.exact < 1 or self.degree < 0:
+            raise ValueError(f"--cache_exact_logprobs must be >= 1 and --cache_fit_degree >= 0, got {self.exact} and "
+                             f"{self.degree}.")
+
+    @property
+    def fitted(self) -> bool:
+        """Whether ranks are left to fit (at least degree + 2 past the exact ones); else every log-prob is exact."""
+        return self.topk >= self.exact + self.degree + 2
+
+    @property
+    def stored_exact(self) -> int:
+        return self.exact if self.fitted else self.topk
 
     @property
     def bits(self) -> int:
@@ -106,7 +112,7 @@ class CompactCodec:
 
     @property
     def logprobs_width(self) -> int:
-        return self.exact + self.degree + 2
+        return self.stored_exact + (self.degree + 1 if self.fitted else 0) + 1
 
     @property
     def bytes_per_token(self) -> int:
@@ -142,18 +148,19 @@ class CompactCodec:
     def encode_logprobs(self, logprobs: torch.Tensor) -> torch.Tensor:
         """(…, k) sorted temperature-1 log-probs -> (…, logprobs_width) fp16."""
         logprobs = logprobs.double().clamp(min=FP16_MIN)
-        _, pinv = self._fit_matrices(logprobs.device)
-        coefficients = logprobs[..., self.exact:] @ pinv.T  # (…, degree + 1)
-        tail = torch.log1p(-torch.exp(logprobs).sum(-1, keepdim=True).clamp(max=1.0))  # log(1 - top-k mass)
-        code = torch.cat([logprobs[..., : self.exact], coefficients, tail.clamp(min=FP16_MIN)], dim=-1)
-        return code.clamp(FP16_MIN, -FP16_MIN).to(torch.float16)
+        parts = [logprobs[..., : self.stored_exact]]
+        if self.fitted:
+            parts.append(logprobs[..., self.exact:] @ self._fit_matrices(logprobs.device)[1].T)  # (…, degree + 1)
+        parts.append(torch.log1p(-torch.exp(logprobs).sum(-1, keepdim=True).clamp(max=1.0)))  # log(1 - top-k mass)
+        return torch.cat(parts, dim=-1).clamp(FP16_MIN, -FP16_MIN).to(torch.float16)
 
     def decode_logprobs(self, code: torch.Tensor) -> torch.Tensor:
         """(…, logprobs_width) fp16 -> (…, k) float32 log-probs whose probabilities and the tail add up to one."""
         code = code.double()
-        basis, _ = self._fit_matrices(code.device)
-        head = code[..., : self.exact]
-        rest = code[..., self.exact: self.exact + self.degree + 1] @ basis.T  # (…, k - exact)
+        head = code[..., : self.stored_exact]
+        if not self.fitted:
+            return head.float()
+        rest = code[..., self.exact: self.exact + self.degree + 1] @ self._fit_matrices(code.device)[0].T
         tail = code[..., -1:].exp()
         # The fitted part takes what the stored head and tail leave (never less than a sliver): the two kept exactly.
         rest_mass = (1.0 - tail - head.exp().sum(-1, keepdim=True)).clamp(min=1e-12)
