@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from trainer_ext.memory.estimator import write_calibration_from_probes
+from trainer_ext.memory.estimator import load_calibration, write_calibration_from_probes
 from trainer_ext.memory.plan import DEFAULT_MARGIN_GIB, MAX_BATCH_SIZE, plan_for_preset
 
 
@@ -72,8 +72,10 @@ def main(argv=None) -> int:
     print(f"  --per_device_train_batch_size {plan.per_device_train_batch_size}")
     print(f"  {plan.recompute_description}")
     print(f"  torch.compile {'on' if plan.torch_compile else 'off'}")
-    print(f"  predicted peak reserved {plan.predicted_peak_gib:.2f} GiB, "
-          f"{plan.predicted_tokens_per_second:,.0f} tokens/s ({plan.predicted_step_seconds:.3f} s per step)")
+    # The speed is the calibration's device's: another card is faster or slower (re-calibrating fits it to yours).
+    device = load_calibration(args.calibration).info.get("device_name") or "the calibration's device"
+    print(f"  predicted peak reserved {plan.predicted_peak_gib:.2f} GiB; speed on {device} (the calibration's "
+          f"device): {plan.predicted_tokens_per_second:,.0f} tokens/s ({plan.predicted_step_seconds:.3f} s per step)")
     if plan.sharding:
         print(f"  {plan.describe_processes()}")
         if plan.sharding == "fsdp2" and args.mixed_precision != "no":

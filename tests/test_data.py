@@ -332,8 +332,10 @@ def test_a_slice_reads_and_tokenizes_no_document_beyond_it(source_dir, prepared,
     # 99 tokens from the 7th document on, in batches of 4 documents: one batch tokenized, the first 6 skipped.
     assert encoded == docs[6:10]
     assert 6 <= sliced["stream_end"]["documents"] < 10
-    with pytest.raises(ValueError, match="JSON parse error"):  # the whole stream does reach the broken file
-        _piece(broken, tmp_path / "whole", str(out))
+    assert "skipped_records" not in sliced
+    whole = _piece(broken, tmp_path / "whole", str(out))  # the whole stream does reach the broken line
+    assert whole["skipped_records"] == {str(broken / "part-1.jsonl"): {
+        "count": 1, "first": "line 2", "reason": "not valid JSON (Expecting value at column 1)"}}
 
 
 # ----------------------------------------------------------------------------- reruns

@@ -11,6 +11,10 @@ the tokenize/pack step downstream does not care where the text came from, and do
 only as far as they are used: nothing is copied into the ``datasets`` cache (a second copy of a
 large corpus would not fit on a small disk), and taking a slice of the stream (``skip`` /
 ``take``) reads the documents before it but no document after it.
+
+JSON files are read by `json_records`, line by line, rather than by ``datasets``' JSON builder: a web dump has
+stray bytes that are not UTF-8 and cut-off lines, on which that builder stops with an error naming neither the file
+nor the line.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
+
+from trainer_ext.data.json_records import BadLines, has_json_records, json_rows
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +154,8 @@ REPLACEMENT_CHARACTER = "\ufffd"  # what decoding with errors="replace" puts in 
 
 
 def count_decoding_replacements(path: str, chunk_bytes: int = 1 << 22) -> int:
-    """How many U+FFFD reading the text file `path` as UTF-8 with errors="replace" (as `load_local_files` does)
-    introduces: those from decoding errors, not any the file already holds as text.
+    """How many U+FFFD reading the text or JSON file `path` as UTF-8 with errors="replace" (as `load_local_files`
+    does) introduces: those from decoding errors, not any the file already holds as text.
 
     Streams the file (compressed ones too, as `datasets` opens them) through two incremental decoders, one that
     replaces bad bytes and one that drops them; the difference of their U+FFFD counts is the replacements.
@@ -178,13 +184,13 @@ def warn_about_replacements(count: int, files: Sequence[str] | None) -> None:
         return
     per_file = []
     for path in files or []:
-        if file_format(path) == "text":
+        if file_format(path) in ("text", "json"):  # parquet strings are UTF-8 by the format
             replaced = count_decoding_replacements(path)
             if replaced:
                 per_file.append(f"{path}: {replaced:,}")
     where = ("; decoding replacements per file: " + ", ".join(per_file) + ". Convert those files to UTF-8 "
              "(e.g. iconv -f SHIFT_JIS -t UTF-8) and prepare again" if per_file
-             else "; they come from the source itself (no local text file had invalid UTF-8)")
+             else "; they come from the source itself (no local text or JSON file had invalid UTF-8)")
     logger.warning("%s U+FFFD replacement characters in the tokenized text (bytes that were not valid UTF-8)%s.",
                    f"{count:,}", where)
 
@@ -209,6 +215,7 @@ def load_local_files(
     text_sample_by: str = "document",
     max_documents: int | None = None,
     cache_dir: str | None = None,
+    bad_lines: BadLines | None = None,
 ):
     """Local text / JSONL / parquet files as one streamed ``datasets.IterableDataset`` with a ``text`` column.
 
@@ -217,11 +224,13 @@ def load_local_files(
     shards) and concatenated in argument order.
     ``text_sample_by`` decides what one document of a plain-text file is: the whole file
     ("document"), each blank-line-separated block ("paragraph") or each line ("line").
-    Text files are read as UTF-8; bytes that are not valid UTF-8 become U+FFFD, so one file in
-    another encoding (common in source trees and web dumps) does not stop a large run.
+    Text and JSON files are read as UTF-8; bytes that are not valid UTF-8 become U+FFFD, so one file in
+    another encoding (common in source trees and web dumps) does not stop a large run. JSON lines that hold no
+    document go to ``bad_lines`` (default: skipped and counted, see `BadLines`).
     """
     import datasets
 
+    bad_lines = bad_lines if bad_lines is not None else BadLines()
     runs: list[tuple[str, list[str]]] = []
     for path in files:
         builder = file_format(path)
@@ -232,6 +241,12 @@ def load_local_files(
 
     parts = []
     for builder, paths in runs:
+        if builder == "json":
+            # One shard of all the run's files (a tuple: datasets would split a list into shards), read in order.
+            parts.append(datasets.IterableDataset.from_generator(
+                json_rows, features=datasets.Features({"text": datasets.Value("string")}),
+                gen_kwargs={"paths": tuple(paths), "text_column": text_column, "bad_lines": bad_lines}))
+            continue
         kwargs = {"sample_by": text_sample_by, "encoding_errors": "replace"} if builder == "text" else {}
         part = datasets.load_dataset(
             builder, data_files=paths, split="train", cache_dir=cache_dir, streaming=True, **kwargs
@@ -240,6 +255,40 @@ def load_local_files(
         parts.append(_only_text_column(part, column, source=", ".join(paths)))
     dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     return dataset.take(max_documents) if max_documents is not None else dataset
+
+
+def check_local_files(files: Sequence[str], text_column: str = "text", bad_lines: BadLines | None = None) -> list[str]:
+    """The files of `files` to read, checked before any work; ValueError naming the file and the fix.
+
+    An empty file is named in a warning and left out (a text file stays: it reads as one empty document, which
+    gives no tokens, and keeps the document positions of `stream_end` as they were). A JSON file must show a
+    document under `text_column` among its first records: otherwise every line would be left out, one by one,
+    through the whole file. With ``on_bad_lines="error"`` every JSON file is read through now, so that a bad line
+    stops the preparation before the tokenizer is trained, not hours into tokenizing.
+    """
+    bad_lines = bad_lines if bad_lines is not None else BadLines()
+    kept = []
+    for path in files:
+        builder = file_format(path)
+        if os.path.getsize(path) == 0:
+            logger.warning("%s is empty (0 bytes); it adds no text%s.", path,
+                           "" if builder == "text" else " and is skipped")
+            if builder == "text":
+                kept.append(path)
+            continue
+        if builder == "json":
+            if not has_json_records(path, text_column):
+                logger.warning("%s holds no JSON records (only blank lines, or nothing once decompressed); skipped.",
+                               path)
+                continue
+            if bad_lines.on_bad_lines == "error":
+                for _ in json_rows((path,), text_column, bad_lines):
+                    pass
+        kept.append(path)
+    if not any(os.path.getsize(path) for path in kept):
+        raise ValueError(f"--files: no file holds any text (empty: {', '.join(files)}); check the paths, and that "
+                         "the files were fully written or downloaded.")
+    return kept
 
 
 def load_hub_dataset(

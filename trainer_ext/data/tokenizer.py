@@ -3,6 +3,7 @@ pieces, each followed by EOS."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -55,9 +56,19 @@ def _training_texts(documents, batch_size: int, limit: int):
 
 
 def load_tokenizer_with_eos(name_or_path: str):
-    """``AutoTokenizer.from_pretrained(name_or_path)``, refused without an EOS token (packing needs one)."""
-    from transformers import AutoTokenizer
+    """``AutoTokenizer.from_pretrained(name_or_path)``, refused without an EOS token (packing needs one).
 
+    `name_or_path` may be a model folder, e.g. a checkpoint of this package (new data for a trained model).
+    transformers 5's AutoTokenizer reads a folder's config.json through AutoConfig, which, for a model type it does
+    not know and whose auto_map names code, asks on the terminal whether to run that code (a tokenizer needs none).
+    The recurrent-depth type is registered first, so nothing is asked and no code of the folder runs.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    if os.path.isfile(os.path.join(name_or_path, "config.json")):  # a local model folder (not a hub id, no data)
+        from hf_recurrent import RecurrentDepthConfig
+
+        AutoConfig.register(RecurrentDepthConfig.model_type, RecurrentDepthConfig, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer.eos_token_id is None:
         raise ValueError(

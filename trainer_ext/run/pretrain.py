@@ -61,6 +61,20 @@ def load_datasets(data_dir: str, data_args: DataArguments, tokenizer, model_voca
     return train_set, eval_set
 
 
+def final_evaluation(trainer) -> dict:
+    """The eval metrics of the trained weights: those the Trainer logged at the last step, where its schedule evaluated
+    there (--eval_steps dividing --max_steps), else a new evaluation; evaluating the same weights twice would only
+    cost the time again. With --load_best_model_at_end the weights are those of another step: evaluated anew."""
+    state = trainer.state
+    if not trainer.args.load_best_model_at_end:
+        for entry in reversed(state.log_history):
+            if entry.get("step") != state.global_step:
+                break
+            if "eval_loss" in entry:
+                return {key: value for key, value in entry.items() if key != "step"}
+    return trainer.evaluate()
+
+
 def pretrain(job: TrainingJob, callbacks=None) -> dict:
     """Train, evaluate and save; returns the train and eval metrics (with `eval_perplexity`).
 
@@ -116,7 +130,7 @@ def pretrain(job: TrainingJob, callbacks=None) -> dict:
     training_args.resume_from_checkpoint = checkpoint
     train_result = trainer.train(resume_from_checkpoint=checkpoint)
     metrics = dict(train_result.metrics)
-    eval_metrics = trainer.evaluate()
+    eval_metrics = final_evaluation(trainer)
     eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50))
     metrics.update(eval_metrics)
 

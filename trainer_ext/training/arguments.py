@@ -19,7 +19,6 @@ from transformers import TrainingArguments
 from hf_recurrent import presets
 from trainer_ext.compat import CHECKPOINTING_FLAG
 from trainer_ext.distill.losses import DIVERGENCES
-from trainer_ext.optim.in_backward import check_gradient_accumulation
 from trainer_ext.training.stability import check_settings
 
 logger = logging.getLogger(__name__)
@@ -99,6 +98,14 @@ class DataArguments:
         default=None, metadata={"help": "Offline teacher top-k cache (hf-recurrent-cache-teacher) aligned with "
                                         "--data_dir."})
     save_final: bool = field(default=True, metadata={"help": "Save the final model to <output_dir>/final."})
+
+    def __post_init__(self):
+        # An empty evaluation set fails only at the final evaluation (no eval_loss), after the whole training.
+        if self.max_eval_samples is not None and (isinstance(self.max_eval_samples, bool)
+                                                  or not isinstance(self.max_eval_samples, int)
+                                                  or self.max_eval_samples < 1):
+            raise ValueError(f"--max_eval_samples={self.max_eval_samples!r} is not allowed; it must be an integer "
+                             ">= 1: the evaluation at the end of training needs samples.")
 
 
 @dataclass
@@ -244,6 +251,7 @@ class RecurrentTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"--distill_divergence={self.distill_divergence!r} is not allowed; choose one of {list(DIVERGENCES)}.")
         self._check_ranges()
+        self._check_schedule_ranges()
         check_settings(**self.stability_settings(), name_prefix="--stability_")
         if self.label_names is None:
             self.label_names = [TARGETS]
@@ -258,7 +266,14 @@ class RecurrentTrainingArguments(TrainingArguments):
             self.disable_tqdm = not sys.stderr.isatty()
         uses_release = self.optimizer == "low_memory" and self.optimizer_in_backward
         if uses_release:
-            check_gradient_accumulation(self.gradient_accumulation_steps, in_backward=True)
+            # The optimizer's own check (optim.in_backward) says the same for library callers, without the flags.
+            if self.gradient_accumulation_steps != 1:
+                raise ValueError(
+                    f"--gradient_accumulation_steps={self.gradient_accumulation_steps} is not allowed with the "
+                    "low-memory optimizer's update in backward (--optimizer_in_backward, on by default): each weight "
+                    "is updated as soon as its gradient exists, so there is nothing to sum over micro-batches. Raise "
+                    "--per_device_train_batch_size instead, or pass --optimizer_in_backward false to accumulate "
+                    "(the full gradients then stay in memory until each step).")
             # Gradients are freed as they are used: there is nothing left to clip; the optimizer clips per tensor.
             self.max_grad_norm = 0.0
         with self._unset_warmup_checked_as_zero():
@@ -356,6 +371,53 @@ class RecurrentTrainingArguments(TrainingArguments):
         check("collapse_check_steps", is_int(self.collapse_check_steps) and self.collapse_check_steps >= 0,
               "an integer >= 0 (0 turns the collapse check off)")
         check("collapse_margin", is_number(self.collapse_margin) and self.collapse_margin > 0, "a number > 0 (nats)")
+
+    def _check_schedule_ranges(self):
+        """The schedule's and the Trainer's step counts and rates, flag by flag, as they are parsed: TrainingArguments
+        takes --max_steps 0 for one step and a negative one for whole epochs, and a negative --learning_rate fails
+        only in the optimizer, after the data and the model are built and the output folder is made."""
+        def check(name: str, ok: bool, allowed: str):
+            if not ok:
+                raise ValueError(f"--{name}={getattr(self, name)!r} is not allowed; it must be {allowed}.")
+
+        def number(value, low: float, strict: bool = False, high: float | None = None) -> bool:
+            """A finite number, not a bool, above `low` (or equal to it unless `strict`) and below `high`."""
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                return False
+            return (value > low if strict else value >= low) and (high is None or value < high)
+
+        def steps(value) -> bool:
+            """TrainingArguments' interval: a whole number of steps >= 1, or a fraction in (0, 1) of the run."""
+            return number(value, 0, strict=True) and (value < 1 or value == int(value))
+
+        def is_count(value, low: int) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+        check("max_steps", self.max_steps is None or self.max_steps == -1 or is_count(self.max_steps, 1),
+              "an integer >= 1 (optimizer steps), or -1 to train --num_train_epochs epochs")
+        check("learning_rate", self.learning_rate is None or number(self.learning_rate, 0, strict=True),
+              "a number > 0 (the peak learning rate)")
+        check("warmup_steps", self.warmup_steps is None or number(self.warmup_steps, 0),
+              "a number >= 0 (warm-up steps, or a fraction of the run's steps if below 1)")
+        check("num_train_epochs", self.num_train_epochs is None or number(self.num_train_epochs, 0, strict=True),
+              "a number > 0 (epochs, used when --max_steps is -1)")
+        for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size"):
+            check(name, is_count(getattr(self, name), 1), "an integer >= 1")
+        check("eval_accumulation_steps", self.eval_accumulation_steps is None
+              or is_count(self.eval_accumulation_steps, 1), "an integer >= 1, or unset")
+        # An interval counts only where its strategy is "steps"; an unset --eval_steps takes --logging_steps.
+        intervals = (("logging_steps", self.logging_strategy, ""), ("save_steps", self.save_strategy, ""),
+                     ("eval_steps", self.eval_strategy, ", or unset to evaluate every --logging_steps"))
+        for name, strategy, unset in intervals:
+            value = getattr(self, name)
+            if getattr(strategy, "value", strategy) == "steps" and not (name == "eval_steps" and value is None):
+                check(name, steps(value), f"an integer >= 1 (steps), or a fraction in (0, 1) of the run's steps{unset}"
+                      f" (--{name.replace('_steps', '_strategy')} no turns it off)")
+        check("weight_decay", number(self.weight_decay, 0), "a number >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            check(name, number(getattr(self, name), 0, high=1), "in [0, 1)")
+        check("adam_epsilon", number(self.adam_epsilon, 0, strict=True), "a number > 0")
+        check("max_grad_norm", number(self.max_grad_norm, 0), "a number >= 0 (0 turns clipping off)")
 
     def stability_settings(self) -> dict:
         """Keyword arguments of `StabilityGuard` from the `stability_*` fields."""
