@@ -164,7 +164,8 @@ SUB_PACKAGES = {
                                "trainer_ext.evaluation"},
 }
 BASE = {"hf_recurrent", "trainer_ext", "trainer_ext.data", "trainer_ext.files", "trainer_ext.devices",
-        "trainer_ext.checkpoints", "trainer_ext.compat", "trainer_ext.lm_head", "trainer_ext.cli"}
+        "trainer_ext.checkpoints", "trainer_ext.compat", "trainer_ext.lm_head", "trainer_ext.cli",
+        "trainer_ext.progress"}
 
 
 def test_the_library_is_cut_into_sub_packages_that_say_their_job():

@@ -378,3 +378,24 @@ def test_a_cache_file_changed_after_writing_is_refused_before_training(data_dir,
                         "--data_dir", data_dir, "--output_dir", cache, "--topk", str(TOPK), "--batch_size", "128",
                         *FP16])
     TeacherCacheDataset(tokens, cache)[2]
+
+
+def test_a_cache_that_will_not_fit_on_the_disk_is_refused_before_the_teacher_loads(data_dir, teacher_dir, tmp_path,
+                                                                                   monkeypatch, caplog):
+    """The comparison's cycles build their caches through the same call: a cycle whose cache will not fit does not
+    start. The log states the bytes per token and the disk needed first."""
+    import collections
+
+    import trainer_ext.files
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(trainer_ext.files.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**5, 10**5))
+    loaded = []
+    monkeypatch.setattr("trainer_ext.distill.caching.load_frozen_teacher", lambda *a, **k: loaded.append(a))
+    out = tmp_path / "cache"
+    with caplog.at_level("INFO", logger="trainer_ext.distill.caching"):
+        with pytest.raises(OSError, match="Not enough free space in .* it needs about .* 97.7 KiB free.*--topk"):
+            cache_teacher.main(["--teacher_model_name_or_path", teacher_dir, "--data_dir", data_dir,
+                                "--output_dir", str(out), "--topk", str(TOPK)])
+    assert not loaded and not [n for n in os.listdir(out) if n.endswith(".npy")]
+    assert "30 bytes per token (compact codec, k = 16)" in caplog.text

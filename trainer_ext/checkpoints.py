@@ -10,6 +10,10 @@ completeness check still guards checkpoints written by other code or older versi
 The same knowledge checks a folder before it is opened as a model or tokenizer (`check_model_dir`,
 `load_tokenizer`): a run folder given instead of its `final/`, a truncated weights file and missing tokenizer
 files otherwise surface as library errors that name neither the file nor the fix.
+
+Disk space: `expected_checkpoint_bytes` is what the next save needs (the last complete checkpoint's size, else the
+weights plus the optimizer state), checked before a save writes anything; a recurrent-7b checkpoint with its
+optimizer state is about 16 GB.
 """
 
 from __future__ import annotations
@@ -88,6 +92,53 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
 def complete_checkpoints(output_dir: str) -> dict[int, str]:
     """The complete checkpoints of `output_dir` by step."""
     return {checkpoint_step(path): path for path in list_checkpoints(output_dir) if is_complete(path)}
+
+
+def folder_bytes(path: str) -> int:
+    """Bytes of the files under `path`."""
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
+def _tensor_bytes(tensors) -> int:
+    """Bytes of the distinct tensors among `tensors` (tied weights are saved once), at their full size (a DTensor
+    shard counts as the whole parameter, which the saved weights hold)."""
+    import torch
+
+    seen, total = set(), 0
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        key = (local.data_ptr(), local.dtype, tuple(local.shape))
+        if local.data_ptr() and key in seen:
+            continue
+        seen.add(key)
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _state_tensors(state):
+    if isinstance(state, dict):
+        for value in state.values():
+            yield from _state_tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _state_tensors(value)
+    else:
+        yield state
+
+
+def expected_checkpoint_bytes(model, optimizer, run_dir: str) -> int:
+    """About what the next checkpoint of a run in `run_dir` takes on disk: the size of its last complete checkpoint
+    (everything a save writes: weights, optimizer, scheduler and RNG states, tokenizer files), else the model's
+    parameters and buffers plus the optimizer's state tensors (`optimizer` None: the weights alone)."""
+    last = last_complete_checkpoint(run_dir)
+    if last is not None:
+        return folder_bytes(last)
+    total = _tensor_bytes([*model.parameters(), *model.buffers()])
+    if optimizer is not None:
+        total += _tensor_bytes(_state_tensors(list(optimizer.state.values())))
+    return total
 
 
 def read_trainer_state(checkpoint: str) -> dict:

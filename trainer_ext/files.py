@@ -9,13 +9,21 @@ continue or reuse it under other settings, naming the fields that differ and the
 One writer: under torchrun / accelerate launch every process runs the same code, but files that all of them read
 (prepared shards, a teacher cache, a state file) are written by one of them while the others wait
 (`one_process_writes`); `launch_process_group` joins the processes of a command that forms no group of its own.
+
+Disk space: a long write (data preparation, a teacher cache, a checkpoint) first checks the free space against its
+expected size and refuses a shortfall with both numbers (`check_free_space`); a write that fills the disk anyway
+removes its temporary files and says how much more space is needed (`disk_space_for`). Without this a full disk
+surfaced as `OSError: [Errno 28]` or torch's "unexpected pos" error, and left gigabytes of temporary files that kept
+the disk full for the rerun.
 """
 
 import datetime
+import errno
 import json
 import os
+import shutil
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable, Iterable
 
 # A preparation or a teacher cache can take hours, longer than a launch's own timeout (--ddp_timeout, 30 minutes by
 # default): the processes waiting for one wait up to this long. A failure of the writing process ends their wait at
@@ -86,9 +94,11 @@ def check_same_run(what: str, saved: dict, current: dict, fix: str) -> None:
         raise ValueError(f"{what} with other settings (differs in: {', '.join(differences)}). {fix}")
 
 
-def _writer_wait_group():
-    """The gloo group the processes of a launch wait in, created by all of them on first use (a collective, as every
-    process reaches `one_process_writes` at the same point); None without a process group of several processes."""
+def cpu_group():
+    """A gloo group of the launch's processes, created by all of them on first use (a collective: every process
+    must reach the first call at the same point); None without a process group of several processes. The processes
+    waiting in `one_process_writes` wait in it, and small host-side agreements (the step a signal stops training
+    at) use it: no GPU synchronization, and no NCCL watchdog that ends a long wait."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -115,7 +125,7 @@ def one_process_writes(what: str):
     block they raise RuntimeError rather than read what it left half-written. One filesystem is assumed shared by
     all processes, as for the Trainer's checkpoints. Blocks do not nest (only the writer would reach the inner one)."""
     global _writing
-    group = _writer_wait_group()
+    group = cpu_group()
     if group is None:
         yield True
         return
@@ -156,3 +166,120 @@ def launch_process_group():
         dist.barrier()  # no process ends the group while another still receives from it
     finally:
         dist.destroy_process_group()
+
+
+# -- disk space
+
+# Errors of a write that ran out of space: the errno (ENOSPC, or EDQUOT for a quota), and the texts of libraries
+# that do not raise an OSError for it: torch.save's zip writer ("unexpected pos ... vs ...", "file write failed")
+# and safetensors' Rust I/O error ("No space left on device (os error 28)", "StorageFull").
+_DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_DISK_FULL_TEXTS = ("no space left on device", "os error 28", "storagefull", "unexpected pos", "file write failed",
+                    "disk quota exceeded")
+
+
+class DiskFullError(OSError):
+    """Not enough free space for a write: found before it (a shortfall) or by it (the disk filled up). An OSError
+    with errno ENOSPC, so that code handling that keeps working; its message names the folder, the sizes and the fix."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def format_bytes(num_bytes: float) -> str:
+    """`num_bytes` for a reader: "512 B", "4.9 MiB", "16.0 GiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num_bytes) < 1024 or unit == "TiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def free_bytes(folder: str) -> int:
+    """Free space (bytes) of the filesystem that holds `folder`, or would hold it: its nearest existing ancestor is
+    asked when the folder is not created yet."""
+    path = os.path.abspath(os.fspath(folder))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def check_free_space(folder: str, needed: int, what: str, fix: str = "") -> int:
+    """Refuse to start writing `what` (about `needed` bytes) into `folder` when its filesystem has less free space;
+    return the free bytes. The error names both numbers, the shortfall and `fix` (how this command needs less, e.g.
+    "lower --max_tokens"), then the generic ways out: free space there or choose another folder."""
+    free = free_bytes(folder)
+    if free < needed:
+        raise DiskFullError(
+            f"Not enough free space in {folder} for {what}: it needs about {format_bytes(needed)}, the disk has "
+            f"{format_bytes(free)} free. Free at least {format_bytes(needed - free)} there"
+            + (f", {fix}" if fix else "") + ", or write to another folder; then run the same command again.")
+    return free
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether `err` (or an error it was raised from) says the disk or the quota is full."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _DISK_FULL_ERRNOS:
+            return True
+        if any(text in str(err).lower() for text in _DISK_FULL_TEXTS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def remove_paths(paths: Iterable[str]) -> list[str]:
+    """Delete each of `paths` that exists (files and folders); return those deleted."""
+    removed = []
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.remove(path)
+        else:
+            continue
+        removed.append(path)
+    return removed
+
+
+@contextmanager
+def disk_space_for(folder: str, needed: int, what: str,
+                   remove: Iterable[str] | Callable[[], Iterable[str]] | None = None, fix: str = ""):
+    """A long write of `what` (about `needed` bytes) into `folder`:
+
+        with disk_space_for(cache_dir, shard_bytes, f"the teacher cache's {name}", remove=[tmp_path]):
+            write(tmp_path)
+
+    refuses to start on a shortfall (`check_free_space`), and when the block fails because the disk filled up
+    removes `remove` (its temporary files; a callable returning paths is called then, for files known only by
+    then) and raises DiskFullError saying how much more space is needed and that a rerun after freeing it works.
+    Other failures pass through unchanged."""
+    check_free_space(folder, needed, what, fix)
+    try:
+        yield
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        paths = remove() if callable(remove) else (remove or [])
+        raise disk_full_error(folder, needed, what, remove_paths(paths), fix, err) from err
+
+
+def disk_full_error(folder: str, needed: int, what: str, removed: list[str], fix: str = "",
+                    err: BaseException | None = None) -> DiskFullError:
+    """The error of a write of `what` (about `needed` bytes) into `folder` that filled the disk, once its temporary
+    files (`removed`) are deleted: how much more space is needed now, and that the same command works again then."""
+    free = free_bytes(folder)
+    more = (f"free at least {format_bytes(needed - free)} more" if needed > free
+            else "free more (the size was underestimated, or other writes took the space meanwhile)")
+    cleaned = (f" Removed the partial files ({', '.join(os.path.basename(os.path.normpath(p)) for p in removed)})."
+               if removed else "")
+    cause = f" ({type(err).__name__}: {err})" if err is not None else ""
+    return DiskFullError(
+        f"The disk is full: writing {what} to {folder} failed{cause}.{cleaned} It needs about "
+        f"{format_bytes(needed)} and {format_bytes(free)} are free now: {more} there"
+        + (f", {fix}" if fix else "") + ", or write to another folder; then run the same command again.")

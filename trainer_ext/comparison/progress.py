@@ -1,19 +1,20 @@
 """What a comparison run shows while it works: one progress bar for the whole run.
 
-The bar has one unit per stage and advances per optimizer step inside trainings, so tqdm's ETA follows the real
+The bar has one unit per stage and advances per optimizer step inside trainings, so the time left follows the real
 work; its postfix says where the run is (cycle, model, stage or step, tokens). The progress bars of the work
-inside a stage (tokenizing, loading and saving weights, the Trainer's) are switched off meanwhile.
+inside a stage (tokenizing, loading and saving weights, the Trainer's) are switched off meanwhile. In a log file
+the bar is a progress line every 30 s instead (`trainer_ext.progress`): a bar there wrote 130 carriage-return
+updates a minute.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
-from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from trainer_ext.hub.model_card import format_count
+from trainer_ext.progress import Progress, library_bars_off
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +24,9 @@ class RunProgress:
     (the processes of a launch other than the first, which would draw the same bar again)."""
 
     def __init__(self, total: int, done: int, shown: bool = True):
-        self.bar = tqdm(total=total, initial=min(done, total), desc="compare", unit="stage", dynamic_ncols=True,
-                        disable=not shown,
-                        bar_format="{l_bar}{bar}| {percentage:3.0f}% [{elapsed}<{remaining}{postfix}]")
+        self.bar = Progress(total=total, initial=min(done, total), desc="compare", unit="stage", dynamic_ncols=True,
+                            disable=not shown,
+                            bar_format="{l_bar}{bar}| {percentage:3.0f}% [{elapsed}<{remaining}{postfix}]")
         self.stage_start = self.bar.n
 
     def begin(self, cycle: int | str, model: str, stage: str) -> None:
@@ -67,26 +68,6 @@ class StepProgress(TrainerCallback):
                                     self.tokens_before + state.global_step * self.tokens_per_step)
 
 
-@contextlib.contextmanager
 def inner_bars_off():
-    """Silence the progress bars of the work inside a stage, so the run's bar is the only one. Each library's own
-    switch, restored afterwards."""
-    import datasets
-    import huggingface_hub.utils as hub_utils
-    from transformers.utils import logging as transformers_logging
-
-    switches = []
-    if not datasets.are_progress_bars_disabled():
-        datasets.disable_progress_bars()
-        switches.append(datasets.enable_progress_bars)
-    if transformers_logging.is_progress_bar_enabled():
-        transformers_logging.disable_progress_bar()
-        switches.append(transformers_logging.enable_progress_bar)
-    if not hub_utils.are_progress_bars_disabled():
-        hub_utils.disable_progress_bars()
-        switches.append(hub_utils.enable_progress_bars)
-    try:
-        yield
-    finally:
-        for enable in switches:
-            enable()
+    """Silence the progress bars of the work inside a stage, so the run's bar is the only one."""
+    return library_bars_off()

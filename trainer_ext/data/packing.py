@@ -4,10 +4,10 @@ after skipped documents and tokens, up to a token budget, recording where the pi
 from __future__ import annotations
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from trainer_ext.data import corpus
 from trainer_ext.data.tokenizer import encode_documents
+from trainer_ext.progress import Progress
 
 _FIRST_BATCH_SIZE = 16  # documents tokenized first when max_tokens may be reached within the first batch
 
@@ -46,8 +46,8 @@ def pack_token_stream(documents, tokenizer, path: str, dtype: np.dtype, max_toke
     num_tokens = 0
     num_documents = 0
     end = {"documents": skip_documents, "tokens": skip_tokens}
-    progress = tqdm(total=max_tokens, desc="Packing", unit="tok", unit_scale=True, disable=not show_progress)
-    with open(path, "wb") as f:
+    progress = Progress(total=max_tokens, desc="Packing", unit="tok", unit_scale=True, disable=not show_progress)
+    with progress, open(path, "wb") as f:
         for texts in _growing_batches(documents, batch_size, small_first=max_tokens is not None):
             encoded = encode_documents(tokenizer, texts, eos)
             replacements += sum(text.count(corpus.REPLACEMENT_CHARACTER) for text in texts if text)
@@ -69,7 +69,6 @@ def pack_token_stream(documents, tokenizer, path: str, dtype: np.dtype, max_toke
             progress.set_postfix(documents=f"{num_documents:,}")
             if max_tokens is not None and num_tokens >= max_tokens:
                 break
-    progress.close()
     if counts is not None:
         counts["replacement_characters"] = replacements
     return num_tokens, num_documents, end

@@ -20,19 +20,28 @@ included, then T tokens of the next); ``skip_documents=D, skip_tokens=T`` starts
 D documents without tokenizing them. Each document is tokenized on its own, so this gives exactly the tokens of the
 equivalent absolute ``skip_tokens``, and a piece costs the reading of what comes before it plus the tokenizing of
 its own documents.
+
+Disk space: before tokenizing, the free space of ``output_dir`` is checked against the stream and its shards (twice
+the expected tokens: both exist until the shards are written) where the size can be told (``max_tokens``, local
+files), and against the exact shard size before writing the shards; when the disk fills up anyway the partial files
+(``.tokens.bin.tmp``, the shards so far) are removed and the error says how much more space is needed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import glob
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from trainer_ext.data import corpus
+from trainer_ext.data.json_records import ON_BAD_LINES, BadLines
 from trainer_ext.data.packing import pack_token_stream
 from trainer_ext.data.shards import (
     FORMAT_VERSION,
@@ -48,15 +57,28 @@ from trainer_ext.data.shards import (
     write_split_shards,
 )
 from trainer_ext.data.tokenizer import BYTE_ALPHABET_SIZE, SPECIAL_TOKENS, load_tokenizer_with_eos, train_bpe_tokenizer
-from trainer_ext.files import check_same_run
+from trainer_ext.files import (
+    DiskFullError,
+    check_free_space,
+    check_same_run,
+    disk_full_error,
+    is_disk_full,
+    remove_paths,
+)
+from trainer_ext.progress import Progress, on_terminal
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT_DIR = os.path.join("outputs", "data", "kjv")
 _TOKEN_FILE = ".tokens.bin.tmp"  # the packed stream before shuffling; removed at the end
+# Bytes of text per token of a typical BPE, for the disk-space check before tokenizing local files: a low estimate of
+# the tokens (small vocabularies take fewer bytes per token), so that the check refuses only what cannot fit.
+_TEXT_BYTES_PER_TOKEN = 4
+_FIX_DISK = "lower --max_tokens (or --max_documents)"
 # Arguments that change where work happens or how fast, not what is written; a rerun that
 # differs only in these is still "the same data".
-_NON_CONTENT_ARGS = ("output_dir", "map_batch_size", "cache_dir", "overwrite", "disable_tqdm")
+# --on_bad_lines only decides whether bad JSON lines are refused: data that is written is the same either way.
+_NON_CONTENT_ARGS = ("output_dir", "map_batch_size", "cache_dir", "overwrite", "disable_tqdm", "on_bad_lines")
 # Options of taking a piece of the stream, recorded only when set: a manifest lists the options that shaped it.
 _PIECE_ARGS_UNSET = {"skip_documents": 0, "skip_tokens": 0, "eval_only": False, "eval_from": None}
 
@@ -85,6 +107,13 @@ class PrepareDataArguments:
         default="document",
         metadata={"help": "What one document of a .txt file is: 'document' (whole file), 'paragraph' "
                   "(blank-line separated) or 'line'."},
+    )
+    on_bad_lines: str = field(
+        default="skip",
+        metadata={"help": "A JSON line that holds no document (not JSON, e.g. cut off; not an object; no "
+                  "--text_column string): 'skip' leaves it out, counted, with a warning naming the file and its "
+                  "first bad line; 'error' refuses it, naming the file and line, before the tokenizer is trained "
+                  "(every JSON file is read once first)."},
     )
     max_documents: int | None = field(default=None, metadata={"help": "Use at most this many documents."})
     max_tokens: int | None = field(
@@ -147,6 +176,8 @@ class PrepareDataArguments:
             if self.dataset is not None or self.files:
                 raise ValueError("--output_dir is required with --dataset or --files.")
             self.output_dir = DEFAULT_OUTPUT_DIR
+        if self.on_bad_lines not in ON_BAD_LINES:
+            raise ValueError(f"--on_bad_lines must be one of {list(ON_BAD_LINES)}, got '{self.on_bad_lines}'.")
         if self.text_sample_by not in ("document", "paragraph", "line"):
             raise ValueError(
                 f"--text_sample_by must be 'document', 'paragraph' or 'line', got '{self.text_sample_by}'."
@@ -203,7 +234,7 @@ def describe_sources(args: PrepareDataArguments) -> tuple[list[dict], list[str] 
                        for p in corpus_files]}], None
 
 
-def load_documents(args: PrepareDataArguments, files: list[str] | None):
+def load_documents(args: PrepareDataArguments, files: list[str] | None, bad_lines: BadLines | None = None):
     """The source's documents from its start (at most ``--max_documents``), as a streamed
     ``datasets.IterableDataset`` with a ``text`` column: read only as far as they are used."""
     if args.dataset is not None:
@@ -211,7 +242,7 @@ def load_documents(args: PrepareDataArguments, files: list[str] | None):
                                        args.max_documents)
     if files is not None:
         return corpus.load_local_files(files, args.text_column, args.text_sample_by, args.max_documents,
-                                       args.cache_dir)
+                                       args.cache_dir, bad_lines)
     return corpus.load_default_corpus(args.max_documents)
 
 
@@ -264,6 +295,66 @@ def check_eval_source_matches(source_dir: str, source: dict, tokenizer_id: str, 
         raise ValueError(f"{path}: dtype {source['dtype']} differs from this data's {dtype.name}; re-prepare it.")
 
 
+# ----------------------------------------------------------------------------- disk space and progress
+
+
+def expected_stream_tokens(args: PrepareDataArguments, sources: list[dict]) -> int | None:
+    """About how many tokens the packed stream will hold, for the disk-space check before tokenizing: at most
+    ``max_tokens``, and for local files taken whole their size over _TEXT_BYTES_PER_TOKEN (a compressed file counts
+    its compressed size: an estimate too low, never too high). None where nothing tells (a hub dataset without
+    ``max_tokens``): the exact check before the shards are written still holds."""
+    files = sources[0].get("files") if sources else None
+    whole_files = files and not (args.max_documents or args.skip_documents or args.skip_tokens)
+    estimates = [args.max_tokens] if args.max_tokens is not None else []
+    if whole_files:
+        estimates.append(sum(entry["size_bytes"] for entry in files) // _TEXT_BYTES_PER_TOKEN)
+    return min(estimates) if estimates else None
+
+
+def _file_size(path: str) -> int:
+    return os.path.getsize(path) if os.path.exists(path) else 0
+
+
+def partial_data_files(output_dir: str) -> list[str]:
+    """What an unfinished preparation has written: the token stream, shards, temporary files of atomic writes."""
+    patterns = [_TOKEN_FILE, *(f"{split}-*.npy" for split in SPLITS), ".*.tmp"]
+    return sorted({path for pattern in patterns for path in glob.glob(os.path.join(output_dir, pattern))})
+
+
+@contextlib.contextmanager
+def partial_files_removed_on_full_disk(output_dir: str, needed: Callable[[], int]):
+    """On a full disk inside the block, remove what this preparation has written (a rerun starts from scratch
+    anyway, and left there it keeps the disk full) and raise DiskFullError saying how much is needed: `needed()`,
+    asked before the removal. A refusal of `check_free_space` inside the block removes them too."""
+    try:
+        yield
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        size = needed()
+        removed = remove_paths(partial_data_files(output_dir))
+        if isinstance(err, DiskFullError):  # a refusal before writing: its message says it all
+            raise
+        raise disk_full_error(output_dir, size, "the prepared data", removed, _FIX_DISK, err) from err
+
+
+class CountedDocuments:
+    """``documents`` as the BPE trainer reads them (``.iter(batch_size=...)``), counted into ``progress``. The
+    merges computed after the reading report nothing of their own: the progress line then says that they run."""
+
+    def __init__(self, documents, progress: Progress):
+        self.documents, self.progress = documents, progress
+
+    def iter(self, batch_size: int):
+        try:
+            for batch in self.documents.iter(batch_size=batch_size):
+                # The trainer stops at its document limit (the total) within a batch.
+                self.progress.update(min(len(batch["text"]), self.progress.total - self.progress.n))
+                yield batch
+        finally:
+            self.progress.set_postfix_str("documents read, computing the merges")
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -302,13 +393,21 @@ def prepare(args: PrepareDataArguments) -> dict:
             logger.info("%s is already prepared with these arguments; nothing to do.", output_dir)
             return existing
     # Overwriting, or leftovers of an interrupted run (no manifest): start clean.
+    # Input problems found by reading a little (empty files, a wrong --text_column), or with --on_bad_lines error
+    # by reading every JSON file, stop the run here: before the old data is removed and minutes of work are spent.
+    bad_lines = BadLines(args.on_bad_lines)
+    if files is not None:
+        files = corpus.check_local_files(files, args.text_column, bad_lines)
     remove_data_files(output_dir)
 
-    documents = load_documents(args, files)
+    documents = load_documents(args, files, bad_lines)
     if given_tokenizer is None:
         logger.info("Training a byte-level BPE tokenizer (vocab_size=%d).", args.vocab_size)
-        tokenizer = train_bpe_tokenizer(documents, args.vocab_size, args.tokenizer_train_documents,
-                                        args.map_batch_size)
+        # On a terminal the tokenizers library draws its own bars; in a log it is silent, so progress lines there.
+        with Progress(total=min(args.tokenizer_train_documents, args.max_documents or args.tokenizer_train_documents),
+                      desc="BPE training", unit="doc", disable=args.disable_tqdm or on_terminal()) as progress:
+            tokenizer = train_bpe_tokenizer(CountedDocuments(documents, progress), args.vocab_size,
+                                            args.tokenizer_train_documents, args.map_batch_size)
         tokenizer_source = f"trained byte-level BPE (vocab_size={args.vocab_size})"
     else:
         tokenizer, tokenizer_source = given_tokenizer, args.tokenizer
@@ -323,11 +422,19 @@ def prepare(args: PrepareDataArguments) -> dict:
     if args.skip_documents:
         documents = documents.skip(args.skip_documents)
     token_path = os.path.join(output_dir, _TOKEN_FILE)
+    expected_tokens = expected_stream_tokens(args, sources)
+    if expected_tokens is not None:  # the stream, then as much again for the shards
+        check_free_space(output_dir, 2 * expected_tokens * dtype.itemsize,
+                         f"the token stream and shards of about {expected_tokens:,} tokens ({dtype.name})", _FIX_DISK)
     counts: dict = {}
-    num_tokens, num_documents, stream_end = pack_token_stream(
-        documents, tokenizer, token_path, dtype, args.max_tokens, args.map_batch_size, args.skip_documents,
-        args.skip_tokens, show_progress=not args.disable_tqdm, counts=counts)
+    # Failing, it needs the stream expected (at least the part written) and as much again for the shards.
+    with partial_files_removed_on_full_disk(
+            output_dir, lambda: 2 * max((expected_tokens or 0) * dtype.itemsize, _file_size(token_path))):
+        num_tokens, num_documents, stream_end = pack_token_stream(
+            documents, tokenizer, token_path, dtype, args.max_tokens, args.map_batch_size, args.skip_documents,
+            args.skip_tokens, show_progress=not args.disable_tqdm, counts=counts)
     corpus.warn_about_replacements(counts["replacement_characters"], files)
+    bad_lines.report()
 
     sample_len = args.seq_len + 1
     num_samples = num_tokens // sample_len
@@ -343,8 +450,11 @@ def prepare(args: PrepareDataArguments) -> dict:
         )
     stream = np.memmap(token_path, dtype=dtype, mode="r", shape=(num_samples * sample_len,))
     samples = stream.reshape(num_samples, sample_len)
-    splits = write_split_shards(output_dir, samples, split_indices(num_samples, args), args.shard_size,
-                                show_progress=not args.disable_tqdm)
+    shard_bytes = samples.nbytes
+    with partial_files_removed_on_full_disk(output_dir, lambda: num_tokens * dtype.itemsize + shard_bytes):
+        check_free_space(output_dir, shard_bytes, f"the shards of {num_samples:,} samples", _FIX_DISK)
+        splits = write_split_shards(output_dir, samples, split_indices(num_samples, args), args.shard_size,
+                                    show_progress=not args.disable_tqdm)
     del stream, samples
     os.remove(token_path)
     if eval_source is not None:
@@ -368,6 +478,7 @@ def prepare(args: PrepareDataArguments) -> dict:
         "stream_tokens": num_tokens,  # before dropping the tail shorter than one sample
         "num_documents": num_documents,  # read and tokenized (the skipped documents not included)
         "stream_end": stream_end,  # where the packed stream ends: pass as --skip_documents / --skip_tokens to go on
+        **({"skipped_records": bad_lines.summary()} if bad_lines.count else {}),  # JSON records left out, per file
         "splits": splits,
         "sources": sources,
         "seed": args.seed,

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from tqdm.auto import tqdm
 
 from trainer_ext.files import atomic_open, atomic_path, write_json
+from trainer_ext.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def write_split_shards(output_dir: str, samples: np.ndarray, indices: dict[str, 
     ``splits`` entry."""
     splits = {}
     num_shards = sum(-(-len(idx) // shard_size) for idx in indices.values())
-    with tqdm(total=num_shards, desc="Writing shards", unit="shard", disable=not show_progress) as progress:
+    with Progress(total=num_shards, desc="Writing shards", unit="shard", disable=not show_progress) as progress:
         for split, idx in indices.items():
             shards = []
             for shard_index, start in enumerate(range(0, len(idx), shard_size)):

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from trainer_ext.checkpoints import load_tokenizer
 from trainer_ext.data.shards import SPLITS, file_sha256, tokenizer_hash, validate_data_dir
@@ -49,8 +48,9 @@ from trainer_ext.distill.cache import (
 from trainer_ext.distill.cache_codec import CompactCodec, Fp16Codec
 from trainer_ext.distill.losses import teacher_topk
 from trainer_ext.distill.teacher import QUANTIZATIONS, TEACHER_TOKENIZER_FIX, load_frozen_teacher
-from trainer_ext.files import check_same_run
+from trainer_ext.files import check_free_space, check_same_run, disk_space_for, format_bytes
 from trainer_ext.lm_head import chunked_logits, output_head
+from trainer_ext.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +276,15 @@ def cache_teacher(args: CacheTeacherArguments) -> dict:
         logger.info("%s already holds every shard of %s; nothing to do.", args.output_dir, args.splits)
         return manifest
 
+    # The disk it needs, checked before the teacher loads: a 32B teacher's cache of a cycle takes hours to fill.
+    seq_len, codec = token_manifest["seq_len"], args.codec(vocab_limit)
+    total = sum(entry["num_samples"] for _, entry in todo)
+    needed = total * seq_len * codec.bytes_per_token
+    logger.info("%s: %d shard(s) to cache, %d samples of %d tokens at %d bytes per token (%s codec, k = %d): about "
+                "%s of disk", args.output_dir, len(todo), total, seq_len, codec.bytes_per_token, codec.name, args.topk,
+                format_bytes(needed))
+    check_free_space(args.output_dir, needed, f"the teacher cache ({len(todo)} shard(s))",
+                     "lower --topk, keep --cache_format compact, or cache fewer --splits")
     model = load_frozen_teacher(args.teacher_model_name_or_path, device, dtype, args.quantization, args.revision,
                                 option="--quantization", trust_remote_code=args.trust_remote_code)
     # Informational (not compared on reruns): what was actually loaded.
@@ -291,18 +300,16 @@ def cache_teacher(args: CacheTeacherArguments) -> dict:
     teacher.check_against_full_forward(torch.from_numpy(sample.astype(np.int64)).to(device),
                                        atol=1e-3 if dtype == torch.float32 else 0.1)
 
-    seq_len, codec = token_manifest["seq_len"], args.codec(vocab_limit)
-    total = sum(entry["num_samples"] for _, entry in todo)
-    logger.info("Caching top-%d of %s over %d shards (%d samples of %d tokens) into %s: %s codec, %d bytes per "
-                "token, %.2f GB for these shards", args.topk, args.teacher_model_name_or_path, len(todo), total,
-                seq_len, args.output_dir, codec.name, codec.bytes_per_token,
-                total * seq_len * codec.bytes_per_token / 1e9)
-    # disable=None: a bar on a terminal only; a log file (a GPU job's) gets the per-shard lines below instead of
-    # one carriage-return line per refresh.
+    logger.info("Caching top-%d of %s over %d shards (%d samples of %d tokens) into %s", args.topk,
+                args.teacher_model_name_or_path, len(todo), total, seq_len, args.output_dir)
+    # A bar on a terminal; in a log file a line every 30 s within a shard (a 32B teacher's shard takes hours), and
+    # one per finished shard.
     start, done = time.perf_counter(), 0
-    with tqdm(total=total, desc="Teacher top-k", unit="sample", disable=None) as progress:
+    with Progress(total=total, desc="Teacher top-k", unit="sample") as progress:
         for index, (split, token_entry) in enumerate(todo, 1):
-            entry = cache_shard(args, teacher, token_entry, seq_len, codec, device, progress)
+            shard_bytes = token_entry["num_samples"] * seq_len * codec.bytes_per_token
+            with disk_space_for(args.output_dir, shard_bytes, f"the teacher cache of {token_entry['file']}"):
+                entry = cache_shard(args, teacher, token_entry, seq_len, codec, device, progress)
             token_order = [e["file"] for e in token_manifest["splits"][split]["shards"]]
             record_shard(manifest, split, entry, token_order)
             write_teacher_manifest(args.output_dir, manifest)

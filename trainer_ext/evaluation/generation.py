@@ -18,19 +18,18 @@ from contextlib import contextmanager
 
 import torch
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from hf_recurrent.presets import is_recurrent
 from trainer_ext.evaluation.metrics import (
     add_logits,
-    bar_disabled,
     depth_kwargs,
     eval_mode,
     load_metric,
     place,
     unpack_batch,
 )
+from trainer_ext.progress import Progress
 
 CACHE_MODES = ("per_step", "shared")
 
@@ -138,7 +137,7 @@ def cache_mode_cost(model, dataset: Dataset, num_steps: int | None = None, max_s
     metrics = {name: load_metric("next_token") for name in ("full_forward", *CACHE_MODES)}
     loader = DataLoader(samples, batch_size=batch_size, shuffle=False)
     steps = len(loader) * len(CACHE_MODES) * (seq_len - prefix_len)
-    bar = tqdm(total=steps, desc=f"cache modes n={num_steps}", disable=bar_disabled(progress), leave=False)
+    bar = Progress(total=steps, desc=f"cache modes n={num_steps}", unit="token", disable=not progress, leave=False)
     try:
         with eval_mode(model), torch.inference_mode():
             for batch in loader:

@@ -21,10 +21,10 @@ from contextlib import contextmanager
 import evaluate
 import torch
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
 
 from hf_recurrent.presets import is_recurrent
 from trainer_ext.lm_head import chunked_logits, output_head
+from trainer_ext.progress import Progress
 
 METRICS_DIR = os.path.dirname(os.path.abspath(__file__))  # next_token/next_token.py beside this file
 IGNORE_INDEX = -100
@@ -73,7 +73,8 @@ def evaluate_model(
     LM head `chunk_size` positions at a time, so a 64k vocabulary costs chunk_size x V floats, not B x T x V.
     `device`: where to run (the model is moved there); default: where the model is. `exit_threshold`: adaptive
     depth of a recurrent model (`hf_recurrent.adaptive_depth`, at most `num_steps` steps per token); the result then
-    also has "mean_steps_used", the core steps per evaluated token.
+    also has "mean_steps_used", the core steps per evaluated token. `progress`: a bar on a terminal, a progress line
+    in the log every 30 s elsewhere (`trainer_ext.progress`); False shows none.
     """
     if batch_size < 1 or chunk_size < 1 or (max_batches is not None and max_batches < 1):
         raise ValueError(f"evaluate_model: batch_size={batch_size}, chunk_size={chunk_size} and "
@@ -94,8 +95,8 @@ def evaluate_model(
         raise ValueError("evaluate_model: the dataset is empty; check the eval split of --data_dir.")
     desc = "eval" if not forward_kwargs else f"eval n={forward_kwargs['num_steps']}"
     with eval_mode(model), torch.inference_mode():
-        for index, batch in enumerate(tqdm(loader, total=total, desc=desc, disable=bar_disabled(progress),
-                                           leave=False)):
+        for index, batch in enumerate(Progress(loader, total=total, desc=desc, unit="batch", disable=not progress,
+                                               leave=False)):
             if index == total:
                 break
             input_ids, targets = unpack_batch(batch, device)
@@ -224,9 +225,3 @@ def eval_mode(model):
         yield
     finally:
         model.train(was_training)
-
-
-def bar_disabled(progress: bool) -> bool | None:
-    """tqdm's `disable`: None shows the bar only when stderr is a terminal. In a log file or a pipe each refresh
-    would be one more carriage-return line, thousands per run."""
-    return None if progress else True

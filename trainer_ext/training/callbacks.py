@@ -1,14 +1,23 @@
 """The callbacks `RecurrentTrainer` adds to the Trainer's loop: phase timing of the optimizer step, the stability
 guard's points outside `compute_loss` (and the Trainer's NaN filter off inside guarded steps), the start of the
 collapse / skipped-update bookkeeping, the timing of a compiled run's first steps, a checkpoint where the warm-up
-ends, and Python's garbage collection between steps."""
+ends, Python's garbage collection between steps, and a checkpoint before stopping on SIGINT / SIGTERM."""
 
 import contextlib
 import gc
+import logging
+import os
+import signal
+import sys
+import threading
+
 from transformers import TrainerCallback
 
+from trainer_ext.files import cpu_group
 from trainer_ext.training.stability import STABILITY_STATE_KEY
 from trainer_ext.training.telemetry import PhaseProfiler
+
+logger = logging.getLogger(__name__)
 
 
 class PhaseTimingCallback(TrainerCallback):
@@ -132,3 +141,78 @@ class WarmupEndCheckpointCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.step and state.global_step == self.step:
             control.should_save = True
+
+
+class TrainingInterrupted(SystemExit):
+    """Training stopped by a signal after saving a checkpoint. A SystemExit, so that an uncaught one ends the process
+    with the shell's status for that signal (128 + its number: 130 for SIGINT, 143 for SIGTERM) and no traceback;
+    the message is logged where it is raised. `signal` is the signal's number, `checkpoint` the folder saved."""
+
+    def __init__(self, signum: int, message: str, checkpoint: str | None):
+        super().__init__(128 + signum)
+        self.signal, self.message, self.checkpoint = signum, message, checkpoint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class StopOnSignalCallback(TrainerCallback):
+    """SIGINT (Ctrl-C) and SIGTERM (a shutdown: Windows rebooting the WSL2 machine for an update, a job scheduler)
+    during training: the step under way finishes, a checkpoint of it is saved (atomically, as every checkpoint) and
+    training stops; `RecurrentTrainer.train` then raises TrainingInterrupted. Without this the steps since the last
+    save were lost. A second signal ends the process at once, without saving (a save in progress stays under its
+    staging name, which is never resumed from).
+
+    `handling()` installs the handlers for the duration of train() (the main thread only: Python delivers signals
+    there) and restores the previous ones after. Under a launch of several processes (the launcher passes the signal
+    on to each) they agree after every step whether one of them has received it, in a small all-reduce on the host,
+    and all stop after the same step: one saving alone would wait in the save's collectives for the others."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received = None  # the first signal's number (on any process of a launch)
+        self.stopped_at = None  # the step that was saved and after which training stopped
+        self._group = None  # the launch's processes, to agree on the step to stop after
+
+    @contextlib.contextmanager
+    def handling(self):
+        self.received = self.stopped_at = None
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in self.SIGNALS}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            logger.error("%s again: exiting at once, without saving; the last complete checkpoint is kept.", name)
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os._exit(128 + signum)
+        self.received = signum
+        logger.warning("%s: training stops after the step under way, once its checkpoint is saved (%s again stops at "
+                       "once, without saving).", name, name)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._group = cpu_group()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stopped_at is not None:
+            return
+        if self._group is not None:
+            import torch
+            import torch.distributed as dist
+
+            received = torch.tensor([self.received or 0], dtype=torch.int32)
+            dist.all_reduce(received, op=dist.ReduceOp.MAX, group=self._group)
+            self.received = self.received or int(received.item()) or None
+        if self.received is not None:
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_at = state.global_step

@@ -1,13 +1,15 @@
 """`RecurrentTrainer`: the HF Trainer with depth sampling, the low-memory optimizer in backward, the chunked
 loss (plain CE or distillation), a stability guard (skipped updates on loss spikes, a lower learning rate after a
-gradient-norm blow-up, a rollback to an earlier checkpoint after persistent trouble), and step profiling /
-throughput / MFU / memory logging."""
+gradient-norm blow-up, a rollback to an earlier checkpoint after persistent trouble), step profiling /
+throughput / MFU / memory logging, a checkpoint before stopping on SIGINT / SIGTERM, and a free-space check before
+each checkpoint."""
 
 import contextlib
 import logging
 import math
 import os
 import shutil
+import signal
 import time
 
 import torch
@@ -18,15 +20,26 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from hf_recurrent import DepthSampler, flops_per_token
 from hf_recurrent.presets import is_recurrent
 
-from trainer_ext.checkpoints import TRAINER_STATE_NAME, publish, rotate_checkpoints, staging_dir
+from trainer_ext.checkpoints import (
+    TRAINER_STATE_NAME,
+    expected_checkpoint_bytes,
+    last_complete_checkpoint,
+    publish,
+    rotate_checkpoints,
+    staging_dir,
+)
 from trainer_ext.distill.losses import OnlineTeacher, TopKTeacher, chunked_lm_loss
+from trainer_ext.files import check_free_space, disk_full_error, is_disk_full, remove_paths
+from trainer_ext.progress import library_bars_off_without_terminal
 from trainer_ext.optim.momentum import resolve_momentum, resolve_subspace_residual
 from trainer_ext.optim.optimizer import create_optimizer
 from trainer_ext.training.arguments import TARGETS, fill_unset_schedule
 from trainer_ext.training.callbacks import (
     GarbageCollectionCallback,
     PhaseTimingCallback,
+    StopOnSignalCallback,
     TrainingHooksCallback,
+    TrainingInterrupted,
     WarmupEndCheckpointCallback,
 )
 from trainer_ext.training.distributed import (
@@ -41,6 +54,9 @@ from trainer_ext.training.telemetry import PhaseProfiler, device_peak_flops, mem
 
 logger = logging.getLogger(__name__)
 
+# Older checkpoints are deleted only once the new one is complete: --save_total_limit N needs room for N + 1.
+_FIX_CHECKPOINT_SPACE = ("delete checkpoints no longer needed or lower --save_total_limit{now} (the save needs room "
+                         "for one more than it keeps)")
 # Steps of a compiled run whose time (compilation and warm-up) is logged as `compile_warmup_seconds`, apart from the
 # steady-state tokens/s and MFU, which start after them.
 COMPILE_WARMUP_STEPS = 2
@@ -128,6 +144,9 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             self.stability = StabilityGuard(**self.args.stability_settings())
         self._reset_stability_bookkeeping()
         self._reset_health_bookkeeping()
+        # Before the hooks: their step end reads the save this one asks for.
+        self._signals = StopOnSignalCallback()
+        self.add_callback(self._signals)
         self._hooks = TrainingHooksCallback(self)
         self.add_callback(self._hooks)
         if self.args.stability_guard and self.args.stability_checkpoint_after_warmup:
@@ -139,10 +158,32 @@ class RecurrentTrainer(StabilityMixin, Trainer):
     def train(self, *args, **kwargs):
         reset_memory_peaks()
         try:
-            with self._gc.during_training() if self._gc is not None else contextlib.nullcontext():
-                return super().train(*args, **kwargs)
+            with self._signals.handling(), library_bars_off_without_terminal(), \
+                    self._gc.during_training() if self._gc is not None else contextlib.nullcontext():
+                result = super().train(*args, **kwargs)
         finally:
             self._hooks.restore_nan_filter(self.args)  # also after an exception inside a step
+        if self._signals.received is not None:
+            self._raise_interrupted()
+        return result
+
+    def _raise_interrupted(self):
+        """After train() stopped on a signal: say where it saved and how to go on, then end with the signal's exit
+        status (TrainingInterrupted)."""
+        name = signal.Signals(self._signals.received).name
+        run_dir = self._get_output_dir(trial=None)
+        if self._signals.stopped_at is not None:
+            checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self._signals.stopped_at}")
+            where = f"at step {self._signals.stopped_at}, saved as {checkpoint}"
+        else:  # the signal came after the last step: nothing was left to save
+            checkpoint = last_complete_checkpoint(run_dir)
+            where = (f"after its last step ({self.state.global_step}), before the end of the run; the last complete "
+                     f"checkpoint is {checkpoint}")
+        message = (f"Training stopped by {name} {where}. Run the same command again to resume from it (a non-empty "
+                   "--output_dir resumes from its last complete checkpoint); the losses continue as if "
+                   "uninterrupted.")
+        logger.error(message)
+        raise TrainingInterrupted(self._signals.received, message, checkpoint)
 
     # -- optimizer
 
@@ -203,6 +244,10 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         for the duration, so it writes `tmp-checkpoint-N/checkpoint-N` (its own rotation there finds nothing to
         delete), and the finished folder is then renamed to `<run_dir>/checkpoint-N`. Rotation runs after the
         rename, so older checkpoints are deleted only once the new one is visible.
+
+        Before writing, the free space is checked against the checkpoint's expected size; a save that fills the disk
+        anyway removes its staging folder and says how much more space is needed (a rerun resumes from the last
+        complete checkpoint).
         """
         run_dir = self._get_output_dir(trial=trial)
         checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
@@ -210,10 +255,22 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         staged = os.path.join(staging_root, os.path.basename(checkpoint))
         if self.args.should_save:
             shutil.rmtree(staging_root, ignore_errors=True)  # left by a save that was killed
+        # Every process checks (one filesystem is shared), so that all stop together rather than wait for a writer.
+        needed = expected_checkpoint_bytes(self.model, self.unwrapped_optimizer, run_dir)
+        what, fix = os.path.basename(checkpoint), _FIX_CHECKPOINT_SPACE.format(
+            now=f" (now {self.args.save_total_limit})" if self.args.save_total_limit else "")
+        check_free_space(run_dir, needed, what, fix)
         self.accelerator.wait_for_everyone()
         self._staging_root, self._deferred_push = staging_root, False
         try:
             super()._save_checkpoint(model, trial)
+        except Exception as err:
+            if not (self.args.should_save and is_disk_full(err)):
+                raise
+            # torch.save's error on a full disk ("unexpected pos ...") names neither the cause nor the folder, and
+            # the partial save would keep the disk full for the rerun.
+            removed = remove_paths([staging_root])
+            raise disk_full_error(run_dir, needed, what, removed, fix, err) from err
         finally:
             self._staging_root = None
         if self.state.best_model_checkpoint == staged:  # the Trainer recorded the staging path: name the final one
@@ -309,6 +366,7 @@ class RecurrentTrainer(StabilityMixin, Trainer):
     # -- logging
 
     def log(self, logs: dict, *args, **kwargs):
+        logs["step"] = self.state.global_step  # a log line without it (the Trainer's has the epoch) says not when
         collapsed = False
         if "loss" in logs and self._window["steps"]:
             window, elapsed = self._window, max(time.perf_counter() - self._window_start, 1e-9)
