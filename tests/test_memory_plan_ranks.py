@@ -127,6 +127,10 @@ def test_cli_plans_one_rank_of_several(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert (plan["num_processes"], plan["sharding"]) == (2, "fsdp2") and plan["per_device_train_batch_size"] >= 1
     assert main(["--preset", "recurrent-7b", "--num_processes", "2", "--sharding", "fsdp2"]) == 0
+    out = capsys.readouterr().out  # the default: mixed_precision no, as in accelerate_fsdp2_<N>x24gb.yaml
+    assert "on each of 2 processes (fsdp2)" in out and "fp32 master shards" not in out
+    assert main(["--preset", "recurrent-7b", "--num_processes", "2", "--sharding", "fsdp2", "--mixed_precision",
+                 "bf16"]) == 0
     out = capsys.readouterr().out
     assert "on each of 2 processes (fsdp2)" in out and "fp32 master shards" in out
     assert "accelerate launch --config_file" in out and "--num_processes 2" in out
