@@ -34,7 +34,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
-from transformers.utils import can_return_tuple
+from transformers.utils import can_return_tuple, logging
 
 try:
     from .adaptive_depth import DepthExit, RecurrentDepthCausalLMOutput, RecurrentDepthModelOutput, check_exit
@@ -48,6 +48,8 @@ except ImportError:  # loaded as flat modules by `trust_remote_code`
     from configuration_recurrent_depth import RecurrentDepthConfig
     from init_recurrent_depth import ScaledEmbedding, init_scaled, initial_state, positions_from_mask
     from loading_recurrent_depth import forget_compiled_prefix, keep_num_steps, map_compiled_prefix, pass_num_steps
+
+logger = logging.get_logger(__name__)
 
 # transformers >= 5.24 calls the cache argument and output field `cache`; 5.17 calls them `past_key_values`.
 CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -189,6 +191,7 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
       `last_hidden_state`, i.e. after the final norm (the last coda layer's output normed; with C = 0, s_n normed).
     - `attentions` (`output_attentions=True`, eager attention only): P + n * K tensors (B, nh, T, T_past + T), one
       per layer call: each prelude layer, each core layer at step 1, ..., each core layer at step n, each coda layer.
+      With sdpa or flash attention, an empty tuple and a warning (Llama's convention).
     """
 
     def __init__(self, config: RecurrentDepthConfig):
@@ -266,12 +269,15 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         no_grad_steps = 0 if backprop_depth is None else max(num_steps - backprop_depth, 0)
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        if output_attentions and config._attn_implementation != "eager":
-            raise ValueError(
-                f"output_attentions=True needs attention weights, which only eager attention computes (this model "
-                f"uses {config._attn_implementation!r}): load it with attn_implementation=\"eager\" or call "
-                "model.set_attn_implementation(\"eager\")."
+        # As Llama: with an attention that computes no weights (sdpa, flash) the maps are an empty tuple, with a warning.
+        attentions_unavailable = output_attentions and config._attn_implementation != "eager"
+        if attentions_unavailable:
+            logger.warning_once(
+                f"`{config._attn_implementation}` attention does not support `output_attentions=True`: the attentions "
+                "are an empty tuple. Load the model with attn_implementation=\"eager\" (or call "
+                "model.set_attn_implementation(\"eager\")) for the maps."
             )
+            output_attentions = False
 
         use_cache = config.use_cache if use_cache is None else use_cache
         # As in transformers' models, training with gradient checkpointing runs without a cache.
@@ -336,7 +342,7 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         return RecurrentDepthModelOutput(
             last_hidden_state=hidden,
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
-            attentions=tuple(attentions) if attentions is not None else None,
+            attentions=() if attentions_unavailable else tuple(attentions) if attentions is not None else None,
             num_steps_used=None if depth_exit is None else depth_exit.steps_used,
             **{CACHE_FIELD: cache},
         )
