@@ -33,8 +33,7 @@ from hf_recurrent import presets  # noqa: E402
 from hf_recurrent.modeling_recurrent_depth import RecurrentDepthForCausalLM  # noqa: E402
 from trainer_ext.distill.losses import chunked_lm_loss  # noqa: E402
 from trainer_ext.optim.optimizer import create_optimizer  # noqa: E402
-from trainer_ext.training.distributed import bind_optimizer  # noqa: E402
-from trainer_ext.training.trainer import decoder_hidden  # noqa: E402
+from trainer_ext.training.distributed import bind_optimizer, decoder_hidden  # noqa: E402
 
 GLOBAL_BATCH, SEQ_LEN = 8, 16
 MOMENTUM = {"none": {}, "full": {"momentum": 0.9},

@@ -164,6 +164,18 @@ def test_two_cycles_end_to_end(reference):
     card = (out / "recurrent" / "cycle-002" / "final" / "README.md").read_text()
     assert "Tokens seen: 1,024" in card and "transformer-debug" in card
 
+    # The compute of each arm: FLOPs at the depths its steps ran (the recurrent model's mean depth 4 unrolls more
+    # layers per token than the 4-layer baseline), wall seconds and tokens/s, summed over the cycles.
+    for arch in ("recurrent", "baseline"):
+        by_cycle = {r["cycle"]: r for r in records if r["arch"] == arch}
+        assert 0 < by_cycle[1]["train_flops"] < by_cycle[2]["train_flops"]
+        assert 0 < by_cycle[1]["train_seconds"] < by_cycle[2]["train_seconds"]
+        assert by_cycle[2]["train_tokens_per_second"] > 0
+    flops = {r["arch"]: r["train_flops"] for r in records if r["cycle"] == 2}
+    assert flops["recurrent"] > flops["baseline"]
+    assert "Training compute up to each cycle" in (out / "results.md").read_text()
+    assert os.path.isfile(out / "compute_curves.png")
+    assert "FLOPs over 1,024 tokens" in card
     with open(out / "results.jsonl") as f:
         assert numbers(json.loads(line) for line in f) == numbers(records)
     table = (out / "results.md").read_text()

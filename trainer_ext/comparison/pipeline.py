@@ -268,9 +268,13 @@ class ComparisonRun:
                 log_history = json.load(f)
             train_loss = whole_run_train_loss(log_history, checkpoint_step(resumed) if resumed else None,
                                               metrics.get("train_loss"))
+            def last(key):  # the training's own count at its end (carried over a resume)
+                return next((entry[key] for entry in reversed(log_history) if key in entry), None)
+
             self.state.mark_done(cycle, f"train_{model}", final_dir=os.path.join(output_dir, "final"), base=previous,
                                  tokens_seen=cycle * self.tokens_per_cycle, steps=self.steps_per_cycle,
-                                 train_loss=train_loss)
+                                 train_loss=train_loss, train_seconds=last("train_seconds"),
+                                 train_flops=last("total_flos"))
 
         self._by_one_process(f"the record of cycle {cycle}'s {model} training", record)
 
@@ -280,11 +284,26 @@ class ComparisonRun:
                                     self.args.eval_dtype)
         checkpoints = {model: (getattr(self.args, f"{model}_preset"),
                                self.state.stage(cycle, f"train_{model}")["final_dir"]) for model in MODELS}
-        records = heldout.evaluate(cycle, cycle * self.tokens_per_cycle, checkpoints, self.progress)
+        records = [{**record, **self.training_compute(cycle, record["arch"])}
+                   for record in heldout.evaluate(cycle, cycle * self.tokens_per_cycle, checkpoints, self.progress)]
         for model in MODELS:
             self.write_card(cycle, model, records)
         self.state.mark_done(cycle, "evaluate", results=records)
         write_results(self.out, self.all_records())
+
+    def training_compute(self, cycle: int, model: str) -> dict:
+        """What `model`'s training cost up to the end of `cycle`: wall seconds in training and FLOPs at the depths
+        its steps ran (`RecurrentTrainer.floating_point_ops`), summed over cycles 1..cycle, and this cycle's
+        tokens/s. None where a cycle's training recorded none (runs of versions before these were recorded)."""
+        stages = [self.state.stage(c, f"train_{model}") for c in range(1, cycle + 1)]
+
+        def total(key):
+            values = [stage.get(key) for stage in stages]
+            return None if None in values else sum(values)
+
+        seconds = stages[-1].get("train_seconds")
+        return {"train_seconds": total("train_seconds"), "train_flops": total("train_flops"),
+                "train_tokens_per_second": round(self.tokens_per_cycle / seconds, 1) if seconds else None}
 
     def write_card(self, cycle: int, model: str, records: list[dict]) -> None:
         """The model card of a cycle's final checkpoint, with its held-out results (rewritten before a push, so
@@ -299,6 +318,11 @@ class ComparisonRun:
             training_details={"Comparison": f"same-data comparison with `{other}` (same tokenizer, data, order and "
                                             "seed); evaluated on a fixed held-out set of "
                                             f"{self.state.heldout['num_samples'] * self.data_args.seq_len:,} tokens"})
+        compute = self.training_compute(cycle, model)
+        if compute["train_flops"] is not None:
+            info.training_details["Training compute"] = (
+                f"{compute['train_flops']:.3g} FLOPs over {tokens_seen:,} tokens (at the depths the steps ran), "
+                + (f"{compute['train_seconds']:,.0f} s of training" if compute["train_seconds"] is not None else ""))
         write_cycle_card(self.state.stage(cycle, f"train_{model}")["final_dir"], model, records, info)
 
     def cleanup(self, cycle: int) -> None:

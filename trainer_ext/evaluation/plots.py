@@ -52,8 +52,8 @@ def plot_depth_curves(results: list[dict], output_dir: str) -> list[str]:
 def plot_learning_curves(
     records: list[dict], path: str, x: str = "tokens_seen", metrics: tuple[str, ...] = ("ce", "top1")
 ) -> str:
-    """One panel per metric (those present in the records), one line per model, against `x` (tokens_seen or
-    cycle). Records missing a metric are skipped for that panel only; returns `path`."""
+    """One panel per metric (those present in the records), one line per model, against `x` (tokens_seen, cycle or
+    train_flops). Records missing a metric are skipped for that panel only; returns `path`."""
     if not records:
         raise ValueError("plot_learning_curves: no records to plot.")
     for record in records:
@@ -75,6 +75,7 @@ _LABELS = {
     "top1": "top-1 accuracy",
     "top5": "top-5 accuracy",
     "tokens_seen": "training tokens",
+    "train_flops": "training FLOPs",
     "cycle": "cycle",
     "layers": "unrolled depth (layers)",
 }

@@ -55,6 +55,7 @@ class TrainingHooksCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._bind_optimizer()  # the model is wrapped (DDP, FSDP2) by now, not yet run
+        self.trainer._start_training_clock()  # after a resumed checkpoint's log history is loaded
         if args.stability_guard:
             self.trainer._start_stability_guard(state)
         self.trainer._reset_health_bookkeeping()

@@ -4,6 +4,7 @@
   updates each parameter in place inside backward, is refused there up front. Under FSDP2 it updates the shards
   (trainer_ext/optim/shards.py).
 * `bind_optimizer`: what the launch did to the model, the in-backward optimizer follows before the first backward.
+* `decoder_hidden`: the training forward through what the launch wrapped (DDP, FSDP2's root).
 * `check_processes_coordinated`: a launcher can start several processes that never form a group (accelerate
   turns FSDP/DeepSpeed on for accelerators only; without one each process trains alone on the same data and
   writes the same output directory). That is refused instead of wasting the run.
@@ -32,6 +33,7 @@ __all__ = [
     "check_optimizer_supports",
     "bind_optimizer",
     "check_processes_coordinated",
+    "decoder_hidden",
     "is_fsdp_module",
     "pretrained_class",
     "saved_as_pretrained_class",
@@ -159,3 +161,23 @@ def end_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # no process tears its end down while another still talks to it
         dist.destroy_process_group()
+
+
+def decoder_hidden(model, unwrapped, input_ids, attention_mask, depth: dict) -> torch.Tensor:
+    """The decoder's last hidden state, (B, T, C). Under DDP and FSDP2 from a forward through the wrapped root:
+    only that readies DDP's gradient all-reduce and FSDP2's gathering of the root's own parameters (embeddings, the
+    LM head, the final norm; the root keeps them gathered after its forward, for the loss that reads the LM head);
+    the decoder called directly would leave each process training on its own gradient, or the root's parameters
+    sharded. The LM head then runs on no position (the chunked loss applies it); the hidden state is taken from the
+    decoder's output on its way."""
+    if not (isinstance(model, DistributedDataParallel) or is_fsdp_module(unwrapped)):
+        return unwrapped.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                               **depth).last_hidden_state
+    caught = {}
+    handle = unwrapped.model.register_forward_hook(lambda module, args, output: caught.update(hidden=output[0]))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device), **depth)
+    finally:
+        handle.remove()
+    return caught["hidden"]

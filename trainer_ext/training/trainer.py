@@ -13,7 +13,6 @@ import signal
 import time
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, default_data_collator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -45,7 +44,7 @@ from trainer_ext.training.callbacks import (
 from trainer_ext.training.distributed import (
     bind_optimizer,
     check_optimizer_supports,
-    is_fsdp_module,
+    decoder_hidden,
     saved_as_pretrained_class,
 )
 from trainer_ext.training.stability import StabilityGuard, UnstableTrainingError
@@ -68,26 +67,6 @@ def compile_decoder_layers(model, mode: str = "default", backend: str = "inducto
     for layer in layers:
         layer.compile(mode=mode, backend=backend)
     return len(layers)
-
-
-def decoder_hidden(model, unwrapped, input_ids, attention_mask, depth: dict) -> torch.Tensor:
-    """The decoder's last hidden state, (B, T, C). Under DDP and FSDP2 from a forward through the wrapped root:
-    only that readies DDP's gradient all-reduce and FSDP2's gathering of the root's own parameters (embeddings, the
-    LM head, the final norm; the root keeps them gathered after its forward, for the loss that reads the LM head);
-    the decoder called directly would leave each process training on its own gradient, or the root's parameters
-    sharded. The LM head then runs on no position (the chunked loss applies it); the hidden state is taken from the
-    decoder's output on its way."""
-    if not (isinstance(model, DistributedDataParallel) or is_fsdp_module(unwrapped)):
-        return unwrapped.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                               **depth).last_hidden_state
-    caught = {}
-    handle = unwrapped.model.register_forward_hook(lambda module, args, output: caught.update(hidden=output[0]))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device), **depth)
-    finally:
-        handle.remove()
-    return caught["hidden"]
 
 
 class RecurrentTrainer(StabilityMixin, Trainer):
@@ -136,6 +115,8 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         self._window = {"tokens": 0, "flops": 0.0, "ce": 0.0, "kd": 0.0, "depth": 0, "steps": 0, "nonfinite": 0,
                         "finite_sum": 0.0, "finite": 0}
         self._window_start = time.perf_counter()
+        self._step_flops = 0.0  # of the step under way, handed to the Trainer's FLOP count (floating_point_ops)
+        self._training_clock = None  # (seconds before this train() call, its start): _start_training_clock
         self._profile_logged = False
         self._warmup_steps_left = COMPILE_WARMUP_STEPS if compile_options is not None else 0
         self._warmup = {"start": None, "seconds": None, "logged": False}
@@ -337,8 +318,10 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         if training:
             num_steps = depth.get("num_steps")
             self._window["tokens"] += input_ids.numel()
-            self._window["flops"] += input_ids.numel() * flops_per_token(
+            step_flops = input_ids.numel() * flops_per_token(
                 unwrapped.config, num_steps, depth.get("backprop_depth"), seq_len=input_ids.shape[1])
+            self._window["flops"] += step_flops
+            self._step_flops += step_flops
             # Summed on the device and read at logging time: a float() here would wait for the GPU every step.
             self._window["ce"] += out.ce.detach()
             self._window["kd"] += out.kd.detach()
@@ -404,11 +387,28 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             if not self.profiler.active and not self._profile_logged and self.profiler.steps_seen:
                 logs.update(self.profiler.breakdown())
                 self._profile_logged = True
+        if ("loss" in logs or "train_runtime" in logs) and self._training_clock is not None:
+            base, start = self._training_clock
+            logs["train_seconds"] = round(base + time.perf_counter() - start, 3)
         if "loss" in logs and self.stability is not None:
             self._add_stability_logs(logs)
         super().log(logs, *args, **kwargs)
         if collapsed:  # after the log line, so that the losses that led here are on record
             self._stop_collapsed_training()
+
+    def floating_point_ops(self, inputs) -> float:
+        """The training FLOPs of the step just run, at the depth it ran (`hf_recurrent.flops_per_token`, recompute
+        and backprop depth included), which the Trainer sums over steps and processes into `state.total_flos`: kept
+        in every checkpoint, so a resumed run counts on (the Trainer's own estimate, 6 x parameters per token, knows
+        no depth)."""
+        flops, self._step_flops = self._step_flops, 0.0
+        return flops
+
+    def _start_training_clock(self):
+        """`train_seconds` of the log lines: wall time in train() since the run began, carried over a resume from the
+        last logged value (the time of steps lost after the checkpoint a run resumes from does not count)."""
+        logged = [entry["train_seconds"] for entry in self.state.log_history if "train_seconds" in entry]
+        self._training_clock = (logged[-1] if logged else 0.0, time.perf_counter())
 
     def _count_warmup_step(self, starting: bool = False):
         """Times the first COMPILE_WARMUP_STEPS steps of a compiled run apart from the steady-state throughput."""
