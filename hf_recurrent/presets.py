@@ -1,7 +1,9 @@
 """Named model shapes. The vocabulary comes from the tokenizer at training time (padded to a multiple of 64).
 
 Recurrent presets and their Transformer peers share hidden size, MLP and attention shapes; the peer has
-`n_prelude + n_core + n_coda` layers, so both hold the same unique parameters up to the small adapter.
+`n_prelude + n_core + n_coda` layers, so both hold the same unique parameters up to the small adapter. The
+`-compute` peers (`transformer-125m-compute`, ...) have as many layers as match the recurrent model's training FLOPs
+per token at its mean depth: the baseline at equal compute.
 """
 
 from dataclasses import dataclass
@@ -39,8 +41,12 @@ _RECURRENT = {
 }
 # Transformer baselines: same shape as their recurrent peer, every layer unique.
 _BASELINE_PEER = {"transformer-125m": "recurrent-125m", "transformer-3.3b": "recurrent-3.3b", "transformer-debug": "debug"}
+# Transformer baselines of equal training compute: the peer's widths, and as many layers as give the recurrent
+# model's training FLOPs per token at its mean depth (`compute_matched_layers`): the comparison at equal compute,
+# beside the one at equal unique parameters.
+_COMPUTE_PEER = {f"{name}-compute": peer for name, peer in _BASELINE_PEER.items()}
 
-NAMES = tuple(_RECURRENT) + tuple(_BASELINE_PEER)
+NAMES = tuple(_RECURRENT) + tuple(_BASELINE_PEER) + tuple(_COMPUTE_PEER)
 
 
 def pad_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
@@ -51,7 +57,8 @@ def get(name: str, vocab_size: int | None = None, **overrides) -> RecurrentDepth
     """Config for preset `name`; `vocab_size` (a tokenizer's size) is padded to a multiple of 64."""
     if name not in NAMES:
         raise ValueError(f"Unknown preset {name!r}; choose one of {list(NAMES)}.")
-    shape = _RECURRENT[_BASELINE_PEER.get(name, name)]
+    peer = _BASELINE_PEER.get(name) or _COMPUTE_PEER.get(name)
+    shape = _RECURRENT[peer or name]
     vocab = pad_vocab(vocab_size) if vocab_size is not None else shape.vocab_size
     common = dict(
         vocab_size=vocab,
@@ -66,6 +73,9 @@ def get(name: str, vocab_size: int | None = None, **overrides) -> RecurrentDepth
     if name in _BASELINE_PEER:
         layers = shape.n_prelude_layers + shape.n_core_layers + shape.n_coda_layers
         return LlamaConfig(**{**common, "num_hidden_layers": layers, **overrides})
+    if name in _COMPUTE_PEER:
+        return LlamaConfig(**{**common, "num_hidden_layers": compute_matched_layers(get(peer, vocab_size)),
+                              **overrides})
     return RecurrentDepthConfig(
         **{
             **common,
@@ -83,6 +93,23 @@ def get(name: str, vocab_size: int | None = None, **overrides) -> RecurrentDepth
             **overrides,
         }
     )
+
+
+def compute_matched_layers(recurrent_config: RecurrentDepthConfig, seq_len: int = 2048) -> int:
+    """Layers of a Llama of `recurrent_config`'s widths and vocabulary whose training FLOPs per token come nearest
+    the recurrent model's at its mean depth (with its backprop depth and recompute of the steps before it)."""
+    from .cost import flops_per_token
+
+    def llama(layers: int) -> LlamaConfig:
+        return LlamaConfig(vocab_size=recurrent_config.vocab_size, hidden_size=recurrent_config.hidden_size,
+                           intermediate_size=recurrent_config.intermediate_size, num_hidden_layers=layers,
+                           num_attention_heads=recurrent_config.num_attention_heads,
+                           num_key_value_heads=recurrent_config.num_key_value_heads)
+
+    one, two = (flops_per_token(llama(layers), seq_len=seq_len) for layers in (1, 2))
+    per_layer, head = two - one, 2 * one - two  # a Transformer's training FLOPs are linear in its layers
+    target = flops_per_token(recurrent_config, seq_len=seq_len)
+    return max(1, round((target - head) / per_layer))
 
 
 def is_recurrent(config) -> bool:

@@ -50,6 +50,21 @@ def test_invalid_config_names_the_field(overrides, field):
         presets.get("debug", **overrides)
 
 
+@pytest.mark.parametrize("peer,recurrent", [("transformer-debug", "debug"), ("transformer-125m", "recurrent-125m"),
+                                            ("transformer-3.3b", "recurrent-3.3b")])
+def test_compute_matched_baselines_train_at_the_recurrent_models_flops_per_token(peer, recurrent):
+    """The -compute peer: the widths of the parameter-matched one, and the layers that give the recurrent model's
+    training FLOPs per token at its mean depth, to within half a layer."""
+    from hf_recurrent.cost import flops_per_token
+
+    matched, same_params, target = presets.get(f"{peer}-compute"), presets.get(peer), presets.get(recurrent)
+    assert (matched.hidden_size, matched.intermediate_size) == (same_params.hidden_size, same_params.intermediate_size)
+    assert matched.num_hidden_layers > same_params.num_hidden_layers
+    per_layer = flops_per_token(same_params) / same_params.num_hidden_layers  # an upper bound: the head counted too
+    assert abs(flops_per_token(matched) - flops_per_token(target)) <= per_layer / 2
+    assert presets.get(f"{peer}-compute", vocab_size=1000).vocab_size == 1024  # the data's vocabulary, padded
+
+
 def test_unknown_preset_lists_the_choices():
     with pytest.raises(ValueError, match="recurrent-3.3b"):
         presets.get("recurrent-42b")

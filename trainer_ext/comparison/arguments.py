@@ -84,7 +84,10 @@ class CompareArguments:
     recurrent_preset: str = field(
         default="debug", metadata={"help": "The recurrent-depth model (e.g. recurrent-125m)."})
     baseline_preset: str = field(
-        default="transformer-debug", metadata={"help": "The Transformer baseline (a transformer-* preset)."})
+        default="transformer-debug", metadata={"help": "The Transformer baseline (a transformer-* preset): of equal "
+                                                       "unique parameters, or with -compute (transformer-125m-compute) "
+                                                       "of equal training FLOPs per token at the recurrent model's "
+                                                       "mean depth."})
     recurrent_config_overrides: str | None = field(
         default=None, metadata={"help": "Config fields of the recurrent model, e.g. 'mean_recurrence=8'."})
     baseline_config_overrides: str | None = field(default=None, metadata={"help": "Config fields of the baseline."})
