@@ -197,4 +197,9 @@ class RecurrentDepthConfig(PreTrainedConfig):
             raise ValueError(f"RecurrentDepthConfig.embedding_scale={self.embedding_scale!r} must be > 0 (or None).")
 
 
-__all__ = ["RecurrentDepthConfig"]
+def is_recurrent(config) -> bool:
+    """Whether `config` is a recurrent-depth model's (a Transformer baseline's is not)."""
+    return getattr(config, "model_type", None) == RecurrentDepthConfig.model_type
+
+
+__all__ = ["RecurrentDepthConfig", "is_recurrent"]

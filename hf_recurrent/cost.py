@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from .presets import is_recurrent
+from .configuration_recurrent_depth import is_recurrent
 
 
 def unrolled_layers(config, num_steps: int | None = None) -> int:

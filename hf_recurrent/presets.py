@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from transformers import LlamaConfig
 
-from .configuration_recurrent_depth import RecurrentDepthConfig
+# is_recurrent is imported from here by its callers (it lives with the config, which cost.py reads without presets).
+from .configuration_recurrent_depth import RecurrentDepthConfig, is_recurrent  # noqa: F401
+from .cost import flops_per_token
 
 VOCAB_MULTIPLE = 64
 
@@ -98,8 +100,6 @@ def get(name: str, vocab_size: int | None = None, **overrides) -> RecurrentDepth
 def compute_matched_layers(recurrent_config: RecurrentDepthConfig, seq_len: int = 2048) -> int:
     """Layers of a Llama of `recurrent_config`'s widths and vocabulary whose training FLOPs per token come nearest
     the recurrent model's at its mean depth (with its backprop depth and recompute of the steps before it)."""
-    from .cost import flops_per_token
-
     def llama(layers: int) -> LlamaConfig:
         return LlamaConfig(vocab_size=recurrent_config.vocab_size, hidden_size=recurrent_config.hidden_size,
                            intermediate_size=recurrent_config.intermediate_size, num_hidden_layers=layers,
@@ -112,5 +112,3 @@ def compute_matched_layers(recurrent_config: RecurrentDepthConfig, seq_len: int 
     return max(1, round((target - head) / per_layer))
 
 
-def is_recurrent(config) -> bool:
-    return getattr(config, "model_type", None) == RecurrentDepthConfig.model_type
