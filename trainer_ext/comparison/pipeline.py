@@ -268,6 +268,7 @@ class ComparisonRun:
                 log_history = json.load(f)
             train_loss = whole_run_train_loss(log_history, checkpoint_step(resumed) if resumed else None,
                                               metrics.get("train_loss"))
+
             def last(key):  # the training's own count at its end (carried over a resume)
                 return next((entry[key] for entry in reversed(log_history) if key in entry), None)
 
@@ -320,9 +321,10 @@ class ComparisonRun:
                                             f"{self.state.heldout['num_samples'] * self.data_args.seq_len:,} tokens"})
         compute = self.training_compute(cycle, model)
         if compute["train_flops"] is not None:
+            seconds = compute["train_seconds"]
             info.training_details["Training compute"] = (
-                f"{compute['train_flops']:.3g} FLOPs over {tokens_seen:,} tokens (at the depths the steps ran), "
-                + (f"{compute['train_seconds']:,.0f} s of training" if compute["train_seconds"] is not None else ""))
+                f"{compute['train_flops']:.3g} FLOPs over {tokens_seen:,} tokens (at the depths the steps ran)"
+                + (f", {seconds:,.0f} s of training" if seconds is not None else ""))
         write_cycle_card(self.state.stage(cycle, f"train_{model}")["final_dir"], model, records, info)
 
     def cleanup(self, cycle: int) -> None:
