@@ -59,7 +59,9 @@ def on_terminal() -> bool:
     return _is_terminal(sys.stdout) and _is_terminal(sys.stderr)
 
 
-def format_count(value: float, unit_scale: bool = False) -> str:
+def _format_amount(value: float, unit_scale: bool = False) -> str:
+    """A progress line's count: "1,234", "12.5", or with `unit_scale` tqdm's "1.20M" (not hub.model_card's
+    format_count, which tables and cards use)."""
     if unit_scale:
         return tqdm.format_sizeof(value, divisor=1000).strip()
     if isinstance(value, float) and not value.is_integer():
@@ -67,7 +69,7 @@ def format_count(value: float, unit_scale: bool = False) -> str:
     return f"{int(value):,}"
 
 
-def format_duration(seconds: float) -> str:
+def _format_duration(seconds: float) -> str:
     """"42s", "3m 05s", "2h 07m"."""
     seconds = int(round(max(seconds, 0)))
     hours, rest = divmod(seconds, 3600)
@@ -82,7 +84,7 @@ def format_duration(seconds: float) -> str:
 def format_rate(per_second: float, unit: str, unit_scale: bool = False) -> str:
     """Units per second, or seconds per unit for slow phases ("12.0 s/stage" says more than "0.08 stage/s")."""
     if per_second >= 1:
-        return f"{format_count(float(round(per_second, 1)), unit_scale)} {unit}/s"
+        return f"{_format_amount(float(round(per_second, 1)), unit_scale)} {unit}/s"
     return f"{1 / per_second:,.1f} s/{unit}"
 
 
@@ -178,9 +180,9 @@ class Progress:
     def status(self, finished: bool = False) -> str:
         """The progress line: done/total, rate, time left, time elapsed, the postfix."""
         elapsed = time.monotonic() - self._start
-        done = format_count(self.n, self.unit_scale)
+        done = _format_amount(self.n, self.unit_scale)
         if self.total:
-            done += f"/{format_count(self.total, self.unit_scale)} {self.unit} ({100 * self.n / self.total:.0f}%)"
+            done += f"/{_format_amount(self.total, self.unit_scale)} {self.unit} ({100 * self.n / self.total:.0f}%)"
         else:
             done += f" {self.unit}"
         parts = [f"{self.desc}: {done}" if self.desc else done]
@@ -188,8 +190,8 @@ class Progress:
         if rate > 0:
             parts.append(format_rate(rate, self.unit, self.unit_scale))
         if not finished and self.total and rate > 0 and self.n < self.total:
-            parts.append(f"{format_duration((self.total - self.n) / rate)} left")
-        parts.append(f"{'done in' if finished else 'elapsed'} {format_duration(elapsed)}")
+            parts.append(f"{_format_duration((self.total - self.n) / rate)} left")
+        parts.append(f"{'done in' if finished else 'elapsed'} {_format_duration(elapsed)}")
         if self._postfix:
             parts.append(self._postfix)
         return ", ".join(parts)
