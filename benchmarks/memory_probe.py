@@ -45,6 +45,20 @@ TIME_SHARE = {"recurrent-125m": 0.1, "recurrent-1b": 0.15, "recurrent-3.3b": 0.4
 TOPK = 64  # a teacher cache's default top-k
 
 
+def distill_grid(preset: str, seq_len: int, vocab_sizes: list[int], compile_probes: bool) -> list[dict]:
+    """Probes of a cached teacher's top-k at the vocabularies of real teachers (llm-jp's 99,520, Qwen's 151,936): the
+    training's compiled step at `seq_len` and twice it, and an eager one, per vocabulary."""
+    u = BATCH_UNIT.get(preset, 1)
+    specs = []
+    for vocab in vocab_sizes:
+        shapes = [(2, seq_len, False), (1, seq_len * 2, False)]
+        if compile_probes:
+            shapes = [(2, seq_len, True), (1, seq_len * 2, True), (2, seq_len, False)]
+        specs += [{"preset": preset, "seq_len": seq, "batch_size": batch * u, "recompute": "all", "compile": compiled,
+                   "momentum": None, "distill": True, "vocab_size": vocab} for batch, seq, compiled in shapes]
+    return specs
+
+
 def default_grid(preset: str, seq_len: int, compile_probes: bool, distill_probes: bool,
                  only_compiled: bool = False) -> list[dict]:
     """Probe specs of one preset, most informative first (the time box cuts from the end). A plain Transformer's
@@ -108,24 +122,24 @@ class _RandomTokens:
 
         row = torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=self.generator)
         item = {"input_ids": row[:-1], "shift_labels": row[1:]}
-        if self.topk:
-            item["teacher_topk_ids"] = torch.randint(0, self.vocab_size, (self.seq_len, self.topk),
-                                                     generator=self.generator)
+        if self.topk:  # distinct ids per position, as a teacher's top-k
+            first = torch.randint(0, self.vocab_size, (self.seq_len, 1), generator=self.generator)
+            item["teacher_topk_ids"] = (first + torch.arange(self.topk)) % self.vocab_size
             logits = torch.randn(self.seq_len, self.topk, generator=self.generator)
             item["teacher_topk_logprobs"] = torch.log_softmax(logits, dim=-1) - 0.5
         return item
 
 
-def _build(preset: str, device: str):
+def _build(preset: str, device: str, vocab_size: int | None = None):
     import torch
 
     from hf_recurrent import presets
     from trainer_ext.training.arguments import ModelArguments
     from trainer_ext.run.model_setup import build_model
 
-    config = presets.get(preset)
+    config = presets.get(preset, vocab_size)
     if presets.is_recurrent(config):
-        config = presets.get(preset, depth_distribution="fixed")
+        config = presets.get(preset, vocab_size, depth_distribution="fixed")
     return build_model(ModelArguments(preset=preset), torch.device(device), config)
 
 
@@ -211,7 +225,7 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
               "graph_steps": steps_with_graphs,
               "num_steps": config.mean_recurrence if recurrent else 0, "params": params,
               "loss_chunk_size": args.loss_chunk_size or default_chunk_size(
-                  config.vocab_size, chunk_logit_bytes(model.dtype, torch.device(device), spec["distill"])),
+                  config.vocab_size, chunk_logit_bytes(model.dtype, torch.device(device), online_teacher=False)),
               "distill_topk": TOPK if spec["distill"] else 0, "config": _shape(config)}
     _reset_model(model)
     _free(device)
@@ -281,9 +295,13 @@ def child(specs_path: str, output: str, deadline: float, steps: int, compile_ste
             if time.time() > deadline:
                 record = {"status": "skipped", "error": "--max_seconds reached"}
             else:
+                vocab = spec.get("vocab_size")
+                if model is not None and vocab and model.config.vocab_size != vocab:
+                    model = None  # another head: the next probes' model
+                    _free(device)
                 if model is None:
                     started = time.perf_counter()
-                    model = _build(spec["preset"], device)
+                    model = _build(spec["preset"], device, vocab)
                     machine["model_build_seconds"] = round(time.perf_counter() - started, 2)
                 run_steps = compile_steps if spec["compile"] else steps
                 record = run_probe(model, spec, run_steps, device, output_dir)
@@ -327,6 +345,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no_distill_probes", action="store_true")
     parser.add_argument("--only_compile_probes", action="store_true",
                         help="Only the compiled probes (to add to eager probes measured before).")
+    parser.add_argument("--only_distill_probes", action="store_true",
+                        help="Only probes with a cached teacher's top-k, at each of --vocab_sizes.")
+    parser.add_argument("--vocab_sizes", type=int, nargs="+", default=[99520, 151936],
+                        help="With --only_distill_probes: the vocabularies probed.")
     parser.add_argument("--cap_gib", type=float, default=None, help="Emulated card size (default: the device).")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a dry run of the probe loop (no memory figures), e.g. with --presets debug.")
@@ -407,9 +429,13 @@ def _run_all(args, specs_by_preset: dict | None = None) -> int:
     share = {p: TIME_SHARE.get(p, (1 - min(known, 1)) / len(unknown) if unknown else 0) for p in args.presets}
     total_share, spent_share, failures = sum(share.values()) or 1.0, 0.0, 0
     for preset in args.presets:
-        specs = (specs_by_preset[preset] if specs_by_preset is not None
-                 else default_grid(preset, args.seq_len, compile_probes, not args.no_distill_probes,
-                                   args.only_compile_probes))
+        if specs_by_preset is not None:
+            specs = specs_by_preset[preset]
+        elif args.only_distill_probes:
+            specs = distill_grid(preset, args.seq_len, args.vocab_sizes, compile_probes)
+        else:
+            specs = default_grid(preset, args.seq_len, compile_probes, not args.no_distill_probes,
+                                 args.only_compile_probes)
         spent_share += share[preset]
         deadline = start + args.max_seconds * spent_share / total_share  # time left over carries to later presets
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

@@ -1,4 +1,5 @@
-"""The fused cross-entropy kernel of the chunked loss (trainer_ext/distill/ce_triton.py) against its torch path.
+"""The fused kernels of the chunked loss (cross-entropy, trainer_ext/distill/ce_triton.py; distillation from a cached
+top-k teacher, kd_triton.py) against its torch path.
 
 On a CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess so that no other test sees
 it); on a GPU it is also what `chunked_lm_loss` runs, checked against `F.cross_entropy` through autograd.
@@ -13,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer_ext.distill.losses import IGNORE_INDEX, _ce_and_grad, chunked_lm_loss
+from trainer_ext.distill.losses import (
+    IGNORE_INDEX, TopKTeacher, _chunk_loss_sums, _ce_and_grad, _fused_topk_loss, _Options, chunked_lm_loss,
+    teacher_topk)
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="needs Triton (the test extra on Linux x86-64)")
@@ -48,13 +51,62 @@ def check_kernel(device: str) -> None:
     print("kernel ok")
 
 
-@needs_triton
-def test_fused_ce_equals_the_torch_path_under_the_interpreter():
+def check_kd_kernels(device: str) -> None:
+    """CE, the divergence and the gradient wrt the logits of the fused top-k path equal the torch path's (autograd
+    over fp32 logits) on the same logits: every divergence, temperatures 1 and 2, a head wider than the real
+    vocabulary (padding rows outside the divergence), a vocabulary of several blocks, ignored positions (a target in
+    the padding rows too), fp32 and bf16 logits, and the no-gradient call."""
+    g = torch.Generator().manual_seed(0)
+    rows, topk = 11, 24
+    for dtype in (torch.float32, torch.bfloat16):
+        for vocab, limit in ((1000, 1000), (20000, 19000)):
+            logits = (3 * torch.randn(rows, vocab, generator=g)).to(device, dtype)
+            targets = torch.randint(0, vocab, (rows,), generator=g).to(device)
+            targets[[2, 7]] = IGNORE_INDEX
+            targets[4] = vocab - 1  # in the padding rows where limit < vocab
+            ids, logprobs = teacher_topk(2 * torch.randn(rows, vocab, generator=g), topk, limit)
+            teacher = TopKTeacher(ids=ids.to(device), logprobs=logprobs.to(device, torch.float16))
+            for divergence in ("forward_kl", "reverse_kl", "jsd"):
+                for temperature in (1.0, 2.0):
+                    options = _Options(alpha=0.5, temperature=temperature, divergence=divergence, jsd_beta=0.3,
+                                       chunk_size=rows, vocab_limit=limit, grad_hidden=True, grad_weight=True)
+                    weights = (torch.tensor(0.21, device=device), torch.tensor(0.43, device=device))
+                    reference = logits.float().clone().requires_grad_()
+                    want_ce, want_kd = _chunk_loss_sums(reference, targets, teacher, slice(0, rows), options)
+                    (want_grad,) = torch.autograd.grad(weights[0] * want_ce + weights[1] * want_kd, reference)
+                    got_ce, got_kd, got_grad = _fused_topk_loss(logits.clone(), targets, teacher, slice(0, rows),
+                                                                options, weights)
+                    case = (dtype, vocab, divergence, temperature)
+                    assert got_grad.dtype == dtype, case
+                    torch.testing.assert_close(got_ce, want_ce.detach(), rtol=1e-5, atol=1e-4, msg=str(case))
+                    torch.testing.assert_close(got_kd, want_kd.detach(), rtol=1e-4, atol=1e-5, msg=str(case))
+                    tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
+                    error = (got_grad.float() - want_grad.to(dtype).float()).abs().max()
+                    assert error <= tolerance * want_grad.abs().max(), (case, error)
+                    assert torch.all(got_grad[[2, 7]] == 0), case
+                    untouched = logits.clone()
+                    ce, kd, none = _fused_topk_loss(untouched, targets, teacher, slice(0, rows), options, None)
+                    assert none is None and torch.equal(untouched, logits)
+                    torch.testing.assert_close(kd, want_kd.detach(), rtol=1e-4, atol=1e-5, msg=str(case))
+    print("kd kernels ok")
+
+
+def run_under_interpreter(check: str, expected: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_ce_kernel; " \
-           "test_ce_kernel.check_kernel('cpu')"
+           f"test_ce_kernel.{check}('cpu')"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and "kernel ok" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0 and expected in result.stdout, result.stderr[-3000:]
+
+
+@needs_triton
+def test_fused_ce_equals_the_torch_path_under_the_interpreter():
+    run_under_interpreter("check_kernel", "kernel ok")
+
+
+@needs_triton
+def test_fused_topk_distillation_equals_the_torch_path_under_the_interpreter():
+    run_under_interpreter("check_kd_kernels", "kd kernels ok")
 
 
 def test_the_kernel_refuses_logits_strided_along_the_vocabulary():
@@ -68,6 +120,11 @@ def test_the_kernel_refuses_logits_strided_along_the_vocabulary():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_ce_matches_the_torch_path_on_gpu():
     check_kernel("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_topk_distillation_matches_the_torch_path_on_gpu():
+    check_kd_kernels("cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -332,10 +332,11 @@ def test_default_chunk_size_is_a_fixed_number_of_logits():
     # The fused kernel's bf16 chunk: twice the positions in the same bytes; its fp32 chunk and the torch path: fp32.
     assert default_chunk_size(65536, 2) == 2048 and default_chunk_size(99520, 2) == 1280
     cuda = torch.device("cuda")
-    assert chunk_logit_bytes(torch.bfloat16, cuda, distill=False) == (2 if has_triton() else 4)
+    # Plain CE and a cached teacher run the kernels; an online teacher takes the torch path.
+    assert chunk_logit_bytes(torch.bfloat16, cuda, online_teacher=False) == (2 if has_triton() else 4)
     assert chunk_logit_bytes(torch.float32, cuda, False) == chunk_logit_bytes(torch.float16, cuda, False) == 4
-    assert chunk_logit_bytes(torch.bfloat16, cuda, distill=True) == 4 == chunk_logit_bytes(torch.bfloat16,
-                                                                                          torch.device("cpu"), False)
+    assert chunk_logit_bytes(torch.bfloat16, cuda, online_teacher=True) == 4 == chunk_logit_bytes(
+        torch.bfloat16, torch.device("cpu"), False)
     hidden, weight, labels, _, _ = make_inputs()
     default = chunked_lm_loss(hidden, weight, labels)
     torch.testing.assert_close(default.loss, chunked_lm_loss(hidden, weight, labels, chunk_size=CHUNK).loss)

@@ -37,10 +37,9 @@ from trainer_ext.memory.recompute import RecomputeCallback, RecomputeSet
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PROBES = REPO / "results" / "memory-probes" / "probes.jsonl"
 
-# A calibration with round numbers: 0.5 GiB constant, activation terms of a plausible size, a V x H transient, a
-# teacher's chunk of fp32 temporaries, smaller kept activations and a larger transient when compiled; the same for a
-# plain Transformer.
-_ROUND = FamilyFit(memory_coefficients=[0.5, 20.0, 4.0, 3.0, 6.0, 2.0, 12.0, 16.0, 10.0, 14.0, 3.0, 9.0, 18.0, 8.0],
+# A calibration with round numbers: 0.5 GiB constant, activation terms of a plausible size, a teacher's top-k, a V x H
+# transient, smaller kept activations and a larger transient when compiled; the same for a plain Transformer.
+_ROUND = FamilyFit(memory_coefficients=[0.5, 20.0, 4.0, 3.0, 6.0, 2.0, 12.0, 16.0, 14.0, 3.0, 9.0, 18.0],
                    theta=0.6, time_coefficients=[0.01, 0.002, 0.0015, 0.0005, 0.003, 0.02], compile_factor=0.8)
 SYNTHETIC = Calibration({"recurrent": _ROUND, "transformer": _ROUND}, info={})
 
@@ -140,7 +139,7 @@ def test_the_fit_recovers_known_coefficients_from_synthetic_probes():
 
 def test_each_family_is_fitted_to_its_own_probes_and_survives_a_round_trip(tmp_path):
     # Probes of a plain Transformer made with other coefficients: the fit keeps them apart from the recurrent ones.
-    other = FamilyFit([0.3, 9.0, 30.0, 2.0, 0.0, 40.0, 6.0, 5.0, 7.0, 4.0, 20.0, 5.0, 2.0, 9.0], 0.2,
+    other = FamilyFit([0.3, 9.0, 30.0, 2.0, 0.0, 40.0, 6.0, 5.0, 4.0, 20.0, 5.0, 2.0], 0.2,
                       [0.02, 0.001, 0.001, 0.0, 0.004, 0.01], 0.7)
     calibration = Calibration({"recurrent": _ROUND, "transformer": other}, info={})
     records = _synthetic_probes(calibration) + _synthetic_probes(calibration, transformer=True)
@@ -224,7 +223,7 @@ def test_cli_recalibrates_from_a_probe_file(tmp_path, capsys):
     old = {**json.loads(out.read_text()), "format_version": 1}
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert main(["--preset", "recurrent-3.3b", "--calibration", str(tmp_path / "old.json")]) != 0
-    assert re.search(r"format_version 1, expected 2.*hf-recurrent-plan-memory --calibrate", capsys.readouterr().err)
+    assert re.search(r"format_version 1, expected 3.*hf-recurrent-plan-memory --calibrate", capsys.readouterr().err)
 
 
 def test_defaults_resolve_to_no_plan_and_no_compile_on_cpu(tmp_path):

@@ -68,9 +68,10 @@ def default_chunk_size(vocab_size: int, logit_bytes: int = 4) -> int:
     return max(CHUNK_MULTIPLE, logits // max(vocab_size, 1) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
 
 
-def chunk_logit_bytes(head_dtype: torch.dtype, device: torch.device, distill: bool) -> int:
-    """Bytes per logit of a chunk's largest tensor: the head's dtype where the fused CE kernel runs, else fp32."""
-    return head_dtype.itemsize if not distill and _fused_ce(head_dtype, device) else 4
+def chunk_logit_bytes(head_dtype: torch.dtype, device: torch.device, online_teacher: bool) -> int:
+    """Bytes per logit of a chunk's largest tensor: the head's dtype where the fused kernels run (plain CE or a
+    cached teacher), else fp32 (the torch path, which an online teacher always takes)."""
+    return head_dtype.itemsize if not online_teacher and _fused_ce(head_dtype, device) else 4
 
 
 @dataclass
@@ -107,13 +108,16 @@ class TopKTeacher:
 
     def _log_probs(self, rows, student_logits, temperature, vocab_limit):
         ids = self.ids[rows].long()  # (C, k); ids and logprobs flattened to (B * T, k)
-        logprobs = self.logprobs[rows].float()  # (C, k)
-        # Re-spread the top-k mass by temperature, keep its total (and so the tail) unchanged.
-        top_mass = torch.logsumexp(logprobs, dim=-1, keepdim=True)
-        teacher_lp = _append_tail(top_mass + F.log_softmax(logprobs / temperature, dim=-1))
         student_full = F.log_softmax(student_logits[:, :vocab_limit] / temperature, dim=-1)
         student_lp = _append_tail(student_full.gather(1, ids))
-        return teacher_lp, student_lp  # (C, k + 1) each
+        return self._buckets(rows, temperature), student_lp  # (C, k + 1) each
+
+    def _buckets(self, rows, temperature):
+        """The teacher's (C, k + 1) bucket log-probs at `temperature`: the top-k mass re-spread by temperature, its
+        total (and so the tail) unchanged."""
+        logprobs = self.logprobs[rows].float()  # (C, k)
+        top_mass = torch.logsumexp(logprobs, dim=-1, keepdim=True)
+        return _append_tail(top_mass + F.log_softmax(logprobs / temperature, dim=-1))
 
 
 @dataclass
@@ -168,7 +172,7 @@ def chunked_lm_loss(
     while a chunk's matmul stays large; None takes `default_chunk_size(V)`.
     """
     if chunk_size is None:
-        logit_bytes = chunk_logit_bytes(lm_head_weight.dtype, lm_head_weight.device, distill=teacher is not None)
+        logit_bytes = chunk_logit_bytes(lm_head_weight.dtype, lm_head_weight.device, isinstance(teacher, OnlineTeacher))
         chunk_size = default_chunk_size(lm_head_weight.shape[0], logit_bytes)
     vocab_limit = _validate(
         hidden, lm_head_weight, labels, teacher, alpha, temperature, divergence, jsd_beta, chunk_size
@@ -260,6 +264,10 @@ def _forward_and_grads(hidden, weight, labels, teacher, options):
         # chunk's loss wrt its logits only.
         if teacher is None:
             ce, grad_logits = _plain_ce(logits, labels_flat[rows], ce_weight if needs_grad else None)
+        elif isinstance(teacher, TopKTeacher) and _fused_ce(logits.dtype, logits.device):
+            ce, kd, grad_logits = _fused_topk_loss(logits, labels_flat[rows], teacher, rows, options,
+                                                   (ce_weight, kd_weight) if needs_grad else None)
+            kd_sum += kd
         else:
             logits = logits.float()
             with torch.enable_grad():
@@ -308,6 +316,33 @@ def _plain_ce(logits, targets, scale):
     return _ce_and_grad(logits.float(), targets, scale)
 
 
+def _fused_topk_loss(logits, targets, teacher, rows, options, weights):
+    """Summed CE, summed D over the kept positions of one chunk of logits in the head's dtype and, when `weights`
+    (ce_weight, kd_weight) are given, the gradient of ce_weight * CE + kd_weight * D wrt the logits, written over
+    them: the kernels of kd_triton.py around the loss over the k + 1 buckets, which runs here (a (C, k) autograd)."""
+    kernels, temperature, limit = _kd_kernels(), options.temperature, options.vocab_limit
+    keep = targets != IGNORE_INDEX
+    lse, lse_t = kernels.row_lse(logits, temperature, limit)
+    ids = teacher.ids[rows].long()
+    ce = torch.where(keep, lse - logits.gather(1, torch.where(keep, targets, 0)[:, None])[:, 0].float(), 0.0).sum()
+    with torch.enable_grad():
+        # The student's log-probs at the ids: the only place its (C, V) softmax enters the divergence.
+        support_lp = logits.gather(1, ids).float().div_(temperature).sub_(lse_t[:, None])
+        support_lp.requires_grad_(weights is not None)
+        per_row = _divergence(teacher._buckets(rows, temperature), _append_tail(support_lp), options.divergence,
+                              options.jsd_beta)
+        kd = torch.where(keep, per_row, 0.0).sum()
+        if weights is None:
+            return ce, kd.detach(), None
+        (grad_support,) = torch.autograd.grad(kd, support_lp)
+    ce_weight, kd_weight = weights
+    correction = grad_support * (kd_weight / temperature)  # d(kd_weight * D) / d(logit at id i), the ids' own part
+    ce_scale = torch.where(keep, ce_weight, 0.0).expand(keep.shape).contiguous()
+    grad = kernels.write_grad(logits, targets, lse, lse_t, ce_scale, -correction.sum(-1), ids, correction,
+                              temperature, limit)
+    return ce, kd.detach(), grad
+
+
 def _fused_ce(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cuda" and dtype in (torch.bfloat16, torch.float32) and has_triton()
 
@@ -318,6 +353,14 @@ def _ce_kernel():
     from trainer_ext.distill import ce_triton
 
     return ce_triton
+
+
+@functools.cache
+def _kd_kernels():
+    """kd_triton, imported on first use (as `_ce_kernel`)."""
+    from trainer_ext.distill import kd_triton
+
+    return kd_triton
 
 
 def _ce_and_grad(logits, targets, scale):

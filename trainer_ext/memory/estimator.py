@@ -5,15 +5,16 @@ applications that recompute their activations, the optimizer state, a cached tea
 
     peak = weights + optimizer state + processes' terms       (known: bytes per parameter, accountant, `processes`)
          + c . [1, N * kept * I, N * kept * H, N * recomputed * H, N * graph steps * adapter width, N * H,
-                N * top-k, max(theta * V * H, N * (H + I)), C * V]
+                N * top-k, max(theta * V * H, N * (H + I))]
 
 with N = batch * sequence tokens, H / I / V the hidden, MLP and vocabulary sizes, `kept` / `recomputed` the layer
 applications of the graph-building part of the loop that keep their activations / only their input. The eighth term
 is the larger of two transients: the head's update at the start of backward (about V x H) and one layer's workspace
 (about N x (H + I)); it is why the peak grows faster from batch 8 up. It also covers the gradients one process has at
 any moment: the in-backward update consumes each as it is made, so no whole gradient exists (DDP's buckets, which do
-hold one, are a term of `processes`). With a cached teacher the loss takes its torch path, whose fp32 temporaries
-scale with a chunk of C positions' logits: a last term C x V, zero without a teacher. A compiled step fuses
+hold one, are a term of `processes`). A cached teacher adds its top-k ids and log-probs of the batch (the seventh
+term); its loss runs in the fused kernels as plain CE does, over the same chunk of logits in the head's dtype (a
+fixed number of bytes, in the constant), with no (positions x V) fp32 temporaries. A compiled step fuses
 elementwise work, so it keeps other buffers than an eager one: the kept-activation, teacher and transient terms have
 coefficients of their own for compiled steps (the features' `compiled_` entries; an eager configuration's are zero,
 and the other way round). The coefficients c >= 0 and theta are fitted to the probes' peak reserved memory
@@ -47,12 +48,12 @@ CALIBRATE_COMMAND = "hf-recurrent-plan-memory --calibrate probes.jsonl --calibra
 PROBE_COMMAND = ("python3 -m benchmarks.memory_probe --presets recurrent-125m recurrent-1b recurrent-3.3b "
                  "recurrent-7b transformer-125m --output probes.jsonl --max_seconds 450")
 MEMORY_FEATURES = ("constant", "kept_intermediate", "kept_hidden", "recomputed_hidden", "adapter", "unique_hidden",
-                   "distill_topk", "transient", "distill_chunk", "compiled_kept_intermediate", "compiled_kept_hidden",
-                   "compiled_distill_topk", "compiled_transient", "compiled_distill_chunk")
-_COMPILE_DEPENDENT = (1, 2, 6, 7, 8)  # the features whose compiled counterparts follow the shared ones, in this order
+                   "distill_topk", "transient", "compiled_kept_intermediate", "compiled_kept_hidden",
+                   "compiled_distill_topk", "compiled_transient")
+_COMPILE_DEPENDENT = (1, 2, 6, 7)  # the features whose compiled counterparts follow the shared ones, in this order
 TIME_FEATURES = ("constant", "training_flops", "recompute_flops", "flops_per_token", "layer_applications",
                  "parameters")
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _THETAS = tuple(round(0.01 * i, 2) for i in range(0, 801, 2))  # grid of the transient's V x H multiple
 
 
@@ -123,15 +124,9 @@ def memory_features(shape: ModelShape, batch_size: int, seq_len: int, recomputed
     """The memory features (GiB units) of a configuration with `recomputed` layer applications recomputed."""
     tokens, h, i = batch_size * seq_len, shape.hidden_size, shape.intermediate_size
     kept = shape.graph_applications - recomputed
-    # With a teacher the loss takes the torch path: fp32 temporaries of a chunk of the logits (`losses.py`).
-    chunk = 0
-    if distill_topk:
-        from trainer_ext.distill.losses import default_chunk_size
-
-        chunk = min(tokens, default_chunk_size(shape.vocab_size, 4)) * shape.vocab_size
     shared = np.array([GIB, tokens * kept * i, tokens * kept * h, tokens * recomputed * h,
                        tokens * shape.graph_steps * shape.adapter_width * h, tokens * h, tokens * distill_topk,
-                       max(theta * shape.vocab_size * h, tokens * (h + i)), chunk], dtype=float) / GIB
+                       max(theta * shape.vocab_size * h, tokens * (h + i))], dtype=float) / GIB
     dependent = list(_COMPILE_DEPENDENT)
     own = np.zeros(len(dependent))
     if compiled:  # the compiled coefficients carry these terms instead of the shared ones
