@@ -11,7 +11,9 @@
 #       with the defaults (on CUDA: the memory plan's batch size and recompute, torch.compile); the batch-1 rows of
 #       BENCHMARKS.md: -- --per_device_train_batch_size 1 --memory_plan none --torch_compile false; SEQ=1024: the
 #       125M presets' data (seq 1024); the comparison's settings: -- --per_device_train_batch_size 32 --learning_rate 1e-3
-#   bash benchmarks/bench_gpu.sh distill [-- run_pretrain args]   recurrent-3.3b with and without an offline teacher cache
+#   bash benchmarks/bench_gpu.sh distill [-- run_pretrain args]   PRESETS (default recurrent-3.3b) with and without an
+#       offline teacher cache (a transformer-125m teacher trained TEACHER_STEPS, default 150); VOCAB=99520: the
+#       students' head at llm-jp's vocabulary size
 #   bash benchmarks/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M):
 #       each --runs config x --learning_rates x --seeds (default 0 1 2); results.jsonl + summary.md in $OUT/quality
 #   bash benchmarks/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
@@ -98,14 +100,17 @@ case $STAGE in
     # The teacher: a transformer-125m trained for one pass over the same shards (same tokenizer as the student).
     TEACHER=outputs/gpu_teacher CACHE=outputs/teacher_cache/pystdlib
     [ -f $TEACHER/final/config.json ] || python3 -m scripts.run_pretrain --preset transformer-125m --data_dir $DATA \
-      --output_dir $TEACHER --max_steps 150 --per_device_train_batch_size 8 --learning_rate 1e-3 --warmup_steps 15 \
+      --output_dir $TEACHER --max_steps "${TEACHER_STEPS:-150}" --per_device_train_batch_size 8 --learning_rate 1e-3 \
+      --warmup_steps 15 \
       --lr_scheduler_type cosine --bf16 true --eval_strategy no --save_strategy no --disable_tqdm true \
       --optimizer_momentum 0 > "$OUT/teacher.log" 2>&1
     grep -E "Eval loss|Error" "$OUT/teacher.log"
     python3 -m scripts.cache_teacher --teacher_model_name_or_path $TEACHER/final --data_dir $DATA --output_dir $CACHE \
       > "$OUT/cache_teacher.log" 2>&1; tail -3 "$OUT/cache_teacher.log"; du -sh $CACHE
-    bench distill_none recurrent-3.3b -- "$@"
-    bench distill_cache recurrent-3.3b -- --teacher_cache_dir $CACHE "$@" ;;
+    # VOCAB: the students' head (e.g. 99520, llm-jp's vocabulary; the cache's ids stay those of the data's tokenizer)
+    VARGS=(); [ -n "${VOCAB:-}" ] && VARGS=(--config_overrides "vocab_size=$VOCAB")
+    bench distill_none ${PRESETS:-recurrent-3.3b} -- "${VARGS[@]}" "$@"
+    bench distill_cache ${PRESETS:-recurrent-3.3b} -- --teacher_cache_dir $CACHE "${VARGS[@]}" "$@" ;;
   quality)
     prepare_1024
     python3 -m benchmarks.bench_optimizer_quality --data_dir $DATA_1024 --output_dir "$OUT/quality" "$@" 2>&1 | quiet ;;

@@ -1,12 +1,14 @@
-"""The compact teacher-cache codec (trainer_ext/distill/cache_codec.py): ids bit-packed exactly, log-probs stored as a
-few exact values, a fit of the rest and the tail mass, within the issue's byte budget."""
+"""The teacher-cache codecs (trainer_ext/distill/cache_codec.py): the compact one (ids bit-packed exactly, log-probs
+stored as a few exact values, a fit of the rest and the tail mass) within the issue's byte budget, and the sampled
+mode's (distinct drawn ids and their counts)."""
 
 import math
 
 import pytest
 import torch
 
-from trainer_ext.distill.cache_codec import CompactCodec, Fp16Codec, codec_from_manifest
+from trainer_ext.distill.cache_codec import ABSENT_LOGPROB, CompactCodec, Fp16Codec, SampledCodec, codec_from_manifest
+from trainer_ext.distill.caching import teacher_sampled
 
 
 @pytest.mark.parametrize("vocab_size", [384, 4096, 65536, 99520, 151936])
@@ -79,3 +81,38 @@ def test_options_are_checked_a_small_k_is_stored_exactly_and_manifests_name_thei
     assert codec_from_manifest(manifest) == CompactCodec(16, 384)
     del manifest["codec"]  # a version 1 cache
     assert codec_from_manifest(manifest) == Fp16Codec(16, 384)
+
+
+def test_a_sampled_cache_packs_ids_and_counts_exactly_in_its_budget():
+    """k = 50 draws at V = 99,520: 17-bit ids and 6-bit counts, 145 bytes (about the compact top-64's 148)."""
+    codec = SampledCodec(50, 99520)
+    assert (codec.bits, codec.count_bits, codec.bytes_per_token) == (17, 6, 145)
+    logits = torch.randn(40, 99520, generator=torch.Generator().manual_seed(0)) * 3
+    ids, logprobs = teacher_sampled(logits, 50, 99520, torch.Generator().manual_seed(1))
+    stored = codec.encode(ids, logprobs)
+    assert stored[0].shape == (40, codec.ids_width) and stored[1].shape == (40, codec.logprobs_width)
+    got_ids, got_logprobs = codec.decode(*(torch.from_numpy(a) for a in stored))
+    assert torch.equal(got_ids, ids) and torch.equal(got_logprobs, logprobs)
+    manifest = {"topk": 50, "data": {"vocab_size": 99520}, "codec": codec.describe()}
+    assert codec_from_manifest(manifest) == codec
+
+
+def test_sampled_targets_are_distinct_ids_whose_counts_estimate_the_teacher_without_bias():
+    generator = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(300, generator=generator)
+    rows, k, limit = 4000, 16, 250  # ids >= limit (head padding) are never drawn
+    ids, logprobs = teacher_sampled(logits.expand(rows, -1), k, limit, torch.Generator().manual_seed(1))
+    assert ids.shape == logprobs.shape == (rows, k) and int(ids.max()) < limit
+    assert all(len(set(row.tolist())) == k for row in ids[:200])  # distinct: a student's mass is counted once
+    counts = (logprobs.double().exp() * k).round()
+    assert torch.all(counts.sum(-1) == k)
+    drawn = counts > 0
+    assert torch.all(drawn.long().diff(dim=-1) <= 0)  # the drawn ids first, then the fillers
+    assert torch.all(logprobs[~drawn] == ABSENT_LOGPROB)
+    # The mean empirical distribution over many positions of one teacher distribution is that distribution: the
+    # top-k target is not (it drops the tail and renormalises nothing).
+    empirical = torch.zeros(rows, limit, dtype=torch.float64).scatter_add_(1, ids, counts / k).mean(0)
+    teacher = torch.softmax(logits[:limit].double(), -1)
+    assert (empirical - teacher).abs().max() < 0.01 and (empirical - teacher).abs().sum() < 0.05
+    again, _ = teacher_sampled(logits.expand(rows, -1), k, limit, torch.Generator().manual_seed(1))
+    assert torch.equal(again, ids)  # a seed gives the same draws (a resumed cache)

@@ -19,6 +19,7 @@ from trainer_ext.distill.losses import TopKTeacher, chunked_lm_loss
 from trainer_ext.distill.cache import (
     TEACHER_MANIFEST_NAME,
     TeacherCacheDataset,
+    check_cache_divergence,
     read_teacher_manifest,
     validate_teacher_cache,
     write_teacher_manifest,
@@ -399,3 +400,34 @@ def test_a_cache_that_will_not_fit_on_the_disk_is_refused_before_the_teacher_loa
                                 "--output_dir", str(out), "--topk", str(TOPK)])
     assert not loaded and not [n for n in os.listdir(out) if n.endswith(".npy")]
     assert "30 bytes per token (compact codec, k = 16)" in caplog.text
+
+
+def test_a_sampled_cache_serves_distinct_drawn_ids_and_trains_and_refuses_reverse_kl(data_dir, teacher_dir, tmp_path):
+    out = str(tmp_path / "sampled")
+    args = ["--teacher_model_name_or_path", teacher_dir, "--data_dir", data_dir, "--output_dir", out,
+            "--topk", str(TOPK), "--batch_size", "128", "--teacher_cache_mode", "sampled", "--splits", "eval"]
+    with pytest.raises(ValueError, match="--cache_format fp16 stores top-k log-probs.*drop --cache_format fp16"):
+        cache_teacher.main(args + FP16)
+    cache_teacher.main(args)
+    manifest = read_teacher_manifest(out)
+    # 16 ids of 9 bits (18 bytes) + 16 counts of 5 bits (10 bytes)
+    assert manifest["codec"]["name"] == "sampled" and manifest["bytes_per_token"] == 28 and manifest["seed"] == 0
+    tokens = ShardedTokenDataset(data_dir, "eval")
+    cached = TeacherCacheDataset(tokens, out)
+    item = cached[3]
+    ids, logprobs = item["teacher_topk_ids"], item["teacher_topk_logprobs"]
+    assert all(len(set(row.tolist())) == TOPK for row in ids)
+    assert torch.all((logprobs.double().exp() * TOPK).round().sum(-1) == TOPK)
+    # The draws follow the teacher: the drawn ids' total teacher probability is far above that of random ids.
+    teacher_lp = full_teacher_logprobs(teacher_dir, item["input_ids"][None], len(AutoTokenizer.from_pretrained(
+        data_dir)))[0]
+    drawn_mass = (teacher_lp.gather(-1, ids).exp() * (logprobs > -1e3)).sum(-1).mean()
+    assert drawn_mass > 0.5, drawn_mass
+    loss = chunked_lm_loss(torch.randn(1, 32, 8), torch.randn(len(AutoTokenizer.from_pretrained(data_dir)), 8),
+                           item["labels"][None] if "labels" in item else item["shift_labels"][None],
+                           teacher=TopKTeacher(ids=ids[None], logprobs=logprobs[None]), alpha=1.0)
+    assert math.isfinite(float(loss.kd)) and float(loss.kd) > 0
+    with pytest.raises(ValueError, match="sampled cache.*--distill_divergence forward_kl or jsd"):
+        check_cache_divergence(manifest, out, "reverse_kl")
+    check_cache_divergence(manifest, out, "jsd")
+    check_cache_divergence(read_teacher_manifest(out), out, "forward_kl")

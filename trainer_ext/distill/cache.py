@@ -58,7 +58,6 @@ logger = logging.getLogger(__name__)
 CACHE_FORMAT_VERSION = 2  # version 1: the fp16 layout, no cache-file checksums; read as such
 READ_FORMAT_VERSIONS = (1, 2)
 TEACHER_MANIFEST_NAME = "teacher_manifest.json"
-LOGPROBS_DTYPE = np.dtype(np.float16)
 IDS_SUFFIX = ".topk_ids.npy"
 LOGPROBS_SUFFIX = ".topk_logprobs.npy"
 _FIX_RECACHE = "re-run `hf-recurrent-cache-teacher` for this cache directory"
@@ -81,6 +80,15 @@ def read_teacher_manifest(cache_dir: str) -> dict:
                  f"--output_dir {cache_dir} --data_dir ... --teacher_model_name_or_path ...`.")
     required = ("format_version", "topk", "ids_dtype", "data", "teacher", "splits")
     return load_manifest(path, required, READ_FORMAT_VERSIONS, not_found, f"{_FIX_RECACHE} with --overwrite")
+
+
+def check_cache_divergence(manifest: dict, cache_dir: str, divergence: str) -> None:
+    """ValueError for a divergence the cache cannot carry: reverse KL weighs the student's mass by the teacher's
+    log-probability of each id, which a sampled cache lacks for every id not drawn."""
+    if divergence == "reverse_kl" and manifest.get("codec", {}).get("name") == "sampled":
+        raise ValueError(f"--teacher_cache_dir {cache_dir} is a sampled cache (the teacher's probabilities of the drawn "
+                         "ids only), which reverse KL cannot use: pass --distill_divergence forward_kl or jsd, or "
+                         "cache the teacher with --teacher_cache_mode topk.")
 
 
 def write_teacher_manifest(cache_dir: str, manifest: dict) -> str:
@@ -113,7 +121,7 @@ def write_cache_shard(cache_dir: str, token_file: str, num_samples: int, seq_len
     with atomic_path(ids_path) as ids_tmp, atomic_path(logprobs_path) as logprobs_tmp:
         ids_out = np.lib.format.open_memmap(ids_tmp, mode="w+", dtype=codec.ids_dtype,
                                             shape=(num_samples, seq_len, codec.ids_width))
-        logprobs_out = np.lib.format.open_memmap(logprobs_tmp, mode="w+", dtype=LOGPROBS_DTYPE,
+        logprobs_out = np.lib.format.open_memmap(logprobs_tmp, mode="w+", dtype=codec.logprobs_dtype,
                                                  shape=(num_samples, seq_len, codec.logprobs_width))
         start = 0
         for ids, logprobs in batches:
@@ -166,7 +174,7 @@ def check_cache_shard(cache_dir: str, entry: dict, seq_len: int, codec: CompactC
     """ValueError unless both files of one cache shard exist whole, with the codec's shape and dtype, and (with
     ``verify_checksums``, where the manifest records them) the sha256 they were written with."""
     for name, dtype, width, key in ((entry["ids_file"], codec.ids_dtype, codec.ids_width, "ids_sha256"),
-                                    (entry["logprobs_file"], LOGPROBS_DTYPE, codec.logprobs_width,
+                                    (entry["logprobs_file"], codec.logprobs_dtype, codec.logprobs_width,
                                      "logprobs_sha256")):
         shape = (entry["num_samples"], seq_len, width)
         path = os.path.join(cache_dir, name)

@@ -28,10 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["CompactCodec", "Fp16Codec", "codec_from_manifest", "id_bits"]
+__all__ = ["ABSENT_LOGPROB", "CompactCodec", "Fp16Codec", "SampledCodec", "codec_from_manifest", "id_bits"]
 
 # The smallest finite fp16: a log-prob below it (a -inf logit) is stored as that, i.e. probability 0.
 FP16_MIN = float(np.finfo(np.float16).min)
+# The log-prob of a sampled cache's undrawn ids (count 0): probability 0 in fp32 (exp underflows), finite for the loss.
+ABSENT_LOGPROB = -1e4
 
 
 def id_bits(vocab_size: int) -> int:
@@ -46,6 +48,7 @@ class Fp16Codec:
     topk: int
     vocab_size: int
     name = "fp16"
+    logprobs_dtype = np.dtype(np.float16)
 
     @property
     def ids_dtype(self) -> np.dtype:
@@ -105,6 +108,7 @@ class CompactCodec:
         return id_bits(self.vocab_size)
 
     ids_dtype = np.dtype(np.uint8)
+    logprobs_dtype = np.dtype(np.float16)
 
     @property
     def ids_width(self) -> int:
@@ -125,18 +129,11 @@ class CompactCodec:
 
     def pack_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """(…, k) ids < 2**bits -> (…, ids_width) uint8, bit i of id j at bit j * bits + i of the row."""
-        shifts = torch.arange(self.bits, device=ids.device)
-        bits = (ids.long().unsqueeze(-1) >> shifts) & 1  # (…, k, bits)
-        bits = bits.flatten(-2)
-        bits = torch.nn.functional.pad(bits, (0, self.ids_width * 8 - bits.shape[-1]))
-        weights = 1 << torch.arange(8, device=ids.device)
-        return (bits.unflatten(-1, (self.ids_width, 8)) * weights).sum(-1).to(torch.uint8)
+        return pack_bits(ids, self.bits)
 
     def unpack_ids(self, packed: torch.Tensor) -> torch.Tensor:
         """(…, ids_width) uint8 -> (…, k) int64."""
-        bits = (packed.to(torch.int32).unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1
-        bits = bits.flatten(-2)[..., : self.topk * self.bits].unflatten(-1, (self.topk, self.bits))
-        return (bits << torch.arange(self.bits, device=packed.device)).sum(-1).to(torch.long)
+        return unpack_bits(packed, self.topk, self.bits)
 
     # -- log-probs
 
@@ -176,6 +173,75 @@ class CompactCodec:
         return self.unpack_ids(ids), self.decode_logprobs(logprobs)
 
 
+@dataclass(frozen=True)
+class SampledCodec:
+    """A sampled cache (``--teacher_cache_mode sampled``): k tokens drawn from the teacher's distribution with
+    replacement, stored as the distinct ids drawn and their counts; the slots past the distinct ones hold other
+    (undrawn) ids with count 0, so that every position has k distinct ids.
+
+        ids     k ids bit-packed at ceil(log2 V) bits
+        counts  k counts bit-packed at ceil(log2(k + 1)) bits (in the log-probs file, uint8)
+
+    Decoding gives log(count / k), the draws' empirical distribution (an unbiased estimate of the teacher's, where
+    a top-k cache is biased towards the head), and ABSENT_LOGPROB at count 0; its tail mass is 0. At k = 50 and
+    V = 99,520: 107 + 38 = 145 bytes per token.
+    """
+
+    topk: int
+    vocab_size: int
+    name = "sampled"
+    ids_dtype = np.dtype(np.uint8)
+    logprobs_dtype = np.dtype(np.uint8)
+
+    @property
+    def bits(self) -> int:
+        return id_bits(self.vocab_size)
+
+    @property
+    def count_bits(self) -> int:
+        return id_bits(self.topk + 1)
+
+    @property
+    def ids_width(self) -> int:
+        return math.ceil(self.topk * self.bits / 8)
+
+    @property
+    def logprobs_width(self) -> int:
+        return math.ceil(self.topk * self.count_bits / 8)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.ids_width + self.logprobs_width
+
+    def describe(self) -> dict:
+        return {"name": self.name, "id_bits": self.bits, "count_bits": self.count_bits}
+
+    def encode(self, ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        counts = (logprobs.double().exp() * self.topk).round().long()
+        return pack_bits(ids, self.bits).cpu().numpy(), pack_bits(counts, self.count_bits).cpu().numpy()
+
+    def decode(self, ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = unpack_bits(logprobs, self.topk, self.count_bits)
+        empirical = torch.where(counts > 0, (counts.double() / self.topk).log(), ABSENT_LOGPROB)
+        return unpack_bits(ids, self.topk, self.bits), empirical.float()
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """(…, n) integers < 2**bits -> (…, ceil(n bits / 8)) uint8, bit i of value j at bit j * bits + i of the row."""
+    width = math.ceil(values.shape[-1] * bits / 8)
+    spread = (values.long().unsqueeze(-1) >> torch.arange(bits, device=values.device)) & 1  # (…, n, bits)
+    spread = torch.nn.functional.pad(spread.flatten(-2), (0, width * 8 - values.shape[-1] * bits))
+    weights = 1 << torch.arange(8, device=values.device)
+    return (spread.unflatten(-1, (width, 8)) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """(…, width) uint8 -> the first `count` values of `bits` bits, (…, count) int64."""
+    spread = (packed.to(torch.int32).unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1
+    spread = spread.flatten(-2)[..., : count * bits].unflatten(-1, (count, bits))
+    return (spread << torch.arange(bits, device=packed.device)).sum(-1).to(torch.long)
+
+
 @functools.cache
 def _basis(topk: int, exact: int, degree: int) -> torch.Tensor:
     """Powers of the centred log(rank) for ranks exact + 1 .. topk, (topk - exact, degree + 1), float64."""
@@ -184,10 +250,12 @@ def _basis(topk: int, exact: int, degree: int) -> torch.Tensor:
     return torch.stack([t**power for power in range(degree + 1)], dim=-1)
 
 
-def codec_from_manifest(manifest: dict) -> Fp16Codec | CompactCodec:
+def codec_from_manifest(manifest: dict) -> Fp16Codec | CompactCodec | SampledCodec:
     """The codec a teacher manifest records (version 1 caches: fp16)."""
     vocab_size, topk = manifest["data"]["vocab_size"], manifest["topk"]
     codec = manifest.get("codec", {"name": "fp16"})
     if codec["name"] == "compact":
         return CompactCodec(topk, vocab_size, codec["exact_logprobs"], codec["fit_degree"])
+    if codec["name"] == "sampled":
+        return SampledCodec(topk, vocab_size)
     return Fp16Codec(topk, vocab_size)

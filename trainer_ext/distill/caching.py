@@ -8,7 +8,10 @@ the tokenizer size; only the first ``len(tokenizer)`` logits count.
 Per position it stores the top-k token ids and their temperature-1 log-probs, aligned 1:1 with the token shards
 (format and ``teacher_manifest.json``: trainer_ext.distill.cache; the bytes of a position: cache_codec.py). Cost with
 the default compact codec: ceil(k * ceil(log2 V) / 8) + 12 bytes per token, 148 at k = 64 and V = 99,520 (the fp16
-layout, ``--cache_format fp16``: k * (2 + 2) or k * (4 + 2) above V = 65,536, 384 there).
+layout, ``--cache_format fp16``: k * (2 + 2) or k * (4 + 2) above V = 65,536, 384 there). ``--teacher_cache_mode
+sampled`` stores k draws from the teacher's distribution instead (their distinct ids and counts, `teacher_sampled`):
+a top-k target leaves the tail's shape out and is biased towards the head, the draws' empirical distribution is an
+unbiased estimate of the teacher's ("Sparse Logit Sampling", ACL 2025); 145 bytes per token at k = 50.
 
 Memory: the teacher's final hidden states are computed for a batch, then its head is applied to
 ``position_chunk_size`` positions at a time, so a (batch, seq_len, vocab) fp32 logit tensor of a large vocabulary is
@@ -26,6 +29,7 @@ import inspect
 import logging
 import os
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,7 +49,7 @@ from trainer_ext.distill.cache import (
     write_cache_shard,
     write_teacher_manifest,
 )
-from trainer_ext.distill.cache_codec import CompactCodec, Fp16Codec
+from trainer_ext.distill.cache_codec import ABSENT_LOGPROB, CompactCodec, Fp16Codec, SampledCodec
 from trainer_ext.distill.losses import teacher_topk
 from trainer_ext.distill.teacher import QUANTIZATIONS, TEACHER_TOKENIZER_FIX, load_frozen_teacher
 from trainer_ext.files import check_free_space, check_same_run, disk_space_for, format_bytes
@@ -62,7 +66,14 @@ class CacheTeacherArguments:
     data_dir: str = field(metadata={"help": "Prepared token shards (prepare_data)."})
     output_dir: str = field(metadata={"help": "Cache directory (shards + teacher_manifest.json)."})
     splits: list[str] = field(default_factory=lambda: list(SPLITS), metadata={"help": "Splits to cache."})
-    topk: int = field(default=64, metadata={"help": "Token ids kept per position; the rest is one tail bucket."})
+    topk: int = field(default=64, metadata={"help": "Token ids kept per position (the rest is one tail bucket); "
+                                                    "with --teacher_cache_mode sampled, the draws per position."})
+    teacher_cache_mode: str = field(
+        default="topk", metadata={"help": "topk (the k most likely ids and their log-probs) or sampled (k draws from "
+                                          "the teacher's distribution, their distinct ids and counts: an unbiased "
+                                          "target, 145 bytes per token at k = 50, V = 99,520)."})
+    seed: int = field(default=0, metadata={"help": "sampled: the draws' seed (each shard's own, from it and its "
+                                                   "name, so a resumed cache draws the same)."})
     cache_format: str = field(
         default="compact", metadata={"help": "compact (bit-packed ids, a few exact log-probs, a fit of the rest, the "
                                              "tail mass: 148 bytes per token at k = 64, V = 99,520) or fp16 (every "
@@ -103,16 +114,25 @@ class CacheTeacherArguments:
             raise ValueError(f"--splits {self.splits} is not allowed; choose from {list(SPLITS)}.")
         if self.cache_format not in CACHE_FORMATS:
             raise ValueError(f"--cache_format={self.cache_format!r} is not allowed; choose one of {CACHE_FORMATS}.")
+        if self.teacher_cache_mode not in CACHE_MODES:
+            raise ValueError(f"--teacher_cache_mode={self.teacher_cache_mode!r} is not allowed; choose one of "
+                             f"{CACHE_MODES}.")
+        if self.teacher_cache_mode == "sampled" and self.cache_format == "fp16":
+            raise ValueError("--cache_format fp16 stores top-k log-probs; --teacher_cache_mode sampled stores the "
+                             "draws' counts in its own packing: drop --cache_format fp16.")
         self.codec(vocab_size=2)  # the codec's own checks of --topk and its options, before any work
 
-    def codec(self, vocab_size: int) -> CompactCodec | Fp16Codec:
+    def codec(self, vocab_size: int) -> CompactCodec | Fp16Codec | SampledCodec:
         """What one position of this cache holds, for a vocabulary of `vocab_size` entries."""
+        if self.teacher_cache_mode == "sampled":
+            return SampledCodec(self.topk, vocab_size)
         if self.cache_format == "fp16":
             return Fp16Codec(self.topk, vocab_size)
         return CompactCodec(self.topk, vocab_size, self.cache_exact_logprobs, self.cache_fit_degree)
 
 
 CACHE_FORMATS = ("compact", "fp16")
+CACHE_MODES = ("topk", "sampled")
 
 
 def cache_identity(args: CacheTeacherArguments, token_manifest: dict, teacher_hash: str, dtype: torch.dtype) -> dict:
@@ -122,6 +142,7 @@ def cache_identity(args: CacheTeacherArguments, token_manifest: dict, teacher_ha
     return {
         "topk": args.topk,
         "codec": codec.describe(),
+        **({"seed": args.seed} if args.teacher_cache_mode == "sampled" else {}),
         "ids_dtype": codec.ids_dtype.name,
         "bytes_per_token": codec.bytes_per_token,
         "data": {
@@ -154,10 +175,35 @@ def existing_manifest(args: CacheTeacherArguments, identity: dict) -> dict | Non
     return manifest
 
 
-class TeacherTopK:
-    """Teacher forward -> top-k per position, computing the head's logits a chunk of positions at a time."""
+def teacher_sampled(teacher_logits: torch.Tensor, k: int, vocab_limit: int,
+                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """k draws per position from softmax(logits[..., :vocab_limit]) with replacement, as (N, k) ids (int64) and
+    log-probs of the draws' empirical distribution: the distinct ids drawn with log(count / k) first, then the most
+    likely undrawn ids with ABSENT_LOGPROB, so that a position's k ids are distinct (a student's probability is
+    counted once per id). teacher_logits (N, V)."""
+    probs = torch.softmax(teacher_logits[..., :vocab_limit].float(), dim=-1)
+    draws = torch.multinomial(probs, k, replacement=True, generator=generator).sort(dim=-1).values  # (N, k)
+    first = torch.ones_like(draws, dtype=torch.bool)
+    first[:, 1:] = draws[:, 1:] != draws[:, :-1]
+    group = first.long().cumsum(-1) - 1  # the slot of each draw's id among the distinct ones
+    counts = torch.zeros_like(draws).scatter_add_(1, group, torch.ones_like(draws))
+    distinct = torch.zeros_like(draws).scatter_(1, group, draws)
+    drawn = group[:, -1:] + 1  # (N, 1) distinct ids drawn
+    top = probs.topk(k, dim=-1).indices  # k undrawn ids exist among these: at most drawn - 1 < k of them were drawn
+    undrawn_first = torch.sort((top[:, :, None] == draws[:, None, :]).any(-1).to(torch.int8), dim=-1, stable=True)
+    filler = top.gather(1, undrawn_first.indices)
+    slot = torch.arange(k, device=draws.device)
+    ids = torch.where(slot < drawn, distinct, filler.gather(1, (slot - drawn).clamp(min=0)))
+    logprobs = torch.where(slot < drawn, (counts.float() / k).log(), ABSENT_LOGPROB)
+    return ids, logprobs
 
-    def __init__(self, model, vocab_limit: int, topk: int, num_steps: int | None, position_chunk_size: int):
+
+class TeacherTopK:
+    """Teacher forward -> top-k (or k sampled) ids per position, computing the head's logits a chunk of positions at
+    a time."""
+
+    def __init__(self, model, vocab_limit: int, topk: int, num_steps: int | None, position_chunk_size: int,
+                 mode: str = "topk"):
         self.model = model
         self.base = model.base_model
         if self.base is model:
@@ -180,15 +226,23 @@ class TeacherTopK:
                     "(its forward takes no num_steps); drop --num_steps."
                 )
             self.step_kwargs["num_steps"] = num_steps
-        self.vocab_limit, self.topk, self.chunk = vocab_limit, topk, position_chunk_size
+        self.vocab_limit, self.topk, self.chunk, self.mode = vocab_limit, topk, position_chunk_size, mode
+
+    def __call__(self, input_ids: torch.Tensor, generator: torch.Generator | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids (B, T) -> ids (B, T, k) int64, log-probs (B, T, k) fp32 (`generator`: the draws' in sampled
+        mode)."""
+        return self._select(input_ids, self.mode, generator)
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids (B, T) -> ids (B, T, k) int64, log-probs (B, T, k) fp32."""
+    def _select(self, input_ids, mode, generator=None):
         hidden = self.base(input_ids=input_ids, use_cache=False, **self.step_kwargs).last_hidden_state
         ids, logprobs = [], []
         for _, logits in chunked_logits(hidden.flatten(0, 1), self.weight, self.bias, self.chunk):  # (B*T, H) in
-            chunk_ids, chunk_logprobs = teacher_topk(logits, self.topk, self.vocab_limit)
+            if mode == "sampled":
+                chunk_ids, chunk_logprobs = teacher_sampled(logits, self.topk, self.vocab_limit, generator)
+            else:
+                chunk_ids, chunk_logprobs = teacher_topk(logits, self.topk, self.vocab_limit)
             ids.append(chunk_ids)
             logprobs.append(chunk_logprobs)
         shape = (*input_ids.shape, self.topk)
@@ -197,7 +251,7 @@ class TeacherTopK:
     @torch.inference_mode()
     def check_against_full_forward(self, input_ids: torch.Tensor, atol: float) -> None:
         """Refuse teachers whose logits are not just head(last hidden state) (e.g. logit soft-capping)."""
-        ids, logprobs = self(input_ids)
+        ids, logprobs = self._select(input_ids, "topk")
         logits = self.model(input_ids=input_ids, use_cache=False, **self.step_kwargs).logits
         reference = torch.log_softmax(logits[..., : self.vocab_limit].float(), dim=-1).gather(-1, ids)
         error = (reference - logprobs).abs().max().item()
@@ -221,11 +275,13 @@ def cache_shard(args: CacheTeacherArguments, teacher: TeacherTopK, token_entry: 
             "shard is corrupt. Re-prepare the data (prepare_data --overwrite)."
         )
     rows = np.load(token_path, mmap_mode="r")  # (num_samples, seq_len + 1)
+    # Sampled mode: the shard's draws from the seed and its name, so a shard cached again draws the same.
+    generator = torch.Generator(device).manual_seed(args.seed * 2**32 + zlib.crc32(token_entry["file"].encode()))
 
     def batches():
         for start in range(0, rows.shape[0], args.batch_size):
             batch = torch.from_numpy(rows[start:start + args.batch_size, :-1].astype(np.int64)).to(device)
-            yield teacher(batch)
+            yield teacher(batch, generator)
             progress.update(len(batch))
 
     files = write_cache_shard(args.output_dir, token_entry["file"], rows.shape[0], seq_len, codec, batches())
@@ -294,13 +350,15 @@ def cache_teacher(args: CacheTeacherArguments) -> dict:
         "logits_size": model.get_output_embeddings().weight.shape[0],
         "num_steps_used": args.num_steps or getattr(model.config, "mean_recurrence", None),
     }
-    teacher = TeacherTopK(model, vocab_limit, args.topk, args.num_steps, args.position_chunk_size)
+    teacher = TeacherTopK(model, vocab_limit, args.topk, args.num_steps, args.position_chunk_size,
+                          args.teacher_cache_mode)
     _, first_entry = todo[0]
     sample = np.load(os.path.join(args.data_dir, first_entry["file"]), mmap_mode="r")[:1, :-1]
     teacher.check_against_full_forward(torch.from_numpy(sample.astype(np.int64)).to(device),
                                        atol=1e-3 if dtype == torch.float32 else 0.1)
 
-    logger.info("Caching top-%d of %s over %d shards (%d samples of %d tokens) into %s", args.topk,
+    logger.info("Caching %s of %s over %d shards (%d samples of %d tokens) into %s",
+                f"top-{args.topk}" if args.teacher_cache_mode == "topk" else f"{args.topk} draws",
                 args.teacher_model_name_or_path, len(todo), total, seq_len, args.output_dir)
     # A bar on a terminal; in a log file a line every 30 s within a shard (a 32B teacher's shard takes hours), and
     # one per finished shard.

@@ -21,7 +21,7 @@ from hf_recurrent import presets
 from trainer_ext.checkpoints import check_model_dir, check_resume_files
 from trainer_ext.data.prepare import DEFAULT_OUTPUT_DIR, PrepareDataArguments, prepare
 from trainer_ext.data.shards import read_manifest
-from trainer_ext.distill.cache import read_teacher_manifest
+from trainer_ext.distill.cache import check_cache_divergence, read_teacher_manifest
 from trainer_ext.files import one_process_writes
 from trainer_ext.lr_search.sweep_file import read_sweep_choice
 from trainer_ext.run.model_setup import (
@@ -108,6 +108,7 @@ class TrainingJob:
         cache_dir = data_args.teacher_cache_dir
         if cache_dir and os.path.exists(cache_dir):  # else built later (the comparison's per cycle): read then
             job.teacher_cache = read_teacher_manifest(cache_dir)
+            check_cache_divergence(job.teacher_cache, cache_dir, training_args.distill_divergence)
         teacher = model_args.teacher_model_name_or_path
         if teacher and os.path.isdir(teacher):  # a hub id's tokenizer is downloaded once the data is prepared
             data_dir = data_args.data_dir
@@ -148,6 +149,8 @@ class TrainingJob:
             self.teacher_tokenizer_checked = True
         if self.data_args.teacher_cache_dir and self.teacher_cache is None:
             self.teacher_cache = read_teacher_manifest(self.data_args.teacher_cache_dir)
+            check_cache_divergence(self.teacher_cache, self.data_args.teacher_cache_dir,
+                                   self.training_args.distill_divergence)
         return JobData(data_dir, manifest, tokenizer)
 
     def model_config(self, tokenizer) -> PretrainedConfig | None:
