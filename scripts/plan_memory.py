@@ -2,11 +2,14 @@
 
     hf-recurrent-plan-memory --preset recurrent-3.3b --cap_gib 24 --seq_len 2048 [--json]
     hf-recurrent-plan-memory --preset recurrent-7b --cap_gib 24 --num_processes 2 --sharding fsdp2   # per card
+    hf-recurrent-plan-memory --preset recurrent-7b --device_profile rtx3090   # a 3090's plan and speed, anywhere
 
 A mixed-integer program picks, for each batch size, which prelude / coda layers and unrolled core steps recompute
 their activations, minimising the calibrated step time under a calibrated peak reserved memory <= cap - margin; the
 batch size of highest predicted tokens/s wins. The calibration committed in the package was measured on an H200;
-re-calibrate on your own card from its probes:
+--device_profile scales its step times to another card's bf16 matmul rate (rtx3090, rtx4090: datasheet figures;
+measure: this machine's card, measured once and cached; or a profile file). Re-calibrate on your own card from its
+probes for the card's own step times and memory:
 
     python3 -m benchmarks.memory_probe --output probes.jsonl            # on the GPU, a few minutes
     hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json
@@ -17,6 +20,7 @@ import argparse
 import json
 import sys
 
+from trainer_ext.memory.device_profile import SPEC_PROFILES, resolve_device_profile
 from trainer_ext.memory.estimator import load_calibration, write_calibration_from_probes
 from trainer_ext.memory.plan import DEFAULT_MARGIN_GIB, MAX_BATCH_SIZE, plan_for_preset
 
@@ -24,7 +28,11 @@ from trainer_ext.memory.plan import DEFAULT_MARGIN_GIB, MAX_BATCH_SIZE, plan_for
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", help="A recurrent preset, e.g. recurrent-3.3b.")
-    parser.add_argument("--cap_gib", type=float, default=24.0, help="Memory of the card, GiB (default 24).")
+    parser.add_argument("--cap_gib", type=float, default=None,
+                        help="Memory of the card, GiB (default: the --device_profile's, else 24).")
+    parser.add_argument("--device_profile", default=None,
+                        help=f"The card to plan for: {', '.join(SPEC_PROFILES)} (datasheet), measure (this machine's, "
+                             "cached) or a profile JSON file (default: the calibration's device).")
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--margin_gib", type=float, default=DEFAULT_MARGIN_GIB,
                         help="Kept free below the cap: the CUDA context and the estimate's error.")
@@ -58,24 +66,27 @@ def main(argv=None) -> int:
         if not args.preset:
             raise ValueError("--preset is required, e.g. --preset recurrent-3.3b.")
         compiled = None if args.torch_compile == "auto" else args.torch_compile == "true"
+        profile = resolve_device_profile(args.device_profile, args.calibration)
         plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, args.margin_gib,
                                args.optimizer_momentum, args.optimizer_momentum_rank_fraction, compiled,
                                args.distill_topk, args.max_batch_size, args.num_processes, args.sharding,
-                               args.mixed_precision)
+                               args.mixed_precision, profile)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
-    print(f"{args.preset}, {args.seq_len} tokens per sequence, cap {args.cap_gib:g} GiB:")
+    print(f"{args.preset}, {args.seq_len} tokens per sequence, cap {plan.cap_gib:g} GiB:")
     print(f"  --per_device_train_batch_size {plan.per_device_train_batch_size}")
     print(f"  {plan.recompute_description}")
     print(f"  torch.compile {'on' if plan.torch_compile else 'off'}")
-    # The speed is the calibration's device's: another card is faster or slower (re-calibrating fits it to yours).
+    # The speed is the calibration's device's, or scaled to the profile's matmul rate (re-calibrating fits a card).
     device = load_calibration(args.calibration).info.get("device_name") or "the calibration's device"
-    print(f"  predicted peak reserved {plan.predicted_peak_gib:.2f} GiB; speed on {device} (the calibration's "
-          f"device): {plan.predicted_tokens_per_second:,.0f} tokens/s ({plan.predicted_step_seconds:.3f} s per step)")
+    device = (f"{profile.describe()}, the step times of {device} x {plan.device_profile['step_time_scale']:.3g}"
+              if profile else f"{device} (the calibration's device)")
+    print(f"  predicted peak reserved {plan.predicted_peak_gib:.2f} GiB; speed on {device}: "
+          f"{plan.predicted_tokens_per_second:,.0f} tokens/s ({plan.predicted_step_seconds:.3f} s per step)")
     if plan.sharding:
         print(f"  {plan.describe_processes()}")
         if plan.sharding == "fsdp2" and args.mixed_precision != "no":
@@ -84,8 +95,9 @@ def main(argv=None) -> int:
                 "fsdp2": f"accelerate launch --config_file trainer_ext/configs/accelerate_fsdp2_2x24gb.yaml "
                          f"--num_processes {args.num_processes} scripts/run_pretrain.py"}
     launch = launches.get(plan.sharding, "hf-recurrent-pretrain")
-    print(f"{launch} --preset {args.preset} --memory_plan auto --memory_cap_gib {args.cap_gib:g} "
-          "applies it (the default on CUDA).")
+    print(f"{launch} --preset {args.preset} applies it on such a card (--memory_plan auto, the default on CUDA, "
+          f"plans for the memory free when the run starts; add --memory_cap_gib {plan.cap_gib:g} for exactly this "
+          "plan).")
     return 0
 
 

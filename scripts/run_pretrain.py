@@ -2,7 +2,7 @@
 
     hf-recurrent-pretrain                        # debug preset, embedded corpus, CPU, a few minutes
     python -m scripts.run_pretrain --preset recurrent-3.3b --data_dir outputs/data/ja --bf16 \
-        --per_device_train_batch_size 1 --max_steps 1000 --output_dir outputs/r3b
+        --max_steps 1000 --output_dir outputs/r3b     # on CUDA the memory plan picks the batch size
     accelerate launch --config_file trainer_ext/configs/accelerate_single_24gb.yaml scripts/run_pretrain.py ...
     hf-recurrent-pretrain args.json              # every argument from one .json / .yaml file
 

@@ -89,3 +89,47 @@ def test_a_call_without_our_presets_prints_no_ratio_for_them(bench, tmp_path, ca
     summary = records[-1]
     assert summary["run"] == "summary" and not any(key.startswith("recurrent") or key == "debug" for key in summary)
     assert "/ peer-a" not in capsys.readouterr().out
+
+
+def test_peer_as_first_step_has_a_budget_of_its_own_so_one_call_measures_every_run(bench):
+    """GaLore's SVD took 242-247 s on H200s; with it inside peer A's share, a 540 s call gave peer A 2 steps and no
+    figure. Its own budget on top of the share leaves every run of the default call the time it needs."""
+    runs = ["peak", "peer-a", "recurrent-3.3b", "recurrent-7b", "peer-b"]
+    # seconds each run took on an H200: peer A's start, SVD step and 11 steps; ours start, compile and 12 steps
+    needed = {"peak": 15, "peer-a": 20 + 247 + 11 * 0.84, "recurrent-3.3b": 60, "recurrent-7b": 60, "peer-b": 45}
+    first_step = {"peer-a": bench.PEER_A_FIRST_STEP_SECONDS}
+    left = 540.0
+    for index, run in enumerate(runs):
+        timeout = bench.run_timeout(runs, index, left, first_step)
+        assert timeout >= needed[run] + (10 if run.startswith("peer") else 0), run  # peers stop 10 s before it
+        left -= needed[run]
+    assert left > 0
+    # Shares alone (the SVD inside peer A's share) leave it far less than its first step.
+    assert bench.run_timeout(runs, 1, 525.0, {}) < 247
+    # A run that finishes early leaves its time to the runs after it; none is left with a negative budget.
+    assert bench.run_timeout(runs, 2, 100.0, first_step) == pytest.approx(100 * 0.28 / 0.70)  # 3.3b of 3.3b, 7b, B
+    assert bench.run_timeout(runs, 1, 100.0, first_step) == bench.PEER_A_FIRST_STEP_SECONDS
+
+
+def test_the_first_step_is_recorded_apart_and_the_peak_is_the_profiles_matmul_rate(bench, tmp_path):
+    import json
+    import time
+
+    out = tmp_path / "peer.json"
+    bench.peer_child("peer-b", "cpu", None, 1, 16, 5, 3, time.time() + 600, str(out))
+    record = json.loads(out.read_text())
+    assert record["first_step_seconds"] > 0 and "tokens_per_second" in record
+    bench.peak_child("cpu", 64, str(tmp_path / "peak.json"), samples=2, per_sample=1)
+    peak = json.loads((tmp_path / "peak.json").read_text())
+    assert peak["run"] == "peak" and peak["peak_flops"] > 0 and peak["matmul_size"] == 64
+
+
+def test_a_dry_run_reserves_no_first_step_budget_for_a_peer_that_is_skipped(bench, tmp_path, monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "galore_torch" else real(name))
+    seen = []
+    monkeypatch.setattr(bench, "run_timeout", lambda runs, index, left, first_step: seen.append(first_step) or 60.0)
+    records = bench.main(["--device", "cpu", "--runs", "peer-a", "--steps", "4", "--max_seconds", "120",
+                          "--peer_a_first_step_seconds", "300", "--output_dir", str(tmp_path)])
+    assert records[0]["skipped"] == "skipped: galore-torch not installed (pip install galore-torch)"
+    assert seen == [{}]

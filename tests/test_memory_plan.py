@@ -446,3 +446,87 @@ def test_pinned_batches_go_to_the_gpu_without_waiting_by_default_on_cuda(tiny_da
     assert given[2].accelerator_config.non_blocking is False
     trainer = make_trainer(tiny_data_dir, tmp_path / "trainer", accelerator_config={"non_blocking": True})
     assert trainer.accelerator.dataloader_config.non_blocking is True
+
+
+# -- the default cap: what is free on the device when the run starts
+
+
+def fake_card_in_use(monkeypatch, free_gib, held_gib=0.0, total_gib=24.0, fraction=1.0):
+    """A CUDA card with `free_gib` free and `held_gib` held by this process, seen by the planner only."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * GIB), int(total_gib * GIB)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(held_gib * GIB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction)
+
+
+def _applied_plan(args, preset="recurrent-7b"):
+    return next(c for c in apply_memory_plan(args, presets.get(preset), 2048, 2)
+                if isinstance(c, MemoryPlanCallback)).plan
+
+
+def test_the_default_cap_is_the_free_memory_plus_what_the_process_holds_and_is_logged(tmp_path, monkeypatch, caplog):
+    # A 3090 driving a desktop under WSL2: 1.5 GiB of its 24 taken by others, 0.75 GiB of weights already loaded.
+    args, idle = (RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True)
+                  for _ in range(2))
+    fake_card_in_use(monkeypatch, free_gib=21.75, held_gib=0.75)
+    with caplog.at_level("INFO", logger="trainer_ext.memory.plan"):
+        plan = _applied_plan(args)
+    assert plan.cap_gib == pytest.approx(22.5) and plan.predicted_peak_gib <= 22.5 - 1.4
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Memory plan (cap")]
+    assert ("cap 22.50 GiB: 21.75 GiB free + 0.75 GiB held by this process, of 24.00 GiB (other processes and this "
+            "one's CUDA context use 1.50 GiB); --memory_cap_gib sets it)") in line
+    fake_card_in_use(monkeypatch, free_gib=24.0)
+    roomy = _applied_plan(idle)
+    assert roomy.cap_gib == 24.0 and plan.predicted_peak_gib < roomy.predicted_peak_gib
+    assert plan.predicted_tokens_per_second <= roomy.predicted_tokens_per_second
+
+
+def test_memory_cap_gib_still_wins_over_the_free_memory(tmp_path, monkeypatch, caplog):
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True,
+                                      memory_cap_gib=20)
+    fake_card_in_use(monkeypatch, free_gib=100.0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: pytest.fail("the cap was given"))
+    with caplog.at_level("INFO", logger="trainer_ext.memory.plan"):
+        assert _applied_plan(args).cap_gib == 20
+    assert any("cap 20.00 GiB: --memory_cap_gib" in r.getMessage() for r in caplog.records)
+
+
+def test_an_emulated_card_and_the_launchs_other_processes_bound_the_default_cap(tmp_path, monkeypatch, caplog):
+    # set_per_process_memory_fraction (a 24 GiB card emulated on a larger one) bounds what this process can use.
+    args, launched = (RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True)
+                      for _ in range(2))
+    fake_card_in_use(monkeypatch, free_gib=130.0, total_gib=139.8, fraction=24 / 139.8)
+    with caplog.at_level("INFO", logger="trainer_ext.memory.plan"):
+        assert _applied_plan(args).cap_gib == pytest.approx(24.0, abs=1e-6)
+    assert any("within this process's memory fraction of 24.00 GiB" in r.getMessage() for r in caplog.records)
+    # Every process of a launch trains the same plan: the smallest cap of them (an all-reduce MIN).
+    fake_card_in_use(monkeypatch, free_gib=23.0)
+    reduced = []
+
+    def all_reduce(tensor, op):
+        reduced.append(op)
+        tensor.fill_(min(float(tensor.item()), 21.5))  # another rank's card has less free
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="trainer_ext.memory.plan"):
+        assert _applied_plan(launched).cap_gib == 21.5
+    assert reduced == [torch.distributed.ReduceOp.MIN]
+    assert any("21.50 GiB, the smallest of the launch's processes" in r.getMessage() for r in caplog.records)
+
+
+def test_a_driver_that_cannot_report_free_memory_plans_against_the_total_and_says_so(tmp_path, monkeypatch, caplog):
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True)
+    fake_24gb_cuda(monkeypatch, args)
+
+    def no_answer(device=None):
+        raise RuntimeError("CUDA driver error: not supported")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_answer)
+    with caplog.at_level("WARNING", logger="trainer_ext.memory.plan"):
+        assert _applied_plan(args).cap_gib == 24
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "could not be read (CUDA driver error: not supported)" in warning and "--memory_cap_gib sets" in warning

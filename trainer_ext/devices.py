@@ -1,8 +1,9 @@
-"""The one reading of `--device auto` and `--dtype auto` shared by every entry point, and whether Triton (the fused
-kernels' compiler, on Linux x86-64 installs) is there."""
+"""The one reading of `--device auto` and `--dtype auto` shared by every entry point, whether Triton (the fused
+kernels' compiler, on Linux x86-64 installs) is there, and how much memory a CUDA device has for this process."""
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 
@@ -24,3 +25,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 @functools.cache
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A CUDA device's memory as this process finds it, in bytes."""
+
+    free: int  # what the driver reports free: other processes (a desktop under WSL2) and this one's context taken off
+    held: int  # reserved by this process's caching allocator (weights already loaded, cached blocks)
+    total: int  # the card's
+    fraction_limit: int | None = None  # torch.cuda.set_per_process_memory_fraction's limit, where one is set
+
+    @property
+    def available(self) -> int:
+        """What this process can fill: the free memory plus what it holds, within a per-process fraction."""
+        available = self.free + self.held
+        return min(available, self.fraction_limit) if self.fraction_limit is not None else available
+
+
+def device_memory(device: torch.device | int | None = None) -> DeviceMemory:
+    """The memory of CUDA `device` (default: the current one) now; RuntimeError where the driver cannot say."""
+    index = device.index if isinstance(device, torch.device) else device
+    free, total = torch.cuda.mem_get_info(index)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8 reports it
+    fraction = fraction(index) if fraction is not None else 1.0
+    return DeviceMemory(int(free), int(torch.cuda.memory_reserved(index)), int(total),
+                        int(fraction * total) if 0.0 < fraction < 1.0 else None)

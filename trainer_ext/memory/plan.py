@@ -7,6 +7,8 @@ linear in the choice at a fixed batch size). The batch size with the highest pre
 Transformer's layers count as prelude layers, and its choice is all of them or none: what transformers' checkpointing
 flag carries out. On several processes (data parallel or FSDP2) it plans one rank, whose weights, optimizer state and
 buffers `processes.py` accounts; the batch is per device. The plan is fixed for the run: nothing adapts during training.
+A training's default cap is the memory free on its device when it starts plus what the process already holds (the
+smallest over the processes), not the card's total; `device_profile.py` plans for another card than the calibration's.
 """
 
 import dataclasses
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from transformers import TrainerCallback
 
+from trainer_ext.memory.device_profile import DeviceProfile, for_device
 from trainer_ext.memory.estimator import GIB, Calibration, ModelShape, load_calibration
 from trainer_ext.memory.processes import FP32_BYTES, layout_of, per_rank_shape, resolve_sharding
 from trainer_ext.memory.recompute import RecomputeCallback, RecomputeSet
@@ -26,6 +29,7 @@ from trainer_ext.memory.recompute import RecomputeCallback, RecomputeSet
 logger = logging.getLogger(__name__)
 
 DEFAULT_MARGIN_GIB = 1.4  # CUDA context and what the calibration misses: a plan peaks <= 22.6 GiB on a 24 GiB card
+DEFAULT_CAP_GIB = 24.0  # hf-recurrent-plan-memory's card without --cap_gib or --device_profile
 MAX_BATCH_SIZE = 64
 PLAN_FILE = "memory_plan.json"
 # The settings given on the command line that decide the training's own memory (an explicit evaluation batch does not).
@@ -55,6 +59,7 @@ class MemoryPlan:
     num_processes: int = 1
     sharding: str | None = None  # "ddp", "fsdp2", or None for one process
     fixed_gib: dict = field(default_factory=dict)  # one rank's memory whatever the batch, by term
+    device_profile: dict | None = None  # the card whose speed the plan predicts (None: the calibration's device)
 
     @property
     def recompute_description(self) -> str:
@@ -75,7 +80,8 @@ class MemoryPlan:
                 "predicted_step_seconds": round(self.predicted_step_seconds, 4),
                 "predicted_tokens_per_second": round(self.predicted_tokens_per_second, 1),
                 "calibration": self.calibration, "num_processes": self.num_processes, "sharding": self.sharding,
-                "per_rank_fixed_gib": self.fixed_gib, "candidates": self.candidates}
+                "per_rank_fixed_gib": self.fixed_gib, "device_profile": self.device_profile,
+                "candidates": self.candidates}
 
     def describe(self) -> str:
         text = (f"batch {self.per_device_train_batch_size} x {self.seq_len} tokens, {self.recompute_description}, "
@@ -215,29 +221,39 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
                       fixed_gib={name: round(size / GIB, 3) for name, size in fixed.items()})
 
 
-def plan_for_preset(preset: str, seq_len: int, cap_gib: float, calibration_path: str | None = None,
+def plan_for_preset(preset: str, seq_len: int, cap_gib: float | None, calibration_path: str | None = None,
                     margin_gib: float = DEFAULT_MARGIN_GIB, momentum: float | None = None,
                     rank_fraction: float | None = None, compiled: bool | None = None, distill_topk: int = 0,
                     max_batch_size: int = MAX_BATCH_SIZE, num_processes: int = 1, sharding: str | None = None,
-                    mixed_precision: str = "no") -> MemoryPlan:
+                    mixed_precision: str = "no", device_profile: DeviceProfile | None = None) -> MemoryPlan:
     """The plan of a named preset (its default vocabulary) for one rank of `num_processes` with `sharding` ("ddp",
-    "fsdp2"; None: one process, or data parallel for several) under accelerate's `mixed_precision`; checks first
+    "fsdp2"; None: one process, or data parallel for several) under accelerate's `mixed_precision`, on the card of
+    `device_profile` (default: the calibration's; its memory is the default cap, else DEFAULT_CAP_GIB); checks first
     (ValueError naming the fix)."""
     from hf_recurrent import presets
 
     if preset not in presets.NAMES:
         raise ValueError(f"--preset {preset!r} is not a preset; choose one of {list(presets.NAMES)}.")
     config = presets.get(preset)
+    if cap_gib is None:
+        cap_gib = device_profile.memory_gib if device_profile else DEFAULT_CAP_GIB
     check_plan_numbers(seq_len, cap_gib, margin_gib, max_batch_size)
     sharding = resolve_sharding(num_processes, sharding)
     if mixed_precision not in MIXED_PRECISIONS:
         raise ValueError(f"--mixed_precision={mixed_precision!r} is not known; choose one of {list(MIXED_PRECISIONS)}.")
     calibration = load_calibration(calibration_path)
+    scale = None
+    if device_profile is not None:  # the calibration device's step times, at the profile's matmul rate
+        calibration, scale = for_device(calibration, device_profile, calibration_path)
     upcast = sharding == "fsdp2" and mixed_precision != "no"
     shape = training_shape(config, momentum, rank_fraction, num_processes=num_processes, sharding=sharding,
                            sharded_weight_bytes=FP32_BYTES if upcast else None)
-    return plan_memory(shape, seq_len, cap_gib, calibration, margin_gib, range(1, max_batch_size + 1),
+    plan = plan_memory(shape, seq_len, cap_gib, calibration, margin_gib, range(1, max_batch_size + 1),
                        compiled=compiled, distill_topk=distill_topk, preset=preset, calibration_path=calibration_path)
+    if device_profile is not None:
+        plan.device_profile = {**device_profile.to_dict(), "step_time_scale": round(scale, 4),
+                               "calibration_device": calibration.info.get("device_name")}
+    return plan
 
 
 def check_plan_numbers(seq_len, cap_gib, margin_gib, max_batch_size=MAX_BATCH_SIZE, prefix="--") -> None:
@@ -281,7 +297,9 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
                        training_args.per_device_train_batch_size, getattr(training_args, CHECKPOINTING_FLAG))
         return []
     explicit = getattr(training_args, "explicit_memory_settings", set())
-    cap = training_args.memory_cap_gib or torch.cuda.get_device_properties(0).total_memory / GIB
+    cap, cap_source = training_args.memory_cap_gib, "--memory_cap_gib"
+    if cap is None:
+        cap, cap_source = default_cap_gib(training_args.device)
     shape = training_shape(config, training_args.optimizer_momentum, training_args.optimizer_momentum_rank_fraction,
                            bytes_per_param, layout.num_processes, layout.sharding, layout.sharded_weight_bytes)
     fixed_set = None
@@ -318,8 +336,48 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
         setattr(training_args, CHECKPOINTING_FLAG, not plan.recompute.empty)
         if not plan.recompute.empty and is_recurrent(config):  # a Transformer's checkpointing is all or nothing
             callbacks.insert(0, RecomputeCallback(plan.recompute))
-    logger.info("Memory plan (cap %.1f GiB): %s", cap, plan.describe())
+    logger.info("Memory plan (cap %.2f GiB: %s): %s", cap, cap_source, plan.describe())
     return callbacks
+
+
+def default_cap_gib(device) -> tuple[float, str]:
+    """(the cap of a training without --memory_cap_gib, how it was found, for the log): the memory free on CUDA
+    `device` now plus what this process holds, within a per-process fraction, the smallest over the processes of
+    a launch (they train one plan). Not the card's total: a desktop, another process or WSL2 takes its share. The
+    card's total where the driver cannot say."""
+    import torch
+
+    from trainer_ext.devices import device_memory
+
+    index = device.index if getattr(device, "type", None) == "cuda" else None
+    try:
+        memory = device_memory(index)
+    except (RuntimeError, AssertionError) as error:
+        total = torch.cuda.get_device_properties(index or 0).total_memory / GIB
+        logger.warning("--memory_plan auto: the free memory of the CUDA device could not be read (%s); planning "
+                       "against its total of %.2f GiB. --memory_cap_gib sets the cap.", error, total)
+        return total, "the device's total memory"
+    cap = _smallest_over_processes(memory.available / GIB, device)
+    others = (memory.total - memory.free - memory.held) / GIB
+    text = (f"{memory.free / GIB:.2f} GiB free + {memory.held / GIB:.2f} GiB held by this process, of "
+            f"{memory.total / GIB:.2f} GiB (other processes and this one's CUDA context use {others:.2f} GiB)")
+    if memory.fraction_limit is not None and memory.fraction_limit < memory.free + memory.held:
+        text += f", within this process's memory fraction of {memory.fraction_limit / GIB:.2f} GiB"
+    if cap < memory.available / GIB:
+        text += f"; {cap:.2f} GiB, the smallest of the launch's processes"
+    return cap, f"{text}; --memory_cap_gib sets it"
+
+
+def _smallest_over_processes(value: float, device) -> float:
+    """The smallest `value` of the processes of an initialised process group (`value` itself without one)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return float(tensor.item())
 
 
 class MemoryPlanCallback(TrainerCallback):

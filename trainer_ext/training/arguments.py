@@ -221,7 +221,8 @@ class RecurrentTrainingArguments(TrainingArguments):
                                         "before training for --memory_cap_gib (hf-recurrent-plan-memory); none: "
                                         "as given. Default: auto with CUDA, none elsewhere."})
     memory_cap_gib: float | None = field(
-        default=None, metadata={"help": "Memory the plan may use, GiB (default: the CUDA device's total memory)."})
+        default=None, metadata={"help": "Memory the plan may use, GiB (default: what is free on the CUDA device when "
+                                        "the run starts plus what this process holds, not the card's total)."})
     memory_margin_gib: float = field(
         default=1.4, metadata={"help": "Kept free below the cap: the CUDA context and the estimate's error."})
     memory_calibration: str | None = field(
@@ -305,7 +306,7 @@ class RecurrentTrainingArguments(TrainingArguments):
             raise ValueError(f"--memory_plan={self.memory_plan!r} is not allowed; choose one of {list(MEMORY_PLANS)}.")
         if self.memory_cap_gib is not None and not self.memory_cap_gib > 0:
             raise ValueError(f"--memory_cap_gib={self.memory_cap_gib!r} is not allowed; it must be > 0 (GiB), or "
-                             "unset for the CUDA device's total memory.")
+                             "unset for the memory free on the CUDA device when the run starts.")
         if not self.memory_margin_gib >= 0:
             raise ValueError(f"--memory_margin_gib={self.memory_margin_gib!r} is not allowed; it must be >= 0 (GiB).")
         if self.memory_calibration is not None and not os.path.isfile(self.memory_calibration):
