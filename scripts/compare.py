@@ -10,23 +10,27 @@
 
 Every cycle takes the next `--cycle_tokens` training tokens of one data stream (the embedded corpus, `--files`
 or `--dataset`) and prepares them, trains the recurrent model (cycle 1 from `--recurrent_preset`, later cycles
-from the previous final weights), trains the baseline (`--baseline_preset`, a LlamaForCausalLM) on the same
+continuing the previous cycle's training), trains the baseline (`--baseline_preset`, a LlamaForCausalLM) on the same
 tokens in the same order with the same seed, evaluates both on one fixed held-out set (the recurrent one at each
 of `--eval_depths`) into results.jsonl / results.md / learning_curves.png, and deletes the cycle's shards. The
 held-out set is the first `--eval_tokens` tokens of the stream; no cycle trains on it.
 
 Training options: any flag of hf-recurrent-pretrain's model, data and training arguments (`--learning_rate`,
 `--warmup_steps`, `--bf16`, `--optimizer`, `--teacher_model_name_or_path`, ...) applies to both trainings;
-`--recurrent_learning_rate` / `--baseline_learning_rate` set one model's learning rate. Optimizer state starts
-fresh in each cycle (weights continue), hence the `constant_with_warmup` schedule with 30 warm-up steps per cycle
-unless `--lr_scheduler_type` / `--warmup_steps` say otherwise. A learning rate left unset follows
-hf-recurrent-pretrain's rule for the model's size; each training logs the schedule it starts with. Options the
-comparison sets per cycle (`--max_steps`, `--model_name_or_path`, `--data_dir`, ...) are refused.
+`--recurrent_learning_rate` / `--baseline_learning_rate` set one model's learning rate. Each model's cycles are
+one training: a cycle resumes the previous one's last checkpoint (weights, optimizer state, learning-rate schedule,
+RNG states), and one schedule (cosine unless `--lr_scheduler_type` says otherwise) spans all cycles of the run's
+first start, warming up once (30 steps unless `--warmup_steps` says otherwise), so N cycles train as one
+uninterrupted run over the same tokens. A learning rate left unset follows hf-recurrent-pretrain's rule for the
+model's size; each training logs the schedule it continues. Options the comparison sets per cycle (`--max_steps`,
+`--model_name_or_path`, `--data_dir`, `--save_only_model`, ...) are refused.
 
 Resuming: progress lives in `<output_dir>/compare_state.json`. Killed at any point, the same command continues
 where it stopped. A different command against the same output directory raises ValueError unless `--overwrite`
-(which discards the old run); `--num_cycles` and the hub options may change between runs, so a finished run can
-be extended by more cycles.
+(which discards the old run); the hub options and `--num_cycles` may change between runs: fewer cycles run under the
+planned schedule, more extend a finished run only where the rate does not depend on the schedule's length
+(`--lr_scheduler_type constant_with_warmup`, warm-up in steps; each model's last checkpoint stays for that). A
+directory of a version whose cycles each restarted the optimizer is refused (`--overwrite` starts it again).
 
 `--push_to_hub --hub_model_id me/name` pushes each cycle's final checkpoints (recurrent to `me/name`, baseline
 to `me/name-baseline` or `--hub_baseline_model_id`) with their model cards, in the background while the next

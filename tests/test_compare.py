@@ -1,8 +1,12 @@
 """Same-data comparison pipeline (trainer_ext.comparison): the stream taken in cycles, one held-out set, results,
-resuming after a kill, refusing other settings, pushes named after cycles; and the prepare_data options it uses."""
+resuming after a kill, refusing other settings, pushes named after cycles, each model's cycles as one uninterrupted
+training; and the prepare_data options it uses."""
 
+import dataclasses
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,22 +15,27 @@ import time
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, LlamaForCausalLM, TrainerCallback
 
 from hf_recurrent import presets
 from hub_server import HubTestServer
+from trainer_ext import files
 from trainer_ext.comparison.arguments import parse_args
 from trainer_ext.comparison.pipeline import ComparisonRun
 from trainer_ext.comparison.state import CYCLE_STAGES, MODELS, STATE_NAME, CompareState
 from trainer_ext.data.prepare import PrepareDataArguments, prepare
 from trainer_ext.data.shards import ShardedTokenDataset, file_sha256, read_manifest
 from trainer_ext.evaluation.metrics import unigram_cross_entropy
+from trainer_ext.run import pretrain as pretrain_module
+from trainer_ext.run.job import TrainingJob
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Two cycles of 4 steps x 4 samples x 32 tokens on the debug presets, a 300-token BPE on 40 KJV chapters.
+# Two cycles of 4 steps x 4 samples x 32 tokens on the debug presets, a 300-token BPE on 40 KJV chapters; the
+# default cosine schedule over both cycles, warmed up over the first two steps, every step logged.
 TINY = ["--num_cycles", "2", "--cycle_tokens", "512", "--per_device_train_batch_size", "4", "--seq_len", "32",
         "--max_documents", "40", "--vocab_size", "300", "--eval_tokens", "528", "--eval_depths", "1", "4", "24",
-        "--warmup_steps", "0", "--learning_rate", "3e-3", "--logging_steps", "4"]
+        "--warmup_steps", "2", "--learning_rate", "3e-3", "--logging_steps", "1"]
 METRICS = ("ce", "perplexity", "top1", "top5", "tokens")
 
 
@@ -233,7 +242,121 @@ def test_killed_mid_cycle_resumes_without_redoing_stages_and_pushes_cycles(refer
         assert stage_times(read_state(out)) == after
 
 
-def test_teacher_cache_per_cycle_distils_both_models_and_goes_with_the_shards(reference, tmp_path):
+class CycleSets(torch.utils.data.Dataset):
+    """The cycles' training sets as one dataset of one cycle's length whose epoch e reads cycle e + 1's samples, as
+    the cycles' trainings do (each cycle's shards are the Trainer's epoch of that cycle)."""
+
+    def __init__(self, sets):
+        self.sets, self.epoch = sets, -1
+        self.seq_len, self.num_tokens = sets[0].seq_len, sets[0].num_tokens
+
+    def __len__(self):
+        return len(self.sets[0])
+
+    def __getitem__(self, index):
+        return self.sets[self.epoch][index]
+
+
+class NextCycleSet(TrainerCallback):
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.dataset.epoch += 1
+
+
+def logged_steps(log_history):
+    return [(entry["step"], entry["loss"], entry["learning_rate"]) for entry in log_history if "loss" in entry]
+
+
+def test_cycles_continue_one_training_as_one_uninterrupted_run(reference, tmp_path, monkeypatch):
+    """Each model's cycles are one training: the second cycle resumes the first one's last checkpoint (weights,
+    optimizer state, scheduler position), under one schedule over both cycles warmed up once, so the two cycles give
+    the per-step losses, learning rates and final weights of one uninterrupted Trainer run over the same tokens."""
+    out, _ = reference
+    state = read_state(out)
+    assert state["planned_cycles"] == 2
+    for model in MODELS:  # the last checkpoint stays (a longer run resumes it), the first cycle's went
+        assert state["cycles"]["2"][f"train_{model}"]["checkpoint"] == str(out / model / "cycle-002" / "checkpoint-8")
+        assert [p.name for p in (out / model).glob("cycle-*/checkpoint-*")] == ["checkpoint-8"]
+
+    # The reference: one pretrain run of 8 steps over the same shards (prepared again, byte for byte), cycle 1's
+    # in its first epoch and cycle 2's in its second, with the comparison's arguments.
+    run = ComparisonRun(*parse_args(argv(out)))
+    run.state = CompareState(str(tmp_path / STATE_NAME), read_state(out))  # a copy: the preparations record there
+    monkeypatch.setattr(run, "data_dir", lambda cycle: str(tmp_path / f"data-{cycle}"))
+    for cycle in (1, 2):
+        run.prepare_cycle(cycle)
+        assert run.state.stage(cycle, "prepare")["stream_end"] == state["cycles"][str(cycle)]["prepare"]["stream_end"]
+    for model in MODELS:
+        model_args, data_args, training_args = run.training(model, 1).arguments(run.args, run.options)
+        assert training_args.max_steps == 8 and training_args.resume_from_checkpoint is None
+        sets = CycleSets([ShardedTokenDataset(run.data_dir(cycle)) for cycle in (1, 2)])
+        monkeypatch.setattr(pretrain_module, "load_datasets",
+                            lambda *args, **kwargs: (sets, ShardedTokenDataset(run.data_dir(1), "eval")))
+        reference_dir = tmp_path / f"uninterrupted-{model}"
+        job = TrainingJob.resolve(model_args, data_args,
+                                  dataclasses.replace(training_args, output_dir=str(reference_dir)))
+        pretrain_module.pretrain(job, callbacks=[NextCycleSet(sets)])
+        assert sets.epoch == 1
+
+        with open(reference_dir / "log_history.json") as f:
+            expected = logged_steps(json.load(f))
+        with open(out / model / "cycle-002" / "log_history.json") as f:  # carried over from cycle 1's checkpoint
+            steps = logged_steps(json.load(f))
+        assert [step for step, _, _ in steps] == [step for step, _, _ in expected] == list(range(1, 9))
+        for column in (1, 2):  # the loss and the learning rate of every step
+            assert [entry[column] for entry in steps] == pytest.approx([entry[column] for entry in expected],
+                                                                       rel=1e-5), model
+        for cycle in (1, 2):  # each cycle's training loss is the mean over its own steps
+            losses = [loss for step, loss, _ in expected if 4 * (cycle - 1) < step <= 4 * cycle]
+            assert state["cycles"][str(cycle)][f"train_{model}"]["train_loss"] == pytest.approx(sum(losses) / 4,
+                                                                                                 rel=1e-5)
+        rates = [rate for _, _, rate in steps]
+        assert rates[0] < rates[1] < rates[2] == 3e-3  # warm-up once, over the run's first two steps
+        assert all(a > b for a, b in zip(rates[2:], rates[3:]))  # then one cosine decay, across the cycles' seam
+        weights = load_file(out / model / "cycle-002" / "final" / "model.safetensors")
+        reference_weights = load_file(reference_dir / "final" / "model.safetensors")
+        assert weights.keys() == reference_weights.keys()
+        for name, tensor in weights.items():
+            torch.testing.assert_close(tensor, reference_weights[name], rtol=1e-5, atol=1e-7, msg=name)
+
+    # The schedule decays over the 2 planned cycles: a third cannot continue it.
+    with pytest.raises(ValueError, match=r"--num_cycles 3 is more than the 2 cycles .* \(cosine\)"):
+        compare(argv(out, "--num_cycles", "3"))
+    assert read_state(out) == state
+
+
+def test_more_cycles_than_planned_only_under_a_rate_free_of_the_length_and_old_runs_are_refused(tmp_path):
+    """A run planned over 2 cycles takes a third where the rate does not depend on the schedule's length (the plan,
+    and the schedule's steps, grow); a warm-up given as a fraction of the length is refused. A state of the version
+    whose cycles restarted the optimizer is refused, naming the fix, and --overwrite starts the run again."""
+    def started(*extra):
+        run = ComparisonRun(*parse_args(argv(tmp_path / "run", "--num_cycles", "3", *extra)))
+        run.state = CompareState.open(str(tmp_path / "run" / STATE_NAME), run.identity(), overwrite=True)
+        run.state.plan_cycles(2)
+        return run
+
+    run = started("--lr_scheduler_type", "constant_with_warmup")
+    run._plan_cycles()
+    assert run.state.planned_cycles == 3
+    assert run.training("recurrent", 3).arguments(run.args, run.options)[2].max_steps == 12
+    run = started("--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "0.25")
+    with pytest.raises(ValueError, match=r"more than the 2 cycles .* --warmup_steps in steps"):
+        run._plan_cycles()
+
+    path = str(tmp_path / STATE_NAME)
+    with open(path, "w") as f:
+        json.dump({"format_version": 1, "identity": {"cycle_tokens": 1}, "heldout": None, "cycles": {}}, f)
+    with pytest.raises(ValueError, match="started the optimizer state .* afresh .* Pass --overwrite"):
+        CompareState.open(path, {"cycle_tokens": 1})
+    removed = []
+    fresh = CompareState.open(path, {"cycle_tokens": 1}, overwrite=True, remove_outputs=lambda: removed.append(1))
+    assert removed == [1] and fresh.planned_cycles is None and fresh.stages_done() == 0
+
+
+def test_teacher_cache_per_cycle_distils_both_models_and_goes_with_the_shards(reference, tmp_path, monkeypatch,
+                                                                              caplog):
     tokenizer = AutoTokenizer.from_pretrained(reference[0] / "data" / "heldout")  # a prepared dir holds its tokenizer
     teacher_dir = str(tmp_path / "teacher")
     torch.manual_seed(0)
@@ -251,7 +374,19 @@ def test_teacher_cache_per_cycle_distils_both_models_and_goes_with_the_shards(re
         with pytest.raises(ValueError, match="not both"):
             compare(argv(out, *teacher_args, "--tokenizer", teacher_dir, *online))
 
-    compare(argv(out, *teacher_args, "--tokenizer", teacher_dir))
+    # A cycle whose cache will not fit on the disk is refused before its data is prepared, naming the shortfall.
+    real_free_bytes = files.free_bytes
+    monkeypatch.setattr(files, "free_bytes", lambda folder: 1000 if os.path.abspath(folder) == os.path.abspath(out)
+                        else real_free_bytes(folder))
+    with pytest.raises(files.DiskFullError, match=r"cycle 1's teacher cache: it needs about .* 1000 B free\. Free at "
+                                                  r"least .*lower --cycle_tokens or --teacher_cache_topk"):
+        compare(argv(out, *teacher_args, "--tokenizer", teacher_dir))
+    assert not (out / "data" / "cycle-001").exists()
+    monkeypatch.setattr(files, "free_bytes", real_free_bytes)
+
+    with caplog.at_level(logging.INFO, logger="trainer_ext.comparison.pipeline"):
+        compare(argv(out, *teacher_args, "--tokenizer", teacher_dir))
+    assert re.search(r"Cycle 1's teacher cache: \d+ bytes per token \(compact codec, k = 8\), about", caplog.text)
     cycle = read_state(out)["cycles"]["1"]
     assert cycle["cache_teacher"]["topk"] == 8 and cycle["cache_teacher"]["teacher"]["name_or_path"] == teacher_dir
     assert list(cycle) == [*CYCLE_STAGES]  # the cache is built between preparation and training
@@ -264,11 +399,25 @@ def test_teacher_cache_per_cycle_distils_both_models_and_goes_with_the_shards(re
     assert sorted(os.listdir(out / "data")) == ["heldout"]  # the cache went with the cycle's shards
 
 
-def test_state_without_stream_positions_resumes_by_token_count(reference, tmp_path):
+class Stopped(Exception):
+    pass
+
+
+def test_state_without_stream_positions_resumes_by_token_count(reference, tmp_path, monkeypatch):
     """A state written before stream positions were recorded continues: the next cycle skips by token count,
     trains on the same tokens, and records its end again."""
     out = tmp_path / "old"
-    compare(argv(out, "--num_cycles", "1"))
+    prepare_cycle = ComparisonRun.prepare_cycle
+
+    def stop_before_cycle_2(run, cycle):  # the run stops after cycle 1, planned over 2 cycles as the reference
+        if cycle == 2:
+            raise Stopped
+        prepare_cycle(run, cycle)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ComparisonRun, "prepare_cycle", stop_before_cycle_2)
+        with pytest.raises(Stopped):
+            compare(argv(out))
     state = read_state(out)
     del state["heldout"]["stream_end"]
     for field in ("start", "stream_end"):

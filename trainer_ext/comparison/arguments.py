@@ -32,14 +32,14 @@ from trainer_ext.training.arguments import (
 )
 
 # Training defaults of the comparison (the command line overrides them): hf-recurrent-pretrain's (seed 0, no reporting
-# integrations, data loading in the main process, ...), and its own: weights continue across cycles but optimizer
-# state does not, so a constant rate after a short per-cycle warmup (CYCLE_WARMUP_STEPS, where --warmup_steps is
-# left unset); no mid-cycle evaluation (the pipeline evaluates after each cycle); a resumable checkpoint now and
-# then; one progress display (the pipeline's) instead of the Trainer's.
+# integrations, data loading in the main process, a cosine schedule, ...), and its own: the cycles of a model are one
+# training, so the schedule spans every planned cycle and warms up once, over RUN_WARMUP_STEPS where --warmup_steps
+# is left unset (hf-recurrent-pretrain's rule would give a 125M model 2,000); no mid-cycle evaluation (the pipeline
+# evaluates after each cycle); a resumable checkpoint now and then; one progress display (the pipeline's) instead
+# of the Trainer's.
 COMPARE_TRAINING_DEFAULTS = {
     **COMMAND_LINE_DEFAULTS,
     "output_dir": os.path.join("outputs", "compare"),
-    "lr_scheduler_type": "constant_with_warmup",
     "eval_strategy": "no",
     "save_steps": 1000,
     "save_total_limit": 1,
@@ -48,7 +48,10 @@ COMPARE_TRAINING_DEFAULTS = {
     # Both models train on the same batches: no memory plan choosing a batch size per model.
     "memory_plan": "none",
 }
-CYCLE_WARMUP_STEPS = 30
+RUN_WARMUP_STEPS = 30
+# Schedules whose rate at a step does not depend on the schedule's length: only their runs may be extended by more
+# cycles than they were started with (with warm-up steps counted, not a fraction of the length).
+LENGTH_FREE_SCHEDULES = ("constant", "constant_with_warmup", "inverse_sqrt")
 # Set per cycle and model by the pipeline; setting them would break the cycle bookkeeping.
 CYCLE_FIELDS = {
     "max_steps": "--cycle_tokens",
@@ -60,6 +63,7 @@ CYCLE_FIELDS = {
     "resume_from_checkpoint": "nothing: an interrupted cycle resumes by itself",
     "overwrite_output_dir": "--overwrite (an interrupted cycle without a checkpoint restarts by itself)",
     "save_final": "nothing: the next cycle starts from the final weights",
+    "save_only_model": "nothing: the next cycle resumes the optimizer state of the previous one's last checkpoint",
     "teacher_cache_dir": "--teacher_cache_model (a cache built for each cycle's shards)",
     "hub_strategy": "--push_to_hub (the pipeline pushes once per cycle)",
 }
@@ -78,7 +82,10 @@ OPTIONAL_IDENTITY_ARGS = ("recurrent_learning_rate", "baseline_learning_rate", "
 
 @dataclass
 class CompareArguments:
-    num_cycles: int = field(default=5, metadata={"help": "Cycles to run (may be raised later to extend a run)."})
+    num_cycles: int = field(
+        default=5, metadata={"help": "Cycles to run; the learning-rate schedule spans those of the run's first start "
+                                     "(a later start may run fewer, and more only with a schedule whose rate does not "
+                                     "depend on its length, e.g. constant_with_warmup)."})
     cycle_tokens: int = field(
         default=200_000_000, metadata={"help": "Training tokens per cycle and model (rounded down to whole steps)."})
     recurrent_preset: str = field(
@@ -202,6 +209,14 @@ def check_training_options(options: TrainingOptions) -> None:
     for name, _ in changed_options(options):
         if name in CYCLE_FIELDS:
             raise ValueError(f"--{name} is set by the comparison for every cycle; use {CYCLE_FIELDS[name]} instead.")
+
+
+def schedule_depends_on_length(training: RecurrentTrainingArguments) -> bool:
+    """Whether the learning rate at a step depends on the schedule's length (cosine, linear, warmup_stable_decay, a
+    warm-up given as a fraction), so that a run planned over N cycles cannot continue past them."""
+    warmup = training.warmup_steps
+    return (getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type) not in LENGTH_FREE_SCHEDULES
+            or (warmup is not None and 0 < warmup < 1))
 
 
 def _as_dict(arguments) -> dict:

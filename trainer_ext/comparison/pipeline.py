@@ -5,16 +5,23 @@ Every cycle takes the next `cycle_tokens` training tokens of one data stream and
     prepare          shards of the cycle's tokens (`trainer_ext.data.prepare`), starting where the previous
                      cycle's piece of the stream ended, with the held-out set's shards as its eval split
     cache_teacher    only with --teacher_cache_model: the teacher's top-k log-probs over the cycle's shards
-    train_recurrent  `pretrain`: cycle 1 from the recurrent preset, later cycles from the previous final weights
+    train_recurrent  `pretrain`: cycle 1 from the recurrent preset, later cycles continue the previous cycle's
+                     training from its last checkpoint (weights, optimizer state, learning-rate schedule)
     train_baseline   the same for the baseline (a LlamaForCausalLM): same tokenizer, data, order and seed
     evaluate         both models on one fixed held-out set (the recurrent one at each evaluation depth),
                      appended to the results files; model cards rewritten; pushes submitted
-    cleanup          the cycle's shards, teacher cache and intermediate checkpoints deleted (final weights stay)
+    cleanup          the cycle's shards, teacher cache and intermediate checkpoints deleted, and the previous
+                     cycle's last checkpoint (final weights stay, and the cycle's last checkpoint until the next ends)
 
 The held-out set is the first `eval_tokens` tokens of the stream, prepared once before cycle 1 (which also trains
 the tokenizer, unless one is given); no cycle trains on it. Cycle k trains for `cycle_tokens // (batch x grad
 accum x seq_len)` optimizer steps on exactly the samples those steps consume. Each preparation records where its
 piece of the stream ends, and the next one skips to there by whole documents without tokenizing them.
+
+Each model's cycles are one training (`trainer_ext.comparison.training`): one learning-rate schedule spans the cycles
+planned when the run started (`planned_cycles` in the state), with one warm-up, and each cycle resumes the previous
+one's optimizer state, so N cycles train as one uninterrupted run over the same tokens. A later start may run fewer
+cycles; more only under a schedule whose rate does not depend on its length (constant_with_warmup, ...).
 
 Progress lives in `<output_dir>/compare_state.json` (`CompareState`): killed at any point, the same run continues
 where it stopped; finished stages are not redone, an interrupted training resumes from its last checkpoint.
@@ -37,7 +44,7 @@ import shutil
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from hf_recurrent import presets
-from trainer_ext.checkpoints import checkpoint_step, last_complete_checkpoint
+from trainer_ext.checkpoints import checkpoint_step, is_complete, load_tokenizer
 from trainer_ext.comparison.arguments import (
     NON_IDENTITY_ARGS,
     OPTIONAL_IDENTITY_ARGS,
@@ -47,16 +54,17 @@ from trainer_ext.comparison.arguments import (
     TrainingOptions,
     changed_options,
     check_training_options,
+    schedule_depends_on_length,
 )
 from trainer_ext.comparison.evaluation import HeldoutEvaluation, write_cycle_card
 from trainer_ext.comparison.progress import RunProgress, StepProgress, inner_bars_off
 from trainer_ext.comparison.pushes import CyclePushes
 from trainer_ext.comparison.report import RESULT_FILES, write_results
 from trainer_ext.comparison.state import CYCLE_STAGES, MODELS, STATE_NAME, CompareState
-from trainer_ext.comparison.training import CycleTraining, whole_run_train_loss
+from trainer_ext.comparison.training import CycleEnd, CycleTraining, whole_run_train_loss
 from trainer_ext.data.prepare import prepare
 from trainer_ext.distill.caching import CacheTeacherArguments, cache_teacher
-from trainer_ext.files import one_process_writes
+from trainer_ext.files import check_free_space, format_bytes, one_process_writes
 from trainer_ext.hub.model_card import ModelCardInfo
 from trainer_ext.run.job import TrainingJob
 from trainer_ext.run.model_setup import parse_overrides
@@ -95,9 +103,9 @@ class ComparisonRun:
         self.repos = {"recurrent": training.hub_model_id,
                       "baseline": args.hub_baseline_model_id or (f"{training.hub_model_id}-baseline"
                                                                  if training.hub_model_id else None)}
+        self.state: CompareState | None = None
         for model in MODELS:  # cycle 1's jobs, so a bad option fails in seconds, not after data preparation
             TrainingJob.resolve(*self.training(model, 1).arguments(args, options))
-        self.state: CompareState | None = None
         self.writer = True  # this process writes the run's files (the first of a launch of several)
         self.pushes: CyclePushes | None = None
         self.progress: RunProgress | None = None
@@ -227,52 +235,85 @@ class ComparisonRun:
                 f"{needed * self.sample_len:,} tokens after the {skip:,} used before it but got "
                 f"{got * self.sample_len:,}. Add data (--files / --dataset), or lower --cycle_tokens or "
                 "--num_cycles.")
+        # A cycle's steps are one Trainer epoch of its shards: the resumed training counts cycle k as epoch k - 1.
+        assert got == needed, (got, needed)
         self.state.mark_done(cycle, "prepare", dir=self.data_dir(cycle), skip_tokens=skip, start=start,
                              stream_end=manifest.get("stream_end"), train_samples=got,
                              eval_shards=[s["sha256"] for s in manifest["splits"]["eval"]["shards"]])
 
-    def cache_teacher(self, cycle: int) -> None:
+    def _cache_arguments(self, cycle: int) -> CacheTeacherArguments:
         options = {"topk": self.args.teacher_cache_topk, "quantization": self.args.teacher_cache_quantization}
-        manifest = cache_teacher(CacheTeacherArguments(
+        return CacheTeacherArguments(
             teacher_model_name_or_path=self.args.teacher_cache_model, data_dir=self.data_dir(cycle),
             output_dir=self.teacher_cache_dir(cycle), splits=["train"], device=self.args.device,
             trust_remote_code=self.options.model.trust_remote_code,
-            **{k: v for k, v in options.items() if v is not None}))
+            **{k: v for k, v in options.items() if v is not None})
+
+    def check_cache_space(self, cycle: int) -> None:
+        """Before a cycle's data is prepared: its teacher cache's bytes per token and the disk it needs (logged), and
+        a refusal naming the shortfall when the disk has less free."""
+        tokenizer = load_tokenizer(self.data_args.tokenizer, "--tokenizer", "pass the teacher's tokenizer")
+        codec = self._cache_arguments(cycle).codec(len(tokenizer))
+        needed = self.args.cycle_tokens * codec.bytes_per_token
+        logger.info("Cycle %d's teacher cache: %d bytes per token (%s codec, k = %d), about %s for %s tokens; it is "
+                    "deleted with the cycle.", cycle, codec.bytes_per_token, codec.name, codec.topk,
+                    format_bytes(needed), f"{self.args.cycle_tokens:,}")
+        check_free_space(self.out, needed, f"cycle {cycle}'s teacher cache",
+                         fix="lower --cycle_tokens or --teacher_cache_topk")
+
+    def cache_teacher(self, cycle: int) -> None:
+        manifest = cache_teacher(self._cache_arguments(cycle))
         self.state.mark_done(cycle, "cache_teacher", dir=self.teacher_cache_dir(cycle), topk=manifest["topk"],
                              teacher=manifest["teacher"])
 
-    def training(self, model: str, cycle: int, previous_final: str | None = None) -> CycleTraining:
-        """One model's training in `cycle` (continuing from `previous_final`, the previous cycle's weights)."""
+    def total_steps(self) -> int:
+        """The steps each model's learning-rate schedule spans: those of the planned cycles."""
+        planned = self.state.planned_cycles if self.state is not None else None
+        return (planned or self.args.num_cycles) * self.steps_per_cycle
+
+    def training(self, model: str, cycle: int, previous_final: str | None = None,
+                 previous_checkpoint: str | None = None) -> CycleTraining:
+        """One model's training in `cycle`, continuing the previous cycle's (its final weights and last checkpoint)."""
         return CycleTraining(
             model=model, output_dir=self.train_dir(model, cycle), data_dir=self.data_dir(cycle),
-            max_steps=self.steps_per_cycle, previous_final=previous_final,
+            first_step=(cycle - 1) * self.steps_per_cycle, last_step=cycle * self.steps_per_cycle,
+            total_steps=self.total_steps(), previous_final=previous_final, previous_checkpoint=previous_checkpoint,
             teacher_cache_dir=self.teacher_cache_dir(cycle) if self.args.teacher_cache_model is not None else None)
 
     def train(self, model: str, cycle: int) -> None:
-        previous = self.state.stage(cycle - 1, f"train_{model}")["final_dir"] if cycle > 1 else None
-        if previous is not None and not os.path.isfile(os.path.join(previous, "config.json")):
-            raise ValueError(f"{previous}: the final checkpoint of cycle {cycle - 1} is missing, so cycle {cycle} "
-                             "cannot continue from it; restore it, or start again with --overwrite.")
-        output_dir = self.train_dir(model, cycle)
-        resumed = last_complete_checkpoint(output_dir)
-        if resumed is not None:
+        previous = self.state.stage(cycle - 1, f"train_{model}") if cycle > 1 else {}
+        previous_final, previous_checkpoint = previous.get("final_dir"), previous.get("checkpoint")
+        for path, present, what in (
+                (previous_final, cycle == 1 or os.path.isfile(os.path.join(previous_final, "config.json")),
+                 "final weights"),
+                (previous_checkpoint, cycle == 1 or is_complete(previous_checkpoint),
+                 "last checkpoint (with the optimizer state and the schedule's position)")):
+            if not present:
+                raise ValueError(f"{path}: the {what} of the {model} model's cycle {cycle - 1} is missing or "
+                                 f"incomplete, so its cycle {cycle} cannot continue that training; restore it, or "
+                                 "start the comparison again in another --output_dir.")
+        training = self.training(model, cycle, previous_final, previous_checkpoint)
+        resumed = training.checkpoint()
+        if resumed is not None and resumed != previous_checkpoint:
             logger.info("Resuming the interrupted training of %s, cycle %d, from %s.", model, cycle, resumed)
-        callback = StepProgress(self.progress, cycle, model, (cycle - 1) * self.tokens_per_cycle, self.tokens_per_step)
+        callbacks = [StepProgress(self.progress, cycle, model, training.first_step, self.steps_per_cycle,
+                                  self.tokens_per_step), CycleEnd(training.last_step)]
         # Resolved as the training starts: the pipeline itself resumes, restarts or removes the cycle's folder
         # (--overwrite, a changed run), so the folder decisions of the jobs resolved up front may no longer hold.
-        job = TrainingJob.resolve(*self.training(model, cycle, previous).arguments(self.args, self.options))
-        metrics = pretrain(job, callbacks=[callback])
+        job = TrainingJob.resolve(*training.arguments(self.args, self.options))
+        metrics = pretrain(job, callbacks=callbacks)
 
         def record():  # by the process that wrote the log history, once it is written
-            with open(os.path.join(output_dir, "log_history.json"), encoding="utf-8") as f:
+            with open(os.path.join(training.output_dir, "log_history.json"), encoding="utf-8") as f:
                 log_history = json.load(f)
             train_loss = whole_run_train_loss(log_history, checkpoint_step(resumed) if resumed else None,
-                                              metrics.get("train_loss"))
+                                              metrics.get("train_loss"), training.first_step)
 
-            def last(key):  # the training's own count at its end (carried over a resume)
+            def last(key):  # the training's own count at its end (carried over the cycles before and resumes)
                 return next((entry[key] for entry in reversed(log_history) if key in entry), None)
 
-            self.state.mark_done(cycle, f"train_{model}", final_dir=os.path.join(output_dir, "final"), base=previous,
+            self.state.mark_done(cycle, f"train_{model}", final_dir=os.path.join(training.output_dir, "final"),
+                                 checkpoint=training.end_checkpoint, base=previous_final,
                                  tokens_seen=cycle * self.tokens_per_cycle, steps=self.steps_per_cycle,
                                  train_loss=train_loss, train_seconds=last("train_seconds"),
                                  train_flops=last("total_flos"))
@@ -294,17 +335,14 @@ class ComparisonRun:
 
     def training_compute(self, cycle: int, model: str) -> dict:
         """What `model`'s training cost up to the end of `cycle`: wall seconds in training and FLOPs at the depths
-        its steps ran (`RecurrentTrainer.floating_point_ops`), summed over cycles 1..cycle, and this cycle's
-        tokens/s. None where a cycle's training recorded none (runs of versions before these were recorded)."""
-        stages = [self.state.stage(c, f"train_{model}") for c in range(1, cycle + 1)]
-
-        def total(key):
-            values = [stage.get(key) for stage in stages]
-            return None if None in values else sum(values)
-
-        seconds = stages[-1].get("train_seconds")
-        return {"train_seconds": total("train_seconds"), "train_flops": total("train_flops"),
-                "train_tokens_per_second": round(self.tokens_per_cycle / seconds, 1) if seconds else None}
+        its steps ran (`RecurrentTrainer.floating_point_ops`), the one training's own counts over cycles 1..cycle,
+        and this cycle's tokens/s. None where the training recorded none."""
+        stage = self.state.stage(cycle, f"train_{model}")
+        seconds = stage.get("train_seconds")
+        before = self.state.stage(cycle - 1, f"train_{model}").get("train_seconds") if cycle > 1 else 0.0
+        cycle_seconds = seconds - before if seconds is not None and before is not None else None
+        return {"train_seconds": seconds, "train_flops": stage.get("train_flops"),
+                "train_tokens_per_second": round(self.tokens_per_cycle / cycle_seconds, 1) if cycle_seconds else None}
 
     def write_card(self, cycle: int, model: str, records: list[dict]) -> None:
         """The model card of a cycle's final checkpoint, with its held-out results (rewritten before a push, so
@@ -330,9 +368,12 @@ class ComparisonRun:
     def cleanup(self, cycle: int) -> None:
         shutil.rmtree(self.data_dir(cycle), ignore_errors=True)
         shutil.rmtree(self.teacher_cache_dir(cycle), ignore_errors=True)
-        for model in MODELS:  # resume checkpoints of a finished cycle; the final weights stay
-            for checkpoint in glob.glob(os.path.join(self.train_dir(model, cycle), "checkpoint-*")):
-                shutil.rmtree(checkpoint, ignore_errors=True)
+        for model in MODELS:  # resume checkpoints, but the last one, which the next cycle (or a longer run) resumes
+            keep = self.state.stage(cycle, f"train_{model}")["checkpoint"]
+            folders = [self.train_dir(model, c) for c in (cycle - 1, cycle) if c >= 1]
+            for checkpoint in (path for folder in folders for path in glob.glob(os.path.join(folder, "checkpoint-*"))):
+                if os.path.normpath(checkpoint) != os.path.normpath(keep):
+                    shutil.rmtree(checkpoint, ignore_errors=True)
         self.state.mark_done(cycle, "cleanup")
 
     def all_records(self) -> list[dict]:
@@ -379,6 +420,7 @@ class ComparisonRun:
                 os.makedirs(self.out, exist_ok=True)
                 self.state = CompareState.open(path, self.identity(), args.overwrite,
                                                remove_outputs=self._remove_outputs)
+                self._plan_cycles()
             else:
                 self.state = CompareState.read(path)
         self.writer = writes
@@ -416,8 +458,27 @@ class ComparisonRun:
         return {"output_dir": self.out, "results": records, "files": paths,
                 "state": os.path.join(self.out, STATE_NAME)}
 
+    def _plan_cycles(self) -> None:
+        """Record the cycles the learning-rate schedule spans: --num_cycles of the run's first start. A later start
+        may run fewer; more only where the rate does not depend on the schedule's length (the plan then grows)."""
+        planned, wanted = self.state.planned_cycles, self.args.num_cycles
+        if planned is not None and wanted <= planned:
+            return
+        training = self.options.training
+        if planned is not None and schedule_depends_on_length(training):
+            raise ValueError(
+                f"--num_cycles {wanted} is more than the {planned} cycles this run's learning-rate schedule "
+                f"({training.lr_scheduler_type.value}) spans: it was planned over "
+                f"{planned * self.steps_per_cycle} steps when the run started, and its cycles so far trained under "
+                f"it. Run at most {planned} cycles in {self.out}, or start a run of {wanted} cycles in another "
+                "--output_dir (a run meant to grow needs a schedule whose rate does not depend on its length: "
+                "--lr_scheduler_type constant_with_warmup with --warmup_steps in steps).")
+        self.state.plan_cycles(wanted)
+
     def _run_cycle(self, cycle: int) -> None:
         state = self.state
+        if "cache_teacher" in self.stages_per_cycle() and not state.is_done(cycle, "cache_teacher"):
+            self.check_cache_space(cycle)
         if not state.is_done(cycle, "prepare"):
             self._stage(cycle, "-", "prepare", self.prepare_cycle, cycle)
         if "cache_teacher" in self.stages_per_cycle() and not state.is_done(cycle, "cache_teacher"):

@@ -52,20 +52,23 @@ class RunProgress:
 
 
 class StepProgress(TrainerCallback):
-    """Moves the run's bar after every optimizer step of one training (one model, one cycle); logs the schedule
-    the training starts with, defaults resolved from the model's size included."""
+    """Moves the run's bar after every optimizer step of one training (one model, one cycle: the steps after
+    `first_step` of the model's one training); logs the schedule the training continues, defaults resolved from the
+    model's size included."""
 
-    def __init__(self, progress: RunProgress, cycle: int, model: str, tokens_before: int, tokens_per_step: int):
+    def __init__(self, progress: RunProgress, cycle: int, model: str, first_step: int, steps: int,
+                 tokens_per_step: int):
         self.progress, self.cycle, self.model = progress, cycle, model
-        self.tokens_before, self.tokens_per_step = tokens_before, tokens_per_step
+        self.first_step, self.steps, self.tokens_per_step = first_step, steps, tokens_per_step
 
     def on_train_begin(self, args, state, control, **kwargs):
-        logger.info("Cycle %d, %s: %d steps at learning rate %g (%s, %g warm-up steps).", self.cycle, self.model,
-                    state.max_steps, args.learning_rate, args.lr_scheduler_type.value, args.warmup_steps)
+        logger.info("Cycle %d, %s: steps %d-%d of a %s schedule over %d steps at learning rate %g (%g warm-up steps "
+                    "at its start).", self.cycle, self.model, self.first_step + 1, self.first_step + self.steps,
+                    args.lr_scheduler_type.value, state.max_steps, args.learning_rate, args.warmup_steps)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.progress.training_step(self.cycle, self.model, state.global_step, state.max_steps,
-                                    self.tokens_before + state.global_step * self.tokens_per_step)
+        self.progress.training_step(self.cycle, self.model, state.global_step - self.first_step, self.steps,
+                                    state.global_step * self.tokens_per_step)
 
 
 def inner_bars_off():

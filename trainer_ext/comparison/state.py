@@ -22,7 +22,10 @@ from collections.abc import Callable
 
 from trainer_ext.files import check_same_run, differing_fields, write_json
 
-FORMAT_VERSION = 1
+# Version 2: each model's cycles continue one training (one optimizer state, one learning-rate schedule over the
+# planned cycles, `planned_cycles`). Version 1 runs started each cycle's optimizer afresh with a warm-up of its own;
+# they cannot be continued as one training and are refused, naming the fix.
+FORMAT_VERSION = 2
 STATE_NAME = "compare_state.json"
 MODELS = ("recurrent", "baseline")
 # Per cycle, in order. The held-out set is prepared once, before the first cycle ("heldout"); "cache_teacher" runs
@@ -71,7 +74,7 @@ class CompareState:
             if remove_outputs is not None:
                 remove_outputs()
         state = cls(path, {"format_version": FORMAT_VERSION, "identity": identity, "created": _now()["done_at"],
-                           "heldout": None, "cycles": {}})
+                           "planned_cycles": None, "heldout": None, "cycles": {}})
         state.save()
         return state
 
@@ -82,21 +85,42 @@ class CompareState:
 
     @staticmethod
     def _read(path: str, overwrite: bool) -> dict | None:
-        """The state's content; None for an unreadable file when `overwrite` (it is replaced anyway)."""
+        """The state's content; None for a file it cannot continue when `overwrite` (it is replaced anyway)."""
+        fix = "pass --overwrite to start the run again"
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-            if data.get("format_version") != FORMAT_VERSION:
-                raise ValueError(f"format_version {data.get('format_version')}, this code reads {FORMAT_VERSION}")
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError, AttributeError) as err:
+            version = data.get("format_version")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
             if overwrite:
                 return None
-            raise ValueError(f"{path}: not a state file this code can continue ({err}); pass --overwrite to start "
-                             "the run again.") from err
-        return data
+            raise ValueError(f"{path}: not a state file this code can continue ({err}); {fix}.") from err
+        if version == FORMAT_VERSION:
+            return data
+        if overwrite:
+            return None
+        if version == 1:
+            raise ValueError(f"{path}: a comparison run whose cycles each started the optimizer state and the "
+                             "learning-rate warm-up afresh (an earlier version); cycles now continue one training "
+                             "(one optimizer state, one schedule over all cycles) and cannot continue that run. Pass "
+                             "--overwrite to start it again there (its outputs are deleted), or choose another "
+                             "--output_dir (its results files stay as they are).")
+        raise ValueError(f"{path}: not a state file this code can continue (format_version {version}, this code "
+                         f"reads {FORMAT_VERSION}); {fix}.")
 
     def save(self) -> None:
         write_json(self.path, self.data)
+
+    # -- the learning-rate schedule's length
+
+    @property
+    def planned_cycles(self) -> int | None:
+        """The cycles each model's learning-rate schedule spans (None until the run records them)."""
+        return self.data.get("planned_cycles")
+
+    def plan_cycles(self, cycles: int) -> None:
+        self.data["planned_cycles"] = cycles
+        self.save()
 
     # -- stages
 
