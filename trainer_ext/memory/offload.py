@@ -1,0 +1,124 @@
+"""Activation offload and selective recomputation: the two placements beside keep and recompute.
+
+`OffloadActivations` is a `torch.autograd.graph.saved_tensors_hooks` context: the tensors autograd saves for
+backward inside it move to pinned host memory on a copy stream of their own as they are saved (the compute stream
+goes on; the device block is released once its copy is done, `record_stream`), and come back in backward on that
+stream, each one prefetched while the previous one's gradients are computed: backward unpacks saved tensors in about
+the reverse order of saving, so the tensor saved just before the one being unpacked is the next one needed. Tensors
+under `min_bytes` (scalars, indices, norms' statistics) stay where they are: their copies would cost more launches
+than they free. On a CPU the "host" copy is a plain copy, so the bookkeeping and the gradients are tested anywhere.
+Host memory in use is bounded (`max_host_bytes`): a tensor that would pass it stays on the device. WSL2 caps pinned
+memory well below the machine's RAM (about half of what Windows gives the VM), which is why the bound exists.
+
+`selective_policy` is the recomputation that keeps the expensive outputs: under `torch.utils.checkpoint` with
+`create_selective_checkpoint_contexts`, the outputs of matrix products and attention are saved and everything else
+(norms, activations, rotary, residual adds) is recomputed in backward: most of a layer's FLOPs are not repeated, for
+part of its memory.
+
+torchtune's `OffloadActivations` and torchtitan's selective op checkpointing are the patterns followed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+# Ops whose outputs selective recomputation saves: the matrix products and attention (their FLOPs), not the cheap
+# elementwise ops around them.
+SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name))
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context():
+    """The `context_fn` of `torch.utils.checkpoint.checkpoint` that saves the outputs of SAVED_OPS only."""
+    return create_selective_checkpoint_contexts(_policy)
+
+
+selective_checkpoint = functools.partial(checkpoint, use_reentrant=False, context_fn=selective_context)
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors of at least `min_bytes` go to host memory while the forward runs and come back, prefetched, in
+    backward (module docstring). One context per forward; it may be entered again for the next one."""
+
+    def __init__(self, min_bytes: int = 1 << 20, max_host_bytes: int | None = None):
+        self.min_bytes, self.max_host_bytes = min_bytes, max_host_bytes
+        self.host_bytes = 0  # held on the host now
+        self.offloaded = 0  # tensors moved to the host, over the context's life
+        self._stored: dict[int, tuple] = {}  # key -> (host tensor, device, copy event) or ("kept", tensor)
+        self._fetched: dict[int, tuple] = {}  # key -> (device tensor, copy event): brought back ahead of use
+        self._next_key = 0
+        self._stream = None
+        super().__init__(self._pack, self._unpack)
+
+    def _copy_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def _pack(self, tensor: torch.Tensor):
+        key, self._next_key = self._next_key, self._next_key + 1
+        size = tensor.numel() * tensor.element_size()
+        full = self.max_host_bytes is not None and self.host_bytes + size > self.max_host_bytes
+        if size < self.min_bytes or full:
+            self._stored[key] = ("kept", tensor)
+            return key
+        stream = self._copy_stream(tensor.device)
+        if stream is None:  # CPU: the same bookkeeping, a plain copy
+            self._stored[key] = (tensor.detach().clone(), tensor.device, None)
+        else:
+            host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is written before it is copied
+            with torch.cuda.stream(stream):
+                host.copy_(tensor, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            tensor.record_stream(stream)  # its block is not reused before the copy has read it
+            self._stored[key] = (host, tensor.device, event)
+        self.host_bytes += size
+        self.offloaded += 1
+        return key
+
+    def _unpack(self, key: int) -> torch.Tensor:
+        tensor = self._take(key)
+        for earlier in range(key - 1, -1, -1):  # prefetch the next one backward will ask for
+            if earlier in self._stored and self._stored[earlier][0] != "kept":
+                self._fetch(earlier)
+                break
+        return tensor
+
+    def _fetch(self, key: int) -> None:
+        host, device, event = self._stored.pop(key)
+        self.host_bytes -= host.numel() * host.element_size()
+        stream = self._copy_stream(device)
+        if stream is None:
+            self._fetched[key] = (host.to(device), None)
+            return
+        with torch.cuda.stream(stream):
+            stream.wait_event(event)
+            back = host.to(device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._fetched[key] = (back, done)
+
+    def _take(self, key: int) -> torch.Tensor:
+        if key in self._stored and self._stored[key][0] == "kept":
+            return self._stored.pop(key)[1]
+        if key not in self._fetched:
+            self._fetch(key)
+        tensor, done = self._fetched.pop(key)
+        if done is not None:
+            current = torch.cuda.current_stream(tensor.device)
+            current.wait_event(done)
+            tensor.record_stream(current)
+        return tensor
