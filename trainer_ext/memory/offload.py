@@ -7,8 +7,9 @@ stream, each one prefetched while the previous one's gradients are computed: bac
 the reverse order of saving, so the tensor saved just before the one being unpacked is the next one needed. Tensors
 under `min_bytes` (scalars, indices, norms' statistics) stay where they are: their copies would cost more launches
 than they free. On a CPU the "host" copy is a plain copy, so the bookkeeping and the gradients are tested anywhere.
-Host memory in use is bounded (`max_host_bytes`): a tensor that would pass it stays on the device. WSL2 caps pinned
-memory well below the machine's RAM (about half of what Windows gives the VM), which is why the bound exists.
+Host memory in use is bounded (`max_host_bytes`): a tensor that would pass it stays on the device. Under WSL2 the
+pinned memory a CUDA application can hold is limited (NVIDIA's CUDA on WSL notes) and the VM has only part of the
+machine's RAM, which is why the bound exists.
 
 `selective_policy` is the recomputation that keeps the expensive outputs: under `torch.utils.checkpoint` with
 `create_selective_checkpoint_contexts`, the outputs of matrix products and attention are saved and everything else
