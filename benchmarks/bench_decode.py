@@ -4,17 +4,23 @@ same unrolled layer count, compiled the same way.
     python3 -m benchmarks.bench_decode --output $OUT/decode.json                       # recurrent-3.3b, GPU
     python3 -m benchmarks.bench_decode --preset debug --device cpu --depths 2 --prompt_len 8 --new_tokens 8 \
         --compile_backend eager --output /tmp/decode.json                              # a CPU check that it runs
+    python3 -m benchmarks.bench_decode --preset debug --device cpu --paths eager --threads 1 --clock process \
+        --rounds 5 --repeats 3 --prompt_len 32 --new_tokens 64                         # the CPU eager comparison
 
 Random init (speed does not depend on the weights), `--dtype` (bf16 on CUDA), SDPA attention. For each depth n and
 batch size: tokens/s of `generate` with the dynamic cache (eager), with `cache_implementation="static"` and a compiled
 decode step (`CompileConfig(fullgraph=True, dynamic=False)`, inductor + CUDA graphs by default), and the same two for
 `LlamaForCausalLM` with prelude + n x core + coda layers of the same width, heads, MLP and vocabulary.
 `--exit_thresholds` adds eager runs with adaptive depth (at most n steps) in each of `--exit_kv_cache_modes` (default
-`shared`, the mode where steps left once every token has exited are skipped), each next to the fixed-depth eager
-figure of the same cache mode, with the mean core steps used per token and core passes run per decode step.
+`shared`, the mode where exited rows skip the core steps before the last), each next to the fixed-depth eager
+figure of the same cache mode, with the mean core steps used and core passes run per decoded token.
 Each figure: the median of `--repeats` timed calls after `--warmup` untimed ones (which compile), with the spread
-(max - min) / median. Measurements run most important first (depth, then batch size, in the order given); past
-`--time_budget_s` the rest are listed as skipped, so a run stays short on any machine.
+(max - min) / median; `--rounds R` runs the whole list R times in turn, each figure then the median of its R x repeats
+calls, spread over the run. `--paths eager` leaves out the compiled path (on a CPU, where the eager comparison at
+small width measures per-step Python and dispatch overhead); `--threads` sets torch's intra-op threads; `--clock
+process` times by the process's CPU time. Both steady a CPU comparison on cores shared with other work. Measurements
+run most important first (depth, then batch size, in the order given); past `--time_budget_s` the rest are listed as
+skipped, so a run stays short on any machine.
 """
 
 import argparse
@@ -30,6 +36,8 @@ from hf_recurrent import RecurrentDepthForCausalLM, presets
 from hf_recurrent.configuration_recurrent_depth import KV_CACHE_MODES
 from hf_recurrent.cost import unrolled_layers
 
+PATHS = ("eager", "static+compile")
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -42,13 +50,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="Timed calls per figure (the median counts).")
     parser.add_argument("--warmup", type=int, default=2, help="Untimed calls first (compilation, CUDA graphs).")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
+                        help="Decoding paths timed for both models (eager: dynamic cache; static+compile).")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's).")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="Run every measurement this many times in turn, each figure the median of all its calls.")
+    parser.add_argument("--clock", choices=["wall", "process"], default="wall",
+                        help="process: the process's CPU time, for a CPU run on a machine shared with other work.")
     parser.add_argument("--compile_backend", default="inductor")
     parser.add_argument("--compile_mode", default="reduce-overhead", help="'none' for the backend's default.")
     parser.add_argument("--exit_thresholds", type=float, nargs="*", default=[],
                         help="Adaptive depth thresholds (state criterion) timed on the eager path.")
     parser.add_argument("--exit_kv_cache_modes", nargs="+", choices=KV_CACHE_MODES, default=["shared"],
                         help="kv_cache_mode(s) of the adaptive depth runs; a mode other than the preset's also gets "
-                             "a fixed-depth eager run. Exits skip core steps in 'shared' only.")
+                             "a fixed-depth eager run. Exits skip core steps in 'shared' only (per_step caches "
+                             "need every step's keys and values).")
     parser.add_argument("--no_llama", action="store_true", help="Skip the Llama peer.")
     parser.add_argument("--time_budget_s", type=float, default=270.0,
                         help="Stop starting new measurements after this many seconds.")
@@ -88,10 +104,11 @@ def time_generate(model, prompt, args, **kwargs) -> list[float]:
     rates = []
     for index in range(args.warmup + args.repeats):
         synchronize(args.device)
-        start = time.perf_counter()
+        clock = time.process_time if args.clock == "process" else time.perf_counter
+        start = clock()
         out = model.generate(prompt, **kwargs)
         synchronize(args.device)
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         new = out.shape[1] - prompt.shape[1]
         if new != args.new_tokens:
             raise RuntimeError(f"generate stopped after {new} of {args.new_tokens} tokens; no eos is expected here.")
@@ -109,16 +126,17 @@ def compile_config(args) -> CompileConfig:
 
 class StepsRecorder:
     """Per decode step (one new token per row) of adaptive-depth calls: mean core steps used per token (the model's
-    `num_steps_used`) and core passes run (calls of the first core layer; fewer than n once exited steps are skipped).
+    `num_steps_used`) and core passes run per token (tokens through the first core layer over the step's tokens;
+    fewer than n once exited steps are skipped or run on the rows still iterating).
     """
 
     def __init__(self, model):
-        self.steps = self.tokens = self.passes = self.calls = self.call_passes = 0
+        self.steps = self.tokens = self.passes = self.call_passes = 0
         self.handles = [model.model.register_forward_hook(self.hook),
                         model.model.core[0].register_forward_pre_hook(self.count_pass)]
 
     def count_pass(self, module, inputs):
-        self.call_passes += 1
+        self.call_passes += inputs[0].shape[0] * inputs[0].shape[1]
 
     def hook(self, module, inputs, output):
         used = getattr(output, "num_steps_used", None)
@@ -126,19 +144,19 @@ class StepsRecorder:
             self.steps += used.sum().item()
             self.tokens += used.numel()
             self.passes += self.call_passes
-            self.calls += 1
         self.call_passes = 0
 
     def means(self) -> dict:
         for handle in self.handles:
             handle.remove()
         return {"mean_steps_used": self.steps / self.tokens if self.tokens else None,
-                "mean_core_passes": self.passes / self.calls if self.calls else None}
+                "mean_core_passes": self.passes / self.tokens if self.tokens else None}
 
 
 def measurements(args, preset_mode: str):
     """(label, model kind, kv_cache_mode, depth, batch, generate kwargs) in the order they run."""
     paths = [("eager", {}), ("static+compile", {"cache_implementation": "static", "compile_config": compile_config(args)})]
+    paths = [(path, kwargs) for path, kwargs in paths if path in args.paths]
     exit_modes = dict.fromkeys(args.exit_kv_cache_modes) if args.exit_thresholds else {}
     for num_steps in args.depths:
         for batch in args.batch_sizes:
@@ -158,6 +176,8 @@ def measurements(args, preset_mode: str):
 def run(args) -> dict:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
                                                            else torch.float32)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     config = presets.get(args.preset)
     torch.manual_seed(0)
     ours = build(RecurrentDepthForCausalLM, config, args.device, dtype)
@@ -165,13 +185,18 @@ def run(args) -> dict:
     generator = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(3, config.vocab_size, (b, args.prompt_len), generator=generator).to(args.device)
                for b in args.batch_sizes}
-    results, skipped, started = [], [], time.perf_counter()
+    results, skipped, started = {}, {}, time.perf_counter()
     preset_mode = config.kv_cache_mode  # the model shares `config`, whose mode the exit runs change
-    for path, kind, mode, num_steps, batch, kwargs in measurements(args, preset_mode):
-        record = {"model": kind, "path": path, "kv_cache_mode": mode, "num_steps": num_steps, "batch": batch,
-                  "layers": unrolled_layers(config, num_steps), "exit_threshold": kwargs.get("exit_threshold")}
+    rounds = (item for _ in range(args.rounds) for item in measurements(args, preset_mode))
+    for path, kind, mode, num_steps, batch, kwargs in rounds:
+        key = (path, kind, mode, num_steps, batch)
+        record = results.get(key) or {
+            "model": kind, "path": path, "kv_cache_mode": mode, "num_steps": num_steps, "batch": batch,
+            "layers": unrolled_layers(config, num_steps), "exit_threshold": kwargs.get("exit_threshold"),
+            "tokens_per_s_runs": []}
         if time.perf_counter() - started > args.time_budget_s:
-            skipped.append(record)
+            if key not in results:
+                skipped[key] = record
             continue
         if kind == "llama" and llama_steps != num_steps:
             llama = None  # free the previous depth's peer first
@@ -182,21 +207,23 @@ def run(args) -> dict:
         if kind == "recurrent":
             ours.config.kv_cache_mode = mode  # read at every forward call; only eager runs change it
         recorder = StepsRecorder(model) if "exit_threshold" in kwargs else None
-        rates = time_generate(model, prompts[batch], args, **kwargs)
+        rates = record["tokens_per_s_runs"] = record["tokens_per_s_runs"] + time_generate(
+            model, prompts[batch], args, **kwargs)
         median = statistics.median(rates)
-        record.update(tokens_per_s=median, tokens_per_s_runs=rates, spread=(max(rates) - min(rates)) / median)
+        record.update(tokens_per_s=median, spread=(max(rates) - min(rates)) / median)
         if recorder is not None:
             record.update(recorder.means())
-        results.append(record)
+        results[key] = record
         print(f"{kind:9s} {path:18s} {mode or '-':8s} n={num_steps:<3d} batch={batch:<3d} {median:10.1f} tokens/s "
               f"(spread {record['spread']:.1%})", flush=True)
     return {
         "preset": args.preset, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "transformers": transformers.__version__,
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats, "warmup": args.warmup,
+        "threads": torch.get_num_threads(), "clock": args.clock, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "repeats": args.repeats, "rounds": args.rounds, "warmup": args.warmup,
         "compile": {"backend": args.compile_backend, "mode": args.compile_mode, "fullgraph": True},
-        "results": results, "ratios": ratios(results, preset_mode), "adaptive_depth": adaptive(results),
-        "skipped": skipped,
+        "results": list(results.values()), "ratios": ratios(list(results.values()), preset_mode),
+        "adaptive_depth": adaptive(list(results.values())), "skipped": list(skipped.values()),
     }
 
 
@@ -234,7 +261,8 @@ def adaptive(results: list[dict]) -> list[dict]:
 
 def render(report: dict) -> str:
     lines = [f"{report['preset']} on {report['device']} ({report['dtype']}), prompt {report['prompt_len']}, "
-             f"{report['new_tokens']} new tokens, median of {report['repeats']}",
+             f"{report['new_tokens']} new tokens, median of {report['rounds']} x {report['repeats']} "
+             f"({report['clock']} clock)",
              "| model | path | cache | n | layers | batch | tokens/s | spread |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in report["results"]:
@@ -247,7 +275,7 @@ def render(report: dict) -> str:
         lines.append(f"| {r['num_steps']} | {r['batch']} | {fmt(r['compiled_over_eager'])} | "
                      f"{fmt(r['compiled_over_llama_compiled'])} | {fmt(r['eager_over_llama_eager'])} |")
     if report["adaptive_depth"]:
-        lines += ["", "Adaptive depth (eager; per decode step: mean core steps used per token, core passes run)",
+        lines += ["", "Adaptive depth (eager; per decoded token: mean core steps used, core passes run)",
                   "| n | batch | cache | threshold | steps used | core passes | tokens/s | fixed depth | gain |",
                   "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in report["adaptive_depth"]:

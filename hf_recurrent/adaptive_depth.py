@@ -8,27 +8,34 @@ With `exit_threshold=t` (a `forward` / `generate` keyword, or `config.exit_thres
 keeps s_i from then on. The model reports the steps each token used as `num_steps_used` (B, T). t = 0 never exits
 (fixed depth); a huge t exits every token after one step.
 
-While some token of the call still iterates, the exited ones are computed at every step but not changed (masked):
-later steps' cache slots need their keys and values, taken from the frozen state exactly as a full forward pass
-computes them, so cached decoding stays exact. Once every token of the call has exited (typical in batch-1
-decoding), the steps left change no state and are skipped where that is exact (`DepthExit.steps`):
+An exited token's state no longer changes, but later steps may still need it: in `kv_cache_mode="per_step"` every
+step's cache slot holds its keys and values, and at every step the tokens after it attend to its keys and values at
+that step, computed from the frozen state exactly as a full forward pass computes them, so cached decoding stays
+exact. What no later computation reads is left out (`DepthExit.steps`, then `DepthExit.run`), where that is exact:
 
-- no cache: the loop stops; a token that exits after j steps costs j core passes instead of n.
-- `kv_cache_mode="shared"`: only the last step runs, which writes the shared slot with keys and values from the
-  frozen state (earlier steps only read the cache): j + 1 passes. This is the mode where exits save compute.
+- no cache (a full forward, evaluation): a step runs only on the batch rows that still have an iterating token, each
+  cut after the last such token of any of them (causal attention: no earlier token reads a later one); once every
+  token has exited, the loop stops. A batch whose tokens exited after j steps costs j core passes instead of n.
+- `kv_cache_mode="shared"`: the steps before the last only read the cache, so they run on the same compacted batch
+  (the rows' cache entries gathered), and the last step runs on every token: it writes the shared slot with keys and
+  values from the frozen states. Decoding a batch, a row whose token exited after j steps costs j + 1 passes.
 - `kv_cache_mode="per_step"`: every later step's slot needs the token's keys and values at that step, so nothing
-  is skipped.
+  is left out (masked: exited tokens are computed and their new state discarded).
 
-Skipped steps record the frozen state in `hidden_states` (as the masked steps do: same values, length 1 + P + n + C).
-Deciding "all exited" syncs with the host once per step, so it is made only without autograd (`generate`,
-evaluation under `no_grad` / `inference_mode`), outside `torch.compile` (a compiled decode step stays one graph,
-masked) and without `output_attentions` (skipped steps would leave out their attention weights). Outputs, the cache
-and `num_steps_used` equal the masked path's; `SKIP_EXITED_STEPS = False` forces the masked path.
+With a static cache (compiled decoding) a step is not compacted; it is left out only once every token of the call
+has exited (shared mode), as with a dynamic cache. Skipped steps record the frozen state in `hidden_states` (as the
+masked steps do: same values, length 1 + P + n + C). Deciding what to run syncs with the host once per step, so it
+is made only without autograd (`generate`, evaluation under `no_grad` / `inference_mode`), outside `torch.compile` (a
+compiled decode step stays one graph, masked) and without `output_attentions` (left-out steps would leave out their
+attention weights). Outputs, the cache and `num_steps_used` equal the masked path's: exactly where whole steps are
+left out, up to the kernels' rounding where a step runs on a smaller block (matrix products and attention round
+differently for another number of rows or keys). `COMPACT_EXITED_STEPS = False` runs every step on the whole batch
+while some token iterates; `SKIP_EXITED_STEPS = False` forces the masked path throughout.
 
 Shipped next to the weights with the modeling file (`trust_remote_code` loads it as a flat module).
 """
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +47,7 @@ except ImportError:  # loaded as a flat module by `trust_remote_code`
     from configuration_recurrent_depth import EXIT_CRITERIA
 
 SKIP_EXITED_STEPS = True  # False: run every step masked, even once all tokens have exited (for comparisons)
+COMPACT_EXITED_STEPS = True  # False: while some token iterates, a step runs on the whole batch (masked)
 
 
 def check_exit(threshold, criterion: str) -> None:
@@ -51,13 +59,19 @@ def check_exit(threshold, criterion: str) -> None:
 
 class DepthExit:
     """The exit state of one forward pass: which tokens still iterate and how many steps each has used.
-    `cache_mode`: the call's `kv_cache_mode`, None without a cache (which steps `steps` may skip)."""
+    `cache_mode`: the call's `kv_cache_mode`, None without a cache (which steps `steps` may leave out); `compact`:
+    whether a step may run on part of the batch (no cache or a dynamic one, no mask or a tensor one, no attention
+    keyword arguments beyond the model's own)."""
 
-    def __init__(self, threshold: float, shape: tuple[int, int], device: torch.device, cache_mode: str | None = None):
+    def __init__(self, threshold: float, shape: tuple[int, int], device: torch.device, cache_mode: str | None = None,
+                 compact: bool = False):
         self.threshold = threshold
         self.cache_mode = cache_mode
+        self.compact = compact
         self.active = torch.ones(shape, dtype=torch.bool, device=device)  # (B, T)
         self.steps_used = torch.zeros(shape, dtype=torch.long, device=device)
+        # What the next step runs on: None (every token), or (rows, length): the rows (None: all) cut to `length`.
+        self.block = None
 
     def step(self, state: torch.Tensor, new_state: torch.Tensor) -> torch.Tensor:
         """The state after one more step: `new_state` for active tokens, `state` (frozen) for exited ones."""
@@ -67,24 +81,85 @@ class DepthExit:
         self.active = self.active & ~(change < self.threshold)
         return state
 
+    def run(self, core_step: Callable, state: torch.Tensor, embedded: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
+        """The state after the next step, `core_step(state, embedded, layer_kwargs)` (B, T, C) -> (B, T, C), run on
+        the whole batch or on the block `steps` chose; the tokens outside the block have exited and stay frozen."""
+        if self.block is None:
+            return self.step(state, core_step(state, embedded, layer_kwargs))
+        rows, length = self.block
+        old = take_block(state, rows, length)
+        new = core_step(old, take_block(embedded, rows, length), block_kwargs(layer_kwargs, rows, length,
+                                                                             state.shape[1]))
+        active = take_block(self.active, rows, length)
+        self.steps_used += self.active
+        change = (new - old).float().norm(dim=-1) / new.float().norm(dim=-1).clamp_min(1e-12)
+        state, self.active = state.clone(), self.active.clone()
+        index = (slice(None) if rows is None else rows, slice(None, length))
+        state[index] = torch.where(active[..., None], new, old)
+        self.active[index] = active & ~(change < self.threshold)
+        return state
+
     def steps(self, num_steps: int, hidden_states: list | None, attentions: list | None) -> Iterable[int]:
-        """The core steps (0-based) to run: all `num_steps`, or fewer once every token has exited, where that is
-        exact (module docstring). `hidden_states` (the forward's list, or None) gets the frozen state once per
-        skipped step; collected `attentions` keep every step."""
+        """The core steps (0-based) to run: all `num_steps`, or fewer once every token has exited, each on the part
+        of the batch that is needed (module docstring), set as `block` before the step is yielded. `hidden_states`
+        (the forward's list, or None) gets the frozen state once per skipped step; collected `attentions` keep every
+        step."""
         skip = (SKIP_EXITED_STEPS and self.cache_mode != "per_step" and attentions is None
                 and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
         return self._skipping_steps(num_steps, hidden_states) if skip else range(num_steps)
 
     def _skipping_steps(self, num_steps: int, hidden_states: list | None) -> Iterator[int]:
-        last = num_steps if self.cache_mode is None else num_steps - 1  # the shared cache's writing step runs
+        last = num_steps if self.cache_mode is None else num_steps - 1  # the shared cache's writing step runs whole
         step = 0
         while step < num_steps:
             yield step
             step += 1
-            if step < last and not bool(self.active.any()):  # a host sync, once per step
+            self.block = None
+            if step >= last:
+                continue
+            block = self._needed_block()  # a host sync, once per step
+            if block is None:  # every token has exited
                 if hidden_states is not None:  # the last entry is the state just recorded: the frozen one
                     hidden_states += [hidden_states[-1]] * (last - step)
                 step = last
+            elif block[0] is not None or block[1] < self.active.shape[1]:  # smaller than the batch
+                self.block = block
+
+    def _needed_block(self) -> tuple[torch.Tensor | None, int] | None:
+        """(rows with an active token, or None for all; 1 + the last active position among them), None if none."""
+        batch, seq = self.active.shape
+        if not (self.compact and COMPACT_EXITED_STEPS):
+            return (None, seq) if bool(self.active.any()) else None
+        ends = torch.where(self.active, torch.arange(1, seq + 1, device=self.active.device), 0).amax(-1).tolist()
+        rows = [row for row, end in enumerate(ends) if end]
+        if not rows:
+            return None
+        index = None if len(rows) == batch else torch.tensor(rows, device=self.active.device)
+        return index, max(ends)
+
+
+def take_block(tensor: torch.Tensor, rows: torch.Tensor | None, length: int) -> torch.Tensor:
+    """`tensor` (B or 1, T, ...) cut to a block: rows `rows` (all: None, or a batch of 1 that broadcasts), positions
+    before `length`."""
+    if rows is not None and tensor.shape[0] > 1:
+        tensor = tensor.index_select(0, rows)
+    return tensor[:, :length]
+
+
+def block_kwargs(layer_kwargs: dict, rows: torch.Tensor | None, length: int, seq: int) -> dict:
+    """The decoder layers' keyword arguments for a step run on a block of the batch: the rotary phases and the mask
+    cut alike (the mask's key axis loses the cut positions, which come last), the cache rows to attend over."""
+    kwargs = dict(layer_kwargs)
+    kwargs["position_embeddings"] = tuple(take_block(t, rows, length) for t in layer_kwargs["position_embeddings"])
+    mask = layer_kwargs["attention_mask"]
+    if mask is not None:
+        keys = mask.shape[-1] - (seq - length)
+        if rows is not None and mask.shape[0] > 1:
+            mask = mask.index_select(0, rows)
+        kwargs["attention_mask"] = mask[..., :length, :keys] if mask.dim() == 4 else mask[:, :keys]
+    if rows is not None and layer_kwargs.get("cache") is not None:
+        kwargs["cache_rows"] = rows
+    return kwargs
 
 
 @dataclass

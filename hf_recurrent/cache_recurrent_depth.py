@@ -32,6 +32,13 @@ def cache_slot(config: RecurrentDepthConfig, section: str, index: int, step: int
     return config.n_prelude_layers + config.n_coda_layers + (step if per_step else 0) * config.n_core_layers + index
 
 
+def core_slots(config: RecurrentDepthConfig, num_steps: int) -> list[range]:
+    """Per core step (0-based), the slots of the core layers in order: `cache_slot` for a whole call at once."""
+    first = config.n_prelude_layers + config.n_coda_layers
+    width, stride = config.n_core_layers, config.n_core_layers if config.kv_cache_mode == "per_step" else 0
+    return [range(first + step * stride, first + step * stride + width) for step in range(num_steps)]
+
+
 def num_cache_slots(config: RecurrentDepthConfig, num_steps: int) -> int:
     """How many slots a call at depth `num_steps` uses."""
     return cache_slot(config, "core", config.n_core_layers - 1, num_steps - 1) + 1
@@ -103,9 +110,12 @@ def unsupported_cache(what: str) -> ValueError:
     )
 
 
-def attend_cache(cache: Cache, slot: int, key: torch.Tensor, value: torch.Tensor, read_only: bool):
+def attend_cache(cache: Cache, slot: int, key: torch.Tensor, value: torch.Tensor, read_only: bool,
+                 rows: torch.Tensor | None = None):
     """Keys and values to attend over: the slot's past plus this call's, which are stored in the slot unless
-    `read_only` (earlier steps in `shared` cache mode, whose keys the last step's replace).
+    `read_only` (earlier steps in `shared` cache mode, whose keys the last step's replace). `rows` (read-only calls
+    on a dynamic slot): the slot's batch rows that this call's rows are, None for all (a step run on part of the
+    batch, `adaptive_depth`).
 
     A static slot receives read-only keys at the call's positions without advancing its length: the last step
     overwrites them, and masks cover the slot's whole length either way. No host sync, so a compiled decode step
@@ -122,8 +132,11 @@ def attend_cache(cache: Cache, slot: int, key: torch.Tensor, value: torch.Tensor
         layer.values.index_copy_(2, positions, value)
         return layer.keys, layer.values
     if layer.is_initialized and layer.keys.numel() > 0:
-        return torch.cat([layer.keys, key], dim=-2), torch.cat([layer.values, value], dim=-2)
+        keys, values = layer.keys, layer.values
+        if rows is not None:
+            keys, values = keys.index_select(0, rows), values.index_select(0, rows)
+        return torch.cat([keys, key], dim=-2), torch.cat([values, value], dim=-2)
     return key, value
 
 
-__all__ = ["cache_slot", "num_cache_slots", "static_cache"]
+__all__ = ["cache_slot", "core_slots", "num_cache_slots", "static_cache"]

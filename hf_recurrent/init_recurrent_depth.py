@@ -3,7 +3,8 @@
 - `ScaledEmbedding`: token embeddings times `config.embedding_scale` (about sqrt(C) under the scaled init).
 - `init_scaled` is `init_scheme="scaled"` for one module (`init_scheme="normal"` is transformers' default init).
 - `positions_from_mask`: the positions of a call's tokens, which skip left padding and continue after the cache.
-- `initial_state`: s_0 under `state_init`, a function of those positions only.
+- `initial_state`: s_0 under `state_init`, a function of those positions only; `InitialStates` reads it from a
+  table once positions repeat (decoding), instead of hashing again.
 
 Together a token gets the same rotary phases and the same initial state in a full forward pass, in a cached decode
 step and in a left-padded batch.
@@ -62,6 +63,25 @@ def positions_from_mask(attention_mask: torch.Tensor | None, inputs_embeds: torc
     return positions.clamp(min=0)[:, -seq:]
 
 
+def call_positions(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, inputs_embeds: torch.Tensor,
+                   past_seen: int | torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """The call's positions (given, or `positions_from_mask`) and the largest of them where the host knows it without
+    waiting for the device (what `InitialStates` needs), else None."""
+    if torch.compiler.is_compiling():  # a compiled step computes s_0: no table state in the graph
+        return (position_ids if position_ids is not None else
+                positions_from_mask(attention_mask, inputs_embeds, past_seen)), None
+    if position_ids is not None:
+        if position_ids.device.type != "cpu":
+            return position_ids, None
+        low, high = torch.aminmax(position_ids)
+        return position_ids, int(high) if int(low) >= 0 else None
+    position_ids = positions_from_mask(attention_mask, inputs_embeds, past_seen)
+    if not isinstance(past_seen, int):
+        return position_ids, None
+    two_d = attention_mask is not None and attention_mask.dim() == 2
+    return position_ids, (attention_mask.shape[-1] if two_d else past_seen + inputs_embeds.shape[1]) - 1
+
+
 def initial_state(config: RecurrentDepthConfig, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The state before the first step, shape (B, T, C), at positions `position_ids` (B, T).
 
@@ -89,3 +109,26 @@ def _hash_to_unit(counter: torch.Tensor, seed: int) -> torch.Tensor:
         x = ((x >> 12) ^ x) * 0x297A2D39 & mask
     x = (x >> 15) ^ x
     return (x.double() + 0.5) / (mask + 1)
+
+
+class InitialStates:
+    """`initial_state` of one model, read from a table of s_0 for positions [0, length) where the call's largest
+    position is known on the host (`max_position`; None computes s_0 afresh): a decode step then does one gather
+    instead of the hash's ~80 small ops. The table is built by `initial_state` itself, so the values are the same,
+    and grows by doubling up to `config.max_position_embeddings` positions (beyond them s_0 is computed)."""
+
+    def __init__(self):
+        self.table, self.key = None, None
+
+    def __call__(self, config: RecurrentDepthConfig, position_ids: torch.Tensor, dtype: torch.dtype,
+                 max_position: int | None) -> torch.Tensor:
+        limit = config.max_position_embeddings
+        if (max_position is None or max_position >= limit or config.state_init == "zeros"
+                or config.state_init_std == 0):
+            return initial_state(config, position_ids, dtype)
+        key = (config.hidden_size, config.state_init_seed, config.state_init_std, dtype, position_ids.device)
+        if key != self.key or max_position >= self.table.shape[0]:
+            length = min(limit, max(max_position + 1, 64, 2 * self.table.shape[0] if key == self.key else 0))
+            positions = torch.arange(length, device=position_ids.device)[None]
+            self.table, self.key = initial_state(config, positions, dtype)[0], key  # (length, C)
+        return self.table[position_ids]  # (B, T, C)

@@ -16,8 +16,10 @@ cache slots, static caches), `adaptive_depth` (per-token early exit, the output 
 next to the weights, so a checkpoint loads with `trust_remote_code=True` where this package is not installed.
 """
 
+import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 from torch import nn
@@ -31,22 +33,25 @@ from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
     eager_attention_forward,
 )
 from transformers.utils import can_return_tuple, logging
 
 try:
     from .adaptive_depth import DepthExit, RecurrentDepthCausalLMOutput, RecurrentDepthModelOutput, check_exit
-    from .cache_recurrent_depth import attend_cache, cache_for_call, cache_slot, grow_static_cache
+    from .cache_recurrent_depth import (attend_cache, cache_for_call, cache_slot, core_slots, grow_static_cache,
+                                        is_static)
     from .configuration_recurrent_depth import RecurrentDepthConfig
-    from .init_recurrent_depth import ScaledEmbedding, init_scaled, initial_state, positions_from_mask
+    from .init_recurrent_depth import (InitialStates, ScaledEmbedding, call_positions, init_scaled,  # noqa: F401
+                                       initial_state)
     from .loading_recurrent_depth import forget_compiled_prefix, keep_num_steps, map_compiled_prefix, pass_num_steps
 except ImportError:  # loaded as flat modules by `trust_remote_code`
     from adaptive_depth import DepthExit, RecurrentDepthCausalLMOutput, RecurrentDepthModelOutput, check_exit
-    from cache_recurrent_depth import attend_cache, cache_for_call, cache_slot, grow_static_cache
+    from cache_recurrent_depth import (attend_cache, cache_for_call, cache_slot, core_slots, grow_static_cache,
+                                       is_static)
     from configuration_recurrent_depth import RecurrentDepthConfig
-    from init_recurrent_depth import ScaledEmbedding, init_scaled, initial_state, positions_from_mask
+    from init_recurrent_depth import (InitialStates, ScaledEmbedding, call_positions, init_scaled,  # noqa: F401
+                                      initial_state)
     from loading_recurrent_depth import forget_compiled_prefix, keep_num_steps, map_compiled_prefix, pass_num_steps
 
 logger = logging.get_logger(__name__)
@@ -55,12 +60,36 @@ logger = logging.get_logger(__name__)
 CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+class RecurrentDepthRMSNorm(LlamaRMSNorm):
+    """Llama's RMSNorm, same arithmetic and weights, without its two casts when the input is already fp32: a decode
+    step at small width is bound by the number of ops, and the model runs 4 norms per layer call."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        if input_dtype != torch.float32:
+            hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance.add_(self.variance_epsilon))
+        return self.weight * (hidden_states if input_dtype == torch.float32 else hidden_states.to(input_dtype))
+
+
+def rotary_phases(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's rotary (cos, sin) (B, T, hd) as the attention layers take them, once per call: (B, T, 1, hd), the
+    first half of sin negated. Then rotate_half(x) * sin == x.roll(hd / 2) * sin_signed exactly (a negation is exact),
+    which is Llama's rotary in 4 ops instead of 8."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(2), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(2)
+
+
 class RecurrentDepthAttention(nn.Module):
     """Llama attention (rotary, GQA) through transformers' attention dispatch.
 
-    `cache_slot` is the cache layer this call reads and writes; `read_only_cache` means: attend over what the
-    slot holds plus the current keys/values, without writing (earlier steps in `shared` cache mode). When
-    `attentions` is a list, this call's attention weights (B, nh, T, T_past + T) are appended to it.
+    `position_embeddings`: the call's `rotary_phases`. `cache_slot` is the cache layer this call reads and writes;
+    `read_only_cache` means: attend over what the slot holds plus the current keys/values, without writing (earlier
+    steps in `shared` cache mode); `cache_rows` (read-only calls): the slot's rows that the call's batch rows are
+    (a step run on part of the batch, `adaptive_depth`). When `attentions` is a list, this call's attention weights
+    (B, nh, T, T_past + T) are appended to it. `attention_interface`: transformers' dispatch, which the model resolves
+    once per forward (None: resolved here).
     """
 
     def __init__(self, config: RecurrentDepthConfig, layer_idx: int):
@@ -72,6 +101,7 @@ class RecurrentDepthAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
+        self.qk_norm = config.qk_norm
         q_dim, kv_dim = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
@@ -79,8 +109,8 @@ class RecurrentDepthAttention(nn.Module):
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
         self.o_proj.writes_residual = True  # scaled down by the unrolled depth under init_scheme="scaled"
         # Per-head RMSNorm of queries and keys (config.qk_norm); without it no weights, so old checkpoints match.
-        self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else nn.Identity()
-        self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else nn.Identity()
+        self.q_norm = RecurrentDepthRMSNorm(self.head_dim, eps=config.rms_norm_eps) if self.qk_norm else nn.Identity()
+        self.k_norm = RecurrentDepthRMSNorm(self.head_dim, eps=config.rms_norm_eps) if self.qk_norm else nn.Identity()
 
     def forward(
         self,
@@ -91,22 +121,28 @@ class RecurrentDepthAttention(nn.Module):
         cache_slot: int | None = None,
         read_only_cache: bool = False,
         attentions: list | None = None,
+        attention_interface: Callable | None = None,
+        cache_rows: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, nh, T, hd)
-        key = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, nkv, T, hd)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(hidden_shape)  # (B, T, nh, hd)
+        key = self.k_proj(hidden_states).view(hidden_shape)  # (B, T, nkv, hd)
+        if self.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
         cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        half = self.head_dim // 2
+        query = (query * cos + query.roll(half, -1) * sin).transpose(1, 2)  # (B, nh, T, hd)
+        key = (key * cos + key.roll(half, -1) * sin).transpose(1, 2)  # (B, nkv, T, hd)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         if cache is not None:
-            key, value = attend_cache(cache, cache_slot, key, value, read_only_cache)
+            key, value = attend_cache(cache, cache_slot, key, value, read_only_cache, cache_rows)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        if attention_interface is None:
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward)
         output, weights = attention_interface(
             self, query, key, value, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling, **kwargs,
@@ -125,12 +161,13 @@ class RecurrentDepthDecoderLayer(GradientCheckpointingLayer):
         self.self_attn = RecurrentDepthAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
         self.mlp.down_proj.writes_residual = True
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        if config.block_norm == "sandwich":
-            self.attention_residual_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.mlp_residual_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        else:
+        self.input_layernorm = RecurrentDepthRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RecurrentDepthRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.sandwich = config.block_norm == "sandwich"
+        if self.sandwich:
+            self.attention_residual_norm = RecurrentDepthRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.mlp_residual_norm = RecurrentDepthRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        else:  # not called: kept so that both block kinds have the same attributes
             self.attention_residual_norm = self.mlp_residual_norm = nn.Identity()
 
     def forward(
@@ -147,9 +184,10 @@ class RecurrentDepthDecoderLayer(GradientCheckpointingLayer):
             self.input_layernorm(hidden_states), position_embeddings=position_embeddings, attention_mask=attention_mask,
             cache=cache, cache_slot=cache_slot, read_only_cache=read_only_cache, **kwargs,
         )
-        hidden_states = self.attention_residual_norm(hidden_states)
+        if self.sandwich:
+            hidden_states = self.attention_residual_norm(hidden_states)
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-        return self.mlp_residual_norm(hidden_states)
+        return self.mlp_residual_norm(hidden_states) if self.sandwich else hidden_states
 
 
 class RecurrentDepthPreTrainedModel(PreTrainedModel):
@@ -206,13 +244,15 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         self.coda = nn.ModuleList(
             RecurrentDepthDecoderLayer(config, num_prelude + num_core + i) for i in range(config.n_coda_layers)
         )
-        if config.injection == "concat":
+        self.concat_injection = config.injection == "concat"
+        if self.concat_injection:
             self.adapter = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.prelude_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.prelude_norm = RecurrentDepthRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # Normalising the state after every step keeps its scale independent of the depth.
-        self.state_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.state_norm = RecurrentDepthRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RecurrentDepthRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.initial_states = InitialStates()
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -222,14 +262,18 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def _cache_slot(self, section: str, index: int, step: int = 0) -> int:
-        """Cache layout: prelude, coda, then core layers, one copy per step in `per_step` mode (`cache_slot`)."""
-        return cache_slot(self.config, section, index, step)
-
     def inject(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        if self.config.injection == "concat":
+        if self.concat_injection:
             return self.adapter(torch.cat([state, embedded], dim=-1))
         return state + embedded
+
+    def core_step(self, state: torch.Tensor, embedded: torch.Tensor, layer_kwargs: dict, slots: range,
+                  read_only: bool) -> torch.Tensor:
+        """One step s_i = norm(core(inject(s_{i-1}, e))); the core layers use cache slots `slots` (`core_slots`)."""
+        hidden = self.inject(state, embedded)
+        for layer, slot in zip(self.core, slots):
+            hidden = layer(hidden, cache_slot=slot, read_only_cache=read_only, **layer_kwargs)
+        return self.state_norm(hidden)
 
     @can_return_tuple
     def forward(
@@ -287,16 +331,18 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
         past_seen = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            position_ids = positions_from_mask(attention_mask, inputs_embeds, past_seen)
+        position_ids, max_position = call_positions(attention_mask, position_ids, inputs_embeds, past_seen)
 
         mask = create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        position_embeddings = rotary_phases(*self.rotary_emb(inputs_embeds, position_ids))
         # Layout of both in the class docstring; the attention layers append their weights to `attentions`.
         hidden_states = [] if output_hidden_states else None
         attentions = [] if output_attentions else None
+        # transformers' attention dispatch, resolved once per call rather than per layer call
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
+                                                                    eager_attention_forward)
         layer_kwargs = dict(attention_mask=mask, position_embeddings=position_embeddings, cache=cache,
-                            attentions=attentions, **kwargs)
+                            attentions=attentions, attention_interface=attention_interface, **kwargs)
 
         def record(hidden: torch.Tensor) -> None:
             if hidden_states is not None:
@@ -305,36 +351,37 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         hidden = inputs_embeds
         record(hidden)
         for i, layer in enumerate(self.prelude):
-            hidden = layer(hidden, cache_slot=self._cache_slot("prelude", i), **layer_kwargs)
+            hidden = layer(hidden, cache_slot=cache_slot(config, "prelude", i), **layer_kwargs)
             record(hidden)
         embedded = self.prelude_norm(hidden)
 
-        state = initial_state(config, position_ids.expand(hidden.shape[0], -1), embedded.dtype)
-        depth_exit = None if exit_threshold is None else DepthExit(
-            exit_threshold, state.shape[:2], state.device, config.kv_cache_mode if cache is not None else None)
+        state = self.initial_states(config, position_ids.expand(hidden.shape[0], -1), embedded.dtype, max_position)
+        depth_exit = None
+        if exit_threshold is not None:
+            # A step may run on part of the batch without a cache or with a dynamic one (`adaptive_depth`).
+            compact = ((cache is None or not is_static(cache)) and not kwargs
+                       and (mask is None or isinstance(mask, torch.Tensor)))
+            depth_exit = DepthExit(exit_threshold, state.shape[:2], state.device,
+                                   config.kv_cache_mode if cache is not None else None, compact)
         # `recompute_core_steps` (None: each core layer's own flag decides): the steps, counted from the first one
         # that builds a graph, whose core layers are checkpointed; it sets the core layers' flag at every step.
         recompute = getattr(self, "recompute_core_steps", None)
+        slots, shared = core_slots(config, num_steps), config.kv_cache_mode == "shared"
         for step in range(num_steps) if depth_exit is None else depth_exit.steps(num_steps, hidden_states, attentions):
-            grad_context = torch.no_grad() if step < no_grad_steps else nullcontext()
-            with grad_context:
-                hidden = self.inject(state, embedded)
-                for i, layer in enumerate(self.core):
-                    if recompute is not None:
-                        layer.gradient_checkpointing = step - no_grad_steps in recompute
-                    hidden = layer(
-                        hidden,
-                        cache_slot=self._cache_slot("core", i, step),
-                        read_only_cache=config.kv_cache_mode == "shared" and step < num_steps - 1,
-                        **layer_kwargs,
-                    )
-                new_state = self.state_norm(hidden)
-                state = new_state if depth_exit is None else depth_exit.step(state, new_state)
+            if recompute is not None:
+                for layer in self.core:
+                    layer.gradient_checkpointing = step - no_grad_steps in recompute
+            core_step = partial(self.core_step, slots=slots[step], read_only=shared and step < num_steps - 1)
+            with torch.no_grad() if step < no_grad_steps else nullcontext():
+                if depth_exit is None:
+                    state = core_step(state, embedded, layer_kwargs)
+                else:
+                    state = depth_exit.run(core_step, state, embedded, layer_kwargs)
             record(state)
 
         hidden = state
         for i, layer in enumerate(self.coda):
-            hidden = layer(hidden, cache_slot=self._cache_slot("coda", i), **layer_kwargs)
+            hidden = layer(hidden, cache_slot=cache_slot(config, "coda", i), **layer_kwargs)
             record(hidden)
         hidden = self.norm(hidden)
         if hidden_states is not None:
@@ -424,5 +471,8 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
 
+
+# For models registered with the Auto classes, `generate` inspects `forward`'s signature at every decode step.
+RecurrentDepthForCausalLM.forward.__signature__ = inspect.signature(RecurrentDepthForCausalLM.forward)
 
 __all__ = ["RecurrentDepthPreTrainedModel", "RecurrentDepthModel", "RecurrentDepthForCausalLM"]

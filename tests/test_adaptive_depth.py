@@ -1,7 +1,7 @@
 """Adaptive per-token depth: off and zero thresholds change nothing, a huge threshold stops every token after one step,
 cached decoding with early exit equals a full forward with the same exits, the steps left once every token has exited
 are skipped where that is exact (same outputs and cache as the masked steps, fewer core passes), and the evaluation
-reports it."""
+reports it. Steps run on part of a batch: tests/test_exits.py."""
 
 from unittest import mock
 
@@ -118,8 +118,10 @@ class CoreCalls:
 
 
 def skipped_and_masked(model, monkeypatch, call):
-    """`call()` under `no_grad` with the exited steps skipped, then with every step masked: [(result, core calls)]."""
+    """`call()` under `no_grad` with the exited steps skipped, then with every step masked: [(result, core calls)].
+    Steps are not compacted here (exact: whole steps left out); tests/test_exits.py compares compacted steps."""
     runs = []
+    monkeypatch.setattr(adaptive_depth, "COMPACT_EXITED_STEPS", False)
     for skip in (True, False):
         monkeypatch.setattr(adaptive_depth, "SKIP_EXITED_STEPS", skip)
         with CoreCalls(model) as counter, torch.no_grad():

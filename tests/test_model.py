@@ -412,3 +412,57 @@ def test_resaving_a_compiled_checkpoint_writes_clean_keys(tmp_path):
               metadata={"format": "pt"})
     AutoModelForCausalLM.from_pretrained(tmp_path / "a").save_pretrained(tmp_path / "b")
     assert set(load_file(tmp_path / "b" / "model.safetensors")) == set(state)
+
+
+# -- the decode step's shortcuts give Llama's arithmetic bit for bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_rotary_shortcuts_equal_llamas_bit_for_bit(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from hf_recurrent.modeling_recurrent_depth import RecurrentDepthRMSNorm, rotary_phases
+
+    x = (torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    ours, llama = RecurrentDepthRMSNorm(64), LlamaRMSNorm(64)
+    with torch.no_grad():
+        ours.weight.normal_()
+        llama.weight.copy_(ours.weight)
+        ours.to(dtype), llama.to(dtype)
+        assert torch.equal(ours(x), llama(x))
+    model = tiny()
+    q, k = (torch.randn(3, 5, heads, 16, generator=torch.Generator().manual_seed(heads)).to(dtype) for heads in (4, 2))
+    cos, sin = model.model.rotary_emb(x, torch.arange(5)[None] + 7)
+    expected = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    cos4, sin4 = rotary_phases(cos, sin)
+    for got, want in zip([(t * cos4 + t.roll(8, -1) * sin4).transpose(1, 2) for t in (q, k)], expected):
+        assert torch.equal(got, want)
+
+
+def test_initial_states_come_from_a_table_built_once_and_equal_the_hash(monkeypatch):
+    from hf_recurrent import init_recurrent_depth
+
+    model = tiny()
+    config, states = model.config, model.model.initial_states
+    positions = torch.tensor([[0, 5, 63], [1, 2, 200]])
+    direct = init_recurrent_depth.initial_state(config, positions, torch.float32)
+    assert torch.equal(states(config, positions, torch.float32, 200), direct)
+    assert states.table.shape == (201, config.hidden_size)
+    assert torch.equal(states(config, positions, torch.float32, None), direct)  # largest position unknown: hashed
+    far = torch.tensor([[config.max_position_embeddings + 3]])  # beyond the table's cap: hashed
+    assert torch.equal(states(config, far, torch.float32, int(far.max())),
+                       init_recurrent_depth.initial_state(config, far, torch.float32))
+    assert states.table.shape[0] <= config.max_position_embeddings
+    hashes, original = [], init_recurrent_depth._hash_to_unit
+
+    def counted(*args):
+        hashes.append(args[0].shape)
+        return original(*args)
+
+    monkeypatch.setattr(init_recurrent_depth, "_hash_to_unit", counted)
+    model.model.initial_states = init_recurrent_depth.InitialStates()
+    out = model.generate(tokens(1, 10), num_steps=3, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert len(hashes) == 2  # one table (two draws per element) serves the prefill and every decode step
+    model.model.initial_states = init_recurrent_depth.InitialStates()
+    assert torch.equal(out, model.generate(tokens(1, 10), num_steps=3, max_new_tokens=20, do_sample=False,
+                                           pad_token_id=0, use_cache=False))

@@ -1,0 +1,148 @@
+"""Early exits that skip compute in a batch: a core step runs only on the rows still iterating, cut after their last
+iterating token, and gives what the masked step gives (logits, steps used, cache contents) up to the kernels'
+rounding on a block of another shape; batches with left padding and exits decode as each row alone."""
+
+import pytest
+import torch
+
+from hf_recurrent import RecurrentDepthForCausalLM, adaptive_depth, presets
+from hf_recurrent.modeling_recurrent_depth import CACHE_FIELD
+
+# A threshold at which the debug model's tokens exit after different numbers of steps (5 to 12 at n = 12).
+MIXED = 0.3
+CLOSE = dict(atol=1e-5, rtol=1e-5)
+
+
+def tiny(attn="sdpa", **overrides) -> RecurrentDepthForCausalLM:
+    torch.manual_seed(0)
+    model = RecurrentDepthForCausalLM(presets.get("debug", **overrides)).eval()
+    model.config._attn_implementation = attn
+    return model
+
+
+def left_padded(lengths=(10, 7, 10, 4), seq=10, seed=1):
+    """Token ids (B, seq) whose row b holds lengths[b] tokens after left padding, and the attention mask."""
+    ids = torch.randint(3, 500, (len(lengths), seq), generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, :seq - length] = 0
+        mask[row, seq - length:] = 1
+    return ids, mask
+
+
+class CoreTokens:
+    """Counts the tokens (rows x positions) through the first core layer inside a `with` block."""
+
+    def __init__(self, model):
+        self.layer, self.tokens = model.model.core[0], 0
+
+    def __enter__(self):
+        self.handle = self.layer.register_forward_pre_hook(self.count)
+        return self
+
+    def count(self, module, args):
+        self.tokens += args[0].shape[0] * args[0].shape[1]
+
+    def __exit__(self, *_):
+        self.handle.remove()
+
+
+def compacted_and_masked(model, monkeypatch, call):
+    """`call()` under `no_grad` with exited tokens left out of later steps, then masked: [(result, core tokens)]."""
+    runs = []
+    for compact in (True, False):
+        monkeypatch.setattr(adaptive_depth, "COMPACT_EXITED_STEPS", compact)
+        with CoreTokens(model) as counter, torch.no_grad():
+            result = call()
+        runs.append((result, counter.tokens))
+    return runs
+
+
+def assert_same_cache(a, b):
+    for slot_a, slot_b in zip(a.layers, b.layers, strict=True):
+        torch.testing.assert_close(slot_a.keys, slot_b.keys, **CLOSE)
+        torch.testing.assert_close(slot_a.values, slot_b.values, **CLOSE)
+
+
+@pytest.mark.parametrize("attn, padded", [("sdpa", True), ("eager", True), ("sdpa", False)])
+@pytest.mark.parametrize("threshold", [MIXED, 0.5])
+def test_a_full_forward_runs_later_steps_on_the_rows_still_iterating_and_equals_the_masked_one(
+        attn, padded, threshold, monkeypatch):
+    model = tiny(attn)
+    ids, mask = left_padded()
+    kwargs = dict(attention_mask=mask) if padded else {}
+    (compacted, compacted_tokens), (masked, masked_tokens) = compacted_and_masked(model, monkeypatch, lambda: model(
+        ids, num_steps=12, use_cache=False, exit_threshold=threshold, output_hidden_states=True, **kwargs))
+    assert torch.equal(compacted.num_steps_used, masked.num_steps_used)
+    assert len(compacted.num_steps_used.unique()) > 1
+    torch.testing.assert_close(compacted.logits, masked.logits, **CLOSE)
+    for a, b in zip(compacted.hidden_states, masked.hidden_states, strict=True):
+        torch.testing.assert_close(a, b, **CLOSE)
+    # Masked: every token at every step until the last token of the batch exits.
+    assert masked_tokens == ids.numel() * int(masked.num_steps_used.max())
+    assert compacted_tokens < 0.9 * masked_tokens
+
+
+def decode(model, ids, mask, prefix_len, threshold=MIXED):
+    """Prefill `ids[:, :prefix_len]`, then one token per row at a time: (logits, steps used, cache)."""
+    out = model(ids[:, :prefix_len], attention_mask=mask[:, :prefix_len], num_steps=12, use_cache=True,
+                exit_threshold=threshold)
+    cache, used, logits = getattr(out, CACHE_FIELD), [out.num_steps_used], [out.logits]
+    for i in range(prefix_len, ids.shape[1]):
+        out = model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], num_steps=12, exit_threshold=threshold,
+                    **{CACHE_FIELD: cache})
+        logits.append(out.logits)
+        used.append(out.num_steps_used)
+    return torch.cat(logits, dim=1), torch.cat(used, dim=1), cache
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_step"])
+def test_batched_decoding_with_left_padding_runs_exited_rows_only_where_exact(mode, monkeypatch):
+    model = tiny(kv_cache_mode=mode)
+    ids, mask = left_padded((14, 11, 14, 6), seq=14)
+    (compacted, compacted_tokens), (masked, masked_tokens) = compacted_and_masked(
+        model, monkeypatch, lambda: decode(model, ids, mask, 8))
+    assert torch.equal(compacted[1], masked[1]) and len(compacted[1][:, 8:].unique()) > 1
+    torch.testing.assert_close(compacted[0], masked[0], **CLOSE)
+    assert_same_cache(compacted[2], masked[2])  # the slots every step reads, written alike
+    if mode == "shared":  # the steps before the last only read the cache: exited rows sit them out
+        assert compacted_tokens < 0.9 * masked_tokens
+    else:  # each step's slot needs every row's keys and values at that step: nothing to leave out
+        assert compacted_tokens == masked_tokens
+        assert torch.equal(compacted[0], masked[0])
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_step"])
+def test_batched_generate_with_left_padding_and_exits_gives_each_rows_tokens_alone(mode):
+    model = tiny(kv_cache_mode=mode)
+    lengths = (9, 6, 4)
+    ids, mask = left_padded(lengths, seq=9)
+    greedy = dict(num_steps=12, exit_threshold=MIXED, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    batched = model.generate(ids, attention_mask=mask, **greedy)
+    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **greedy)  # masked exits
+    assert torch.equal(batched.sequences, static.sequences)
+    for row, length in enumerate(lengths):
+        alone = model.generate(ids[row:row + 1, 9 - length:], **greedy)
+        assert torch.equal(batched.sequences[row, 9:], alone.sequences[0, length:])
+        for a, b in zip(batched.logits, alone.logits, strict=True):
+            torch.testing.assert_close(a[row], b[0], **CLOSE)
+
+
+def test_the_block_of_a_step_covers_the_rows_still_iterating_up_to_their_last_active_token():
+    depth_exit = adaptive_depth.DepthExit(0.1, (3, 5), torch.device("cpu"), compact=True)
+    depth_exit.active = torch.tensor([[1, 0, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 1, 0]], dtype=torch.bool)
+    rows, length = depth_exit._needed_block()
+    assert rows.tolist() == [0, 2] and length == 4
+    depth_exit.active[2] = False
+    assert depth_exit._needed_block()[1] == 3
+    depth_exit.active[0, 4] = True  # a row's last token iterates: every position is needed
+    rows, length = depth_exit._needed_block()
+    assert rows.tolist() == [0] and length == 5
+    depth_exit.compact = False  # a static cache: the whole batch while any token iterates
+    assert depth_exit._needed_block() == (None, 5)
+    depth_exit.active[:] = False
+    assert depth_exit._needed_block() is None
+    with torch.no_grad():  # the step after every token has exited: left out (no cache), no block
+        steps = depth_exit.steps(4, None, None)
+        assert list(steps) == [0] and depth_exit.block is None
