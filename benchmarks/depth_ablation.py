@@ -2,7 +2,7 @@
 at several depths.
 
     python benchmarks/depth_ablation.py --data_dir outputs/data/py --steps 300 --parallel 4 \
-        --arms old_init scaled_init zeros_state add_injection full_backprop curriculum
+        --arms old_init scaled_init zeros_state add_injection full_backprop curriculum deep_supervision
 
 Each arm is run_pretrain with the preset's defaults plus the arm's config overrides and arguments, the same seed,
 data order and token budget. Writes <output_dir>/ablation.jsonl (one row per arm) and ablation.md; finished arms
@@ -39,6 +39,11 @@ ARMS = {
     # Depth beyond 4 bought nothing in every arm above: train deeper, as Huginn does (mean 32, gradients through 8).
     "mean_16_k8": ("mean_recurrence=16,backprop_depth=8", []),
     "fixed_12": ("depth_distribution=fixed,mean_recurrence=12,backprop_depth=6", []),
+    # The loss on 4 depths of each step (evenly spaced among the steps with gradients, the last included), as Ouro's
+    # expected loss over steps: every step's state is asked to be readable, and later ones to improve on it.
+    "deep_supervision": ("", ["--depth_supervision", "4"]),
+    "deep_supervision_linear": ("", ["--depth_supervision", "4", "--depth_supervision_weights", "linear"]),
+    "mean_16_k8_deep_supervision": ("mean_recurrence=16,backprop_depth=8", ["--depth_supervision", "4"]),
 }
 
 
@@ -76,6 +81,8 @@ def evaluate_arm(arm: str, args, out_dir: str, seconds: float | None) -> dict:
         history = json.load(f)
     row["tokens_per_second"] = max((e.get("tokens_per_second", 0) for e in history), default=None)
     row["grad_norm_first"] = next((e["grad_norm"] for e in history if "grad_norm" in e), None)
+    # The trainer's count (hf_recurrent.flops_per_token at each step's depth, extra readouts of deep supervision in).
+    row["train_flops"] = next((e["total_flos"] for e in reversed(history) if "total_flos" in e), None)
     for depth in args.depths:
         row[f"ce_n{depth}"] = round(evaluate_model(model, dataset, num_steps=depth, batch_size=16,
                                                    progress=False)["ce"], 4)
@@ -117,13 +124,13 @@ def main() -> int:
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         rows = [row for row in pool.map(run, args.arms) if row is not None]
     depth_columns = [f"ce_n{d}" for d in args.depths]
-    lines = ["| arm | overrides | " + " | ".join(f"CE n = {d}" for d in args.depths) + " | first - last | tokens/s |",
-             "|---|---|" + "---:|" * (len(args.depths) + 2)]
+    lines = ["| arm | overrides | " + " | ".join(f"CE n = {d}" for d in args.depths) + " | first - last | tokens/s | training FLOPs |",
+             "|---|---|" + "---:|" * (len(args.depths) + 3)]
     for row in rows:
         gain = row[depth_columns[0]] - row[depth_columns[-1]]
         lines.append(f"| {row['arm']} | {row['overrides'] or '-'} {row['extra']} | "
                      + " | ".join(f"{row[c]:.3f}" for c in depth_columns) + f" | {gain:+.3f} | "
-                     f"{row['tokens_per_second'] or 0:,.0f} |")
+                     f"{row['tokens_per_second'] or 0:,.0f} | {row.get('train_flops') or 0:.3g} |")
     with open(os.path.join(args.output_dir, "ablation.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -19,6 +19,7 @@ from transformers import TrainingArguments
 from hf_recurrent import presets
 from trainer_ext.compat import CHECKPOINTING_FLAG
 from trainer_ext.distill.losses import DIVERGENCES
+from trainer_ext.training.depth_supervision import WEIGHTINGS
 from trainer_ext.training.stability import check_settings
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,14 @@ class RecurrentTrainingArguments(TrainingArguments):
     depth_seed: int = field(default=0, metadata={"help": "Seed of the per-step depth sampler."})
     eval_num_steps: int | None = field(
         default=None, metadata={"help": "Depth used for evaluation (default: the config's mean_recurrence)."})
+    depth_supervision: int = field(
+        default=1, metadata={"help": "Deep supervision over depth: the loss is the weighted mean of the LM losses at "
+                                     "this many depths of each step, evenly spaced among the steps that carry "
+                                     "gradients, the last included (1: the last depth only, the plain loss). Logs "
+                                     "ce_depth_<i>; trainer_ext/training/depth_supervision.py."})
+    depth_supervision_weights: str = field(
+        default="uniform", metadata={"help": f"Weights of the supervised depths: one of {list(WEIGHTINGS)} "
+                                             "(linear: proportional to the step)."})
     optimizer: str = field(
         default="low_memory",
         metadata={"help": "low_memory (factored, bf16 in place, update in backward) or hf (use `optim`)."})
@@ -343,6 +352,9 @@ class RecurrentTrainingArguments(TrainingArguments):
             value = getattr(self, name)
             check(name, value is None or (is_int(value) and value >= 1),
                   "an integer >= 1 (recurrent steps), or unset for the model config's default")
+        check("depth_supervision", is_int(self.depth_supervision) and self.depth_supervision >= 1,
+              "an integer >= 1 (depths whose LM loss is averaged each step; 1, the default, is the last depth only)")
+        check("depth_supervision_weights", self.depth_supervision_weights in WEIGHTINGS, f"one of {list(WEIGHTINGS)}")
         check("gc_interval", is_int(self.gc_interval) and self.gc_interval >= 0,
               "an integer >= 0 (steps between garbage collections; 0 leaves Python's automatic collection)")
         check("profile_steps", is_int(self.profile_steps) and self.profile_steps >= 0,

@@ -5,6 +5,7 @@ throughput / MFU / memory logging, a checkpoint before stopping on SIGINT / SIGT
 each checkpoint."""
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -41,6 +42,7 @@ from trainer_ext.training.callbacks import (
     TrainingInterrupted,
     WarmupEndCheckpointCallback,
 )
+from trainer_ext.training.depth_supervision import supervision_for
 from trainer_ext.training.distributed import (
     bind_optimizer,
     check_optimizer_supports,
@@ -103,6 +105,7 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         config = self.model.config
         self.recurrent = is_recurrent(config)
         self.depth_sampler = DepthSampler(config, seed=self.args.depth_seed) if self.recurrent else None
+        self.depth_supervision = supervision_for(self.args, self.recurrent)  # None: the loss at the last depth only
         self.teacher = teacher
         self.teacher_vocab_limit = teacher_vocab_limit
         if teacher is not None:
@@ -301,25 +304,24 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         input_ids = inputs["input_ids"]
         targets = inputs[TARGETS]
         depth = self.current_depth(training)
-        with self.profiler.phase("forward"):
+        supervision = self.depth_supervision if training else None
+        with self.profiler.phase("forward"), (contextlib.nullcontext() if supervision is None
+                                              else supervision.capture(unwrapped.model, depth)) as captured:
             hidden = decoder_hidden(model, unwrapped, input_ids, inputs.get("attention_mask"), depth)
         teacher = self._teacher_for(inputs) if training else None  # evaluation reports the plain CE
+        lm_loss = functools.partial(  # the head's loss from a hidden state (B, T, C), never full logits
+            chunked_lm_loss, lm_head_weight=unwrapped.lm_head.weight, labels=targets, teacher=teacher,
+            alpha=self.args.distill_alpha, temperature=self.args.distill_temperature,
+            divergence=self.args.distill_divergence, chunk_size=self.args.loss_chunk_size,
+        )
         with self.profiler.phase("loss"):
-            out = chunked_lm_loss(
-                hidden,
-                unwrapped.lm_head.weight,
-                targets,
-                teacher=teacher,
-                alpha=self.args.distill_alpha,
-                temperature=self.args.distill_temperature,
-                divergence=self.args.distill_divergence,
-                chunk_size=self.args.loss_chunk_size,
-            )
+            out = lm_loss(hidden) if supervision is None else supervision.loss(unwrapped.model, hidden, captured, lm_loss)
         if training:
             num_steps = depth.get("num_steps")
             self._window["tokens"] += input_ids.numel()
             step_flops = input_ids.numel() * flops_per_token(
-                unwrapped.config, num_steps, depth.get("backprop_depth"), seq_len=input_ids.shape[1])
+                unwrapped.config, num_steps, depth.get("backprop_depth"), seq_len=input_ids.shape[1],
+                supervised_depths=self.args.depth_supervision)
             self._window["flops"] += step_flops
             self._step_flops += step_flops
             # Summed on the device and read at logging time: a float() here would wait for the GPU every step.
@@ -367,6 +369,8 @@ class RecurrentTrainer(StabilityMixin, Trainer):
                 logs["kd"] = round(kd, 4)
             if self.recurrent:
                 logs["depth"] = round(window["depth"] / window["steps"], 2)
+            if self.depth_supervision is not None:
+                logs.update(self.depth_supervision.logs())
             optimizer = self.unwrapped_optimizer
             if hasattr(optimizer, "last_grad_norm"):
                 logs["grad_norm"] = optimizer.last_grad_norm

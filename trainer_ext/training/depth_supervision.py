@@ -1,0 +1,151 @@
+"""Deep supervision over depth (`--depth_supervision K`): the LM loss on K depths of one training step.
+
+A recurrent-depth model is trained on the output at its sampled depth n only; nothing asks the states of earlier
+steps to be readable, and nothing asks later steps to improve on them. Here, as in Ouro's expected loss over steps
+(with fixed weights instead of a learned exit distribution), the coda, the final norm and the LM head are applied to
+the core state after each of K steps, and the step's loss is the weighted mean of their LM losses:
+
+    loss = sum_j w_j * L(head(norm(coda(s_{i_j})))) / sum_j w_j
+
+The K steps i_1 < ... < i_K are evenly spaced among the g steps that carry gradients (the last
+`backprop_depth`, `hf_recurrent.cost.graph_steps`), counted back from the last one, which is always included:
+i_j = n - g + floor(j * g / K). Where g < K (a short sampled depth) every graph-building step is supervised. Weights
+w_j: "uniform" (1 each) or "linear" (w_j = i_j: deeper states weigh more).
+
+Each depth's loss is `chunked_lm_loss` (never full logits), one depth at a time; the last depth's hidden state is the
+decoder's own output, so K - 1 extra coda + norm passes are run, and counted in the training FLOPs
+(`hf_recurrent.flops_per_token(..., supervised_depths=K)`). Memory: per extra depth, the coda's activations, one
+(B, T, C) hidden state and the head-weight gradient that `chunked_lm_loss` computes in its forward (V x C in the
+head's dtype) stay alive until backward.
+
+The states and the coda's call arguments (causal mask, rotary phases) are taken with forward hooks on the decoder
+while the training forward runs (through whatever wraps the model: DDP, FSDP2), and removed after it, before backward
+(a recomputing checkpoint must not fire them again). Evaluation is unchanged: the loss at the evaluation depth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_recurrent.cost import graph_steps
+from trainer_ext.distill.losses import LossOutput
+
+WEIGHTINGS = ("uniform", "linear")
+
+__all__ = ["WEIGHTINGS", "DepthSupervision", "SupervisedStates", "supervised_steps", "supervision_for"]
+
+
+def supervised_steps(num_steps: int, num_graph_steps: int, count: int) -> list[int]:
+    """The steps (1-based, ascending) whose states are supervised at depth `num_steps` when the last
+    `num_graph_steps` carry gradients: `count` of them evenly spaced, counted back from the last, which is included
+    (all graph-building steps where there are fewer than `count`)."""
+    count = min(count, num_graph_steps)
+    first = num_steps - num_graph_steps
+    return [first + j * num_graph_steps // count for j in range(1, count + 1)]
+
+
+def supervision_for(args, recurrent: bool) -> DepthSupervision | None:
+    """The trainer's DepthSupervision from its arguments (`--depth_supervision`, `--depth_supervision_weights`), or
+    None for the plain loss at the last depth."""
+    if args.depth_supervision == 1:
+        return None
+    if not recurrent:
+        raise ValueError(f"--depth_supervision {args.depth_supervision} needs a recurrent-depth model: this one is a "
+                         "plain Transformer with a single depth. Leave --depth_supervision at 1 (the default) for it.")
+    return DepthSupervision(args.depth_supervision, args.depth_supervision_weights)
+
+
+@dataclass
+class SupervisedStates:
+    """What one training forward left for the supervised loss: the state after each supervised step but the last
+    (the decoder's output stands for that one), and the call arguments of each coda layer."""
+
+    steps: list[int]
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+    coda_kwargs: list[dict] = field(default_factory=list)
+
+
+class DepthSupervision:
+    """The loss over several depths of a training step, and the per-depth CE of the logging window."""
+
+    def __init__(self, count: int, weighting: str = "uniform"):
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"--depth_supervision_weights={weighting!r} is not allowed; it must be one of "
+                             f"{list(WEIGHTINGS)}.")
+        if count < 2:
+            raise ValueError(f"DepthSupervision needs count >= 2, got {count} (1 is the plain loss: no supervision).")
+        self.count = count
+        self.weighting = weighting
+        self._window = defaultdict(lambda: [0.0, 0])  # depth -> [summed CE on the device, steps]
+
+    def steps_for(self, config, depth: dict) -> list[int]:
+        num_steps = depth["num_steps"]
+        return supervised_steps(num_steps, graph_steps(config, num_steps, depth.get("backprop_depth")), self.count)
+
+    def weights(self, steps: list[int]) -> list[float]:
+        return [float(step) for step in steps] if self.weighting == "linear" else [1.0] * len(steps)
+
+    @contextlib.contextmanager
+    def capture(self, decoder, depth: dict) -> Iterator[SupervisedStates]:
+        """Around the training forward of `decoder` (the `RecurrentDepthModel`) at `depth` ({"num_steps",
+        "backprop_depth"}): yields the SupervisedStates it fills."""
+        captured = SupervisedStates(self.steps_for(decoder.config, depth))
+        wanted = set(captured.steps[:-1])
+        calls = [0]
+
+        def keep_state(module, args, output):
+            calls[0] += 1  # state_norm ends every core step, once per step
+            if calls[0] in wanted:
+                captured.states[calls[0]] = output
+
+        def keep_coda_kwargs(module, args, kwargs):
+            if len(captured.coda_kwargs) < len(decoder.coda):  # the forward's own call, not a replay
+                captured.coda_kwargs.append(dict(kwargs))
+
+        handles = [decoder.state_norm.register_forward_hook(keep_state)]
+        handles += [layer.register_forward_pre_hook(keep_coda_kwargs, with_kwargs=True) for layer in decoder.coda]
+        try:
+            yield captured
+        finally:
+            for handle in handles:
+                handle.remove()
+        if calls[0] != depth["num_steps"]:
+            raise RuntimeError(f"depth supervision expected {depth['num_steps']} core steps, saw {calls[0]}")
+
+    def loss(self, decoder, final_hidden: torch.Tensor, captured: SupervisedStates,
+             lm_loss: Callable[[torch.Tensor], LossOutput]) -> LossOutput:
+        """The weighted mean of `lm_loss` (a `chunked_lm_loss` with the head, targets and teacher bound) at the
+        captured depths; `final_hidden`: the decoder's output (the last supervised step). The returned `ce` / `kd`
+        are the last depth's, comparable with a run without supervision; each depth's CE is kept for `logs`."""
+        steps, weights = captured.steps, self.weights(captured.steps)
+        total_weight = sum(weights)
+        loss = None
+        for step, weight in zip(steps, weights):
+            if step == steps[-1]:
+                hidden = final_hidden
+            else:
+                hidden = captured.states.pop(step)
+                for layer, kwargs in zip(decoder.coda, captured.coda_kwargs):
+                    hidden = layer(hidden, **kwargs)
+                hidden = decoder.norm(hidden)
+            out = lm_loss(hidden)  # one depth's head at a time
+            del hidden
+            term = out.loss * (weight / total_weight)
+            loss = term if loss is None else loss + term
+            window = self._window[step]
+            window[0] += out.ce.detach()
+            window[1] += 1
+        return LossOutput(loss=loss, ce=out.ce, kd=out.kd)
+
+    def logs(self) -> dict:
+        """`ce_depth_<i>`: the mean training CE of the state after step i over the steps of the window that
+        supervised it (so a key appears only for depths supervised since the last log); resets the window."""
+        logs = {f"ce_depth_{step}": round(float(total) / count, 4)
+                for step, (total, count) in sorted(self._window.items())}
+        self._window.clear()
+        return logs
