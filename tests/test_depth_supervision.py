@@ -136,3 +136,16 @@ def test_bad_values_name_the_flag_and_the_fix(tiny_data_dir, tmp_path):
     with pytest.raises(ValueError, match=r"--depth_supervision 2 needs a recurrent-depth model.*Leave "
                                          r"--depth_supervision at 1"):
         make_trainer(tiny_data_dir, tmp_path, preset="transformer-debug", depth_supervision=2, backprop_depth=None)
+
+
+def test_compiled_layers_give_the_same_supervised_loss(tiny_data_dir, tmp_path):
+    """The coda's call arguments are taken by a hook on each coda layer, which runs inside the layer's compiled
+    call under --torch_compile."""
+    inputs = batch(tiny_data_dir)
+    eager = make_trainer(tiny_data_dir, tmp_path / "eager", depth_supervision=3)
+    compiled = make_trainer(tiny_data_dir, tmp_path / "compiled", depth_supervision=3, torch_compile=True,
+                            torch_compile_backend="eager")
+    assert all(layer._compiled_call_impl is not None for layer in compiled.model.model.coda)
+    losses = [trainer.compute_loss(trainer.model.train(), inputs) for trainer in (eager, compiled)]
+    assert torch.allclose(*losses, atol=1e-6)
+    assert eager.depth_supervision.logs() == compiled.depth_supervision.logs()
