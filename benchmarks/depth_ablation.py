@@ -124,7 +124,8 @@ def main() -> int:
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         rows = [row for row in pool.map(run, args.arms) if row is not None]
     depth_columns = [f"ce_n{d}" for d in args.depths]
-    lines = ["| arm | overrides | " + " | ".join(f"CE n = {d}" for d in args.depths) + " | first - last | tokens/s | training FLOPs |",
+    lines = ["| arm | overrides | " + " | ".join(f"CE n = {d}" for d in args.depths)
+             + " | first - last | tokens/s | training FLOPs |",
              "|---|---|" + "---:|" * (len(args.depths) + 3)]
     for row in rows:
         gain = row[depth_columns[0]] - row[depth_columns[-1]]

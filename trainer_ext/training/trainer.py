@@ -315,7 +315,8 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             divergence=self.args.distill_divergence, chunk_size=self.args.loss_chunk_size,
         )
         with self.profiler.phase("loss"):
-            out = lm_loss(hidden) if supervision is None else supervision.loss(unwrapped.model, hidden, captured, lm_loss)
+            out = (lm_loss(hidden) if supervision is None
+                   else supervision.loss(unwrapped.model, hidden, captured, lm_loss))
         if training:
             num_steps = depth.get("num_steps")
             self._window["tokens"] += input_ids.numel()
