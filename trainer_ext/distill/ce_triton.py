@@ -21,6 +21,13 @@ _BLOCK, _WARPS = 8192, 16
 
 
 @triton.jit
+def online_lse_update(running_max, total, x):
+    """One block `x` into a running (max, sum of exp(x - max)) pair: the log-sum-exp of a row in one pass."""
+    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+    return new_max, total * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+
+
+@triton.jit
 def _ce_kernel(logits_ptr, row_stride, targets_ptr, scale_ptr, loss_ptr, ignore_index,
                VOCAB: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -32,9 +39,7 @@ def _ce_kernel(logits_ptr, row_stride, targets_ptr, scale_ptr, loss_ptr, ignore_
     for start in range(0, VOCAB, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         x = tl.load(base + offsets, mask=offsets < VOCAB, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        total = total * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-        running_max = new_max
+        running_max, total = online_lse_update(running_max, total, x)
     lse = running_max + tl.log(total)
     target_logit = tl.load(base + tl.where(keep, target, 0)).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(keep, lse - target_logit, 0.0))

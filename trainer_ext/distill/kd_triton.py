@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-# As ce_triton: logits per iteration of a program and its warps.
-_BLOCK, _WARPS = 8192, 16
+# Logits per iteration of a program and its warps, the online log-sum-exp: as plain CE's.
+from trainer_ext.distill.ce_triton import _BLOCK, _WARPS, online_lse_update
 
 
 @triton.jit
@@ -42,14 +42,10 @@ def _lse_kernel(logits_ptr, row_stride, lse_ptr, lse_t_ptr, inv_t, VOCAB: tl.con
     for start in range(0, VOCAB, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         x = tl.load(base + offsets, mask=offsets < VOCAB, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        total = total * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-        running_max = new_max
+        running_max, total = online_lse_update(running_max, total, x)
         if start < LIMIT:
             x_t = tl.where(offsets < LIMIT, x * inv_t, float("-inf"))
-            new_max_t = tl.maximum(running_max_t, tl.max(x_t, axis=0))
-            total_t = total_t * tl.exp(running_max_t - new_max_t) + tl.sum(tl.exp(x_t - new_max_t), axis=0)
-            running_max_t = new_max_t
+            running_max_t, total_t = online_lse_update(running_max_t, total_t, x_t)
     tl.store(lse_ptr + row, running_max + tl.log(total))
     tl.store(lse_t_ptr + row, running_max_t + tl.log(total_t))
 
