@@ -256,6 +256,13 @@ def test_tokenization_bpe_training_and_evaluation_log_progress(progress_lines, t
                                  eval_samples=8))
     torch.manual_seed(0)
     model = RecurrentDepthForCausalLM(presets.get("debug", vocab_size=384))
+    forward = model.forward
+
+    def slow_forward(*args, **kwargs):  # a phase shorter than the interval logs nothing: make each batch last
+        time.sleep(0.02)
+        return forward(*args, **kwargs)
+
+    model.forward = slow_forward
     eval_set = torch.utils.data.Subset(ShardedTokenDataset(tiny_data_dir, "eval"), range(6))
     evaluate_model(model, eval_set, num_steps=2, batch_size=2)
     lines = progress_lines()
