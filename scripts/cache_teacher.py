@@ -6,6 +6,8 @@
         --data_dir outputs/data/ja --output_dir outputs/teacher_cache/ja --device cuda --batch_size 4
     hf-recurrent-cache-teacher --teacher_model_name_or_path llm-jp/llm-jp-3-13b --quantization 4bit \
         --data_dir outputs/data/ja --output_dir outputs/teacher_cache/ja-13b --splits train
+    hf-recurrent-cache-teacher --teacher_model_name_or_path outputs/teacher/final --teacher_cache_mode sampled \
+        --topk 50 --data_dir outputs/data/kjv --output_dir outputs/teacher_cache/kjv-sampled   # 50 draws per token
 
 (`python -m trainer_ext.cli.cache_teacher ...` is the same command.) The teacher must come with the data's
 tokenizer. Cache shards sit beside the token shards' names (`train-00000.topk_ids.npy`, `...topk_logprobs.npy`);
