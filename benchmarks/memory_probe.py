@@ -27,6 +27,7 @@ path (no memory figures).
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -43,6 +44,16 @@ BATCH_UNIT = {"debug": 1, "recurrent-125m": 4, "recurrent-1b": 2, "recurrent-3.3
 TIME_SHARE = {"recurrent-125m": 0.1, "recurrent-1b": 0.15, "recurrent-3.3b": 0.4, "recurrent-7b": 0.35,
               "transformer-125m": 0.1}
 TOPK = 64  # a teacher cache's default top-k
+
+
+def selective_grid(preset: str, seq_len: int, compile_probes: bool) -> list[dict]:
+    """Probes of selective recomputation (every layer application, the matrix products' outputs kept) beside the
+    same batches fully recomputed: what the plan needs to price the placement (the fit leaves them out until it
+    has a term for it)."""
+    u = BATCH_UNIT.get(preset, 1)
+    return [{"preset": preset, "seq_len": seq_len, "batch_size": batch * u, "recompute": "all", "compile": compiled,
+             "momentum": None, "distill": False, "selective": True}
+            for compiled in ((True, False) if compile_probes else (False,)) for batch in (1, 2, 4)]
 
 
 def distill_grid(preset: str, seq_len: int, vocab_sizes: list[int], compile_probes: bool) -> list[dict]:
@@ -192,6 +203,8 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
     recompute = (RecomputeSet.from_dict(spec["recompute_set"]) if spec.get("recompute_set") is not None
                  else RecomputeSet.named(spec["recompute"], ModelShape.from_config(config, 0, params),
                                          steps_with_graphs))
+    if spec.get("selective"):
+        recompute = dataclasses.replace(recompute, selective=True)
     times = []
 
     class Timer(TrainerCallback):
@@ -345,6 +358,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no_distill_probes", action="store_true")
     parser.add_argument("--only_compile_probes", action="store_true",
                         help="Only the compiled probes (to add to eager probes measured before).")
+    parser.add_argument("--selective_probes", action="store_true",
+                        help="Only probes of selective recomputation (offload.selective_checkpoint).")
     parser.add_argument("--only_distill_probes", action="store_true",
                         help="Only probes with a cached teacher's top-k, at each of --vocab_sizes.")
     parser.add_argument("--vocab_sizes", type=int, nargs="+", default=[99520, 151936],
@@ -431,6 +446,8 @@ def _run_all(args, specs_by_preset: dict | None = None) -> int:
     for preset in args.presets:
         if specs_by_preset is not None:
             specs = specs_by_preset[preset]
+        elif args.selective_probes:
+            specs = selective_grid(preset, args.seq_len, compile_probes)
         elif args.only_distill_probes:
             specs = distill_grid(preset, args.seq_len, args.vocab_sizes, compile_probes)
         else:

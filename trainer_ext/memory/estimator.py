@@ -261,9 +261,10 @@ def read_probes(path: str) -> list[dict]:
 
 
 def usable_probes(records: list[dict]) -> list[dict]:
-    """Records that ran (status ok) and carry memory figures (a CUDA probe)."""
+    """Records that ran (status ok) and carry memory figures (a CUDA probe), of placements the features carry
+    (selective recomputation has no term yet)."""
     return [r for r in records if r.get("status") == "ok" and r.get("peak_reserved_bytes")
-            and len(r.get("step_seconds", ())) >= 2]
+            and len(r.get("step_seconds", ())) >= 2 and not r.get("recompute_set", {}).get("selective")]
 
 
 def probe_recomputed(record: dict) -> int:

@@ -7,7 +7,9 @@ k steps of the loop; the earlier n - k steps run under `no_grad` and keep nothin
 by every step, so their per-step choice is the model's `recompute_core_steps` attribute, read in the depth loop.
 
 Transformers switches checkpointing on for every layer when training starts (`activation_checkpointing=True`);
-`RecomputeCallback` then narrows it to the set, before the first step.
+`RecomputeCallback` then narrows it to the set, before the first step. A `selective` set recomputes its layer
+applications selectively (`offload.selective_checkpoint`: the matrix products' and attention's outputs are kept, the
+cheap ops recomputed); the memory plan does not choose it yet (its probes: `memory_probe --selective_probes`).
 """
 
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from transformers import TrainerCallback
 
 from hf_recurrent.presets import is_recurrent
+from trainer_ext.memory.offload import selective_checkpoint
 
 # Named sets the memory probes and the command line use, for a model with P prelude, C coda layers and G graph steps.
 NAMED_SETS = ("all", "none", "prelude_coda", "core", "half_core")
@@ -25,6 +28,7 @@ class RecomputeSet:
     prelude: tuple[int, ...] = ()
     core_steps: tuple[int, ...] = ()
     coda: tuple[int, ...] = ()
+    selective: bool = False  # the chosen applications recompute selectively
 
     @property
     def empty(self) -> bool:
@@ -44,16 +48,20 @@ class RecomputeSet:
         return cls(*sets[name])
 
     def to_dict(self) -> dict:
-        return {"prelude": list(self.prelude), "core_steps": list(self.core_steps), "coda": list(self.coda)}
+        return {"prelude": list(self.prelude), "core_steps": list(self.core_steps), "coda": list(self.coda),
+                **({"selective": True} if self.selective else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "RecomputeSet":
-        return cls(tuple(data.get("prelude", ())), tuple(data.get("core_steps", ())), tuple(data.get("coda", ())))
+        return cls(tuple(data.get("prelude", ())), tuple(data.get("core_steps", ())), tuple(data.get("coda", ())),
+                   bool(data.get("selective", False)))
 
     def describe(self) -> str:
         parts = [f"{name} {_ranges(chosen)}" for name, chosen in
                  (("prelude", self.prelude), ("core steps", self.core_steps), ("coda", self.coda)) if chosen]
-        return "recompute " + ", ".join(parts) if parts else "nothing recomputed"
+        if not parts:
+            return "nothing recomputed"
+        return ("recompute selectively " if self.selective else "recompute ") + ", ".join(parts)
 
     def apply(self, model) -> None:
         """Set the checkpointing flag of each layer of `model` (a RecurrentDepthForCausalLM, or a wrapper of one)
@@ -66,6 +74,11 @@ class RecomputeSet:
         base.recompute_core_steps = frozenset(self.core_steps)
         for layer in base.core:
             layer.gradient_checkpointing = False  # set per step from recompute_core_steps
+        for layer in (*base.prelude, *base.core, *base.coda):
+            if not hasattr(layer, "_full_checkpointing_func"):  # the function checkpointing was enabled with
+                layer._full_checkpointing_func = getattr(layer, "_gradient_checkpointing_func", None)
+            layer._gradient_checkpointing_func = (selective_checkpoint if self.selective
+                                                  else layer._full_checkpointing_func)
 
 
 def _ranges(indices) -> str:
