@@ -75,10 +75,12 @@ class RecomputeSet:
         for layer in base.core:
             layer.gradient_checkpointing = False  # set per step from recompute_core_steps
         for layer in (*base.prelude, *base.core, *base.coda):
-            if not hasattr(layer, "_full_checkpointing_func"):  # the function checkpointing was enabled with
-                layer._full_checkpointing_func = getattr(layer, "_gradient_checkpointing_func", None)
-            layer._gradient_checkpointing_func = (selective_checkpoint if self.selective
-                                                  else layer._full_checkpointing_func)
+            current = getattr(layer, "_gradient_checkpointing_func", None)
+            if current is not selective_checkpoint:  # the function checkpointing was enabled with
+                layer._full_checkpointing_func = current
+            wanted = selective_checkpoint if self.selective else getattr(layer, "_full_checkpointing_func", None)
+            if wanted is not None and wanted is not current:  # a plain set after a plain one changes nothing
+                layer._gradient_checkpointing_func = wanted
 
 
 def _ranges(indices) -> str:
