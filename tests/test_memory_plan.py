@@ -371,6 +371,11 @@ def test_a_transformer_checkpoints_all_its_layers_or_none(tmp_path, monkeypatch)
 
 
 def test_per_step_recompute_gives_the_loss_and_gradients_of_no_recompute():
+    """Recompute sets, a selective one among them, give the loss and gradients of keeping everything; the selective
+    set runs none of the forward's matrix products again in backward (a full set runs them again), and a plain set
+    after it has the full checkpointing function back."""
+    from test_offload import CountMatmuls
+
     torch.manual_seed(0)
     config = presets.get("debug", depth_distribution="fixed")
     config.backprop_depth = 3
@@ -385,18 +390,28 @@ def test_per_step_recompute_gives_the_loss_and_gradients_of_no_recompute():
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             recompute.apply(model)
-        loss = model(ids, labels=ids, num_steps=4).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        products = CountMatmuls()
+        with products:
+            loss = model(ids, labels=ids, num_steps=4).loss
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, products.count
 
-    reference_loss, reference = loss_and_grads(None)
+    reference_loss, reference, kept_products = loss_and_grads(None)
+    everything = RecomputeSet.named("all", config, 3)
+    selective = RecomputeSet(everything.prelude, everything.core_steps, everything.coda, selective=True)
+    assert RecomputeSet.from_dict(selective.to_dict()) == selective and "selectively" in selective.describe()
     for chosen in (RecomputeSet(prelude=(0,), core_steps=(1,)), RecomputeSet(core_steps=(0, 2), coda=(0,)),
-                   RecomputeSet.named("all", config, 3)):
-        loss, grads = loss_and_grads(chosen)
+                   everything, selective, everything):
+        loss, grads, products = loss_and_grads(chosen)
         assert torch.equal(loss, reference_loss)
         assert grads.keys() == reference.keys()
         for name in grads:
             torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
+        if chosen is selective:
+            assert products == kept_products
+        elif chosen is everything:
+            assert products > kept_products
     # The last set reached the depth loop's hook.
     assert model.model.recompute_core_steps == frozenset({0, 1, 2})
 

@@ -114,49 +114,6 @@ def test_offload_on_cuda_moves_tensors_to_pinned_host_memory_and_frees_the_devic
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_a_selective_recompute_set_in_the_model_gives_the_same_gradients_and_repeats_no_product():
-    """RecomputeSet(selective=True) on the recurrent model: the loss and gradients of keeping everything, the
-    forward's matrix products not run again in backward (a full recompute set runs them again), and the full
-    checkpointing function back when a plain set is applied after it."""
-    from transformers import AutoModelForCausalLM
-
-    from hf_recurrent import presets
-    from trainer_ext.memory.recompute import RecomputeSet
-
-    torch.manual_seed(0)
-    config = presets.get("debug", depth_distribution="fixed")
-    model = AutoModelForCausalLM.from_config(config).train()
-    ids = torch.randint(0, config.vocab_size, (2, 16))
-
-    def run(recompute):
-        model.zero_grad(set_to_none=True)
-        if recompute is None:
-            model.gradient_checkpointing_disable()
-            model.model.recompute_core_steps = None
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            recompute.apply(model)
-        counter = CountMatmuls()
-        with counter:
-            loss = model(ids, labels=ids, num_steps=4).loss
-            loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, counter.count
-
-    reference_loss, reference, kept_count = run(None)
-    everything = RecomputeSet.named("all", config, 4)
-    for recompute in (RecomputeSet(everything.prelude, everything.core_steps, everything.coda, selective=True),
-                      everything):
-        loss, grads, count = run(recompute)
-        torch.testing.assert_close(loss, reference_loss, rtol=0, atol=0)
-        for name in reference:
-            torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
-        if recompute.selective:
-            assert count == kept_count and "selectively" in recompute.describe()
-            assert RecomputeSet.from_dict(recompute.to_dict()) == recompute
-        else:
-            assert count > kept_count  # the full set is back: the forward's products run again
-
-
 def test_selective_probes_are_left_out_of_the_fit_until_it_has_a_term_for_them():
     from benchmarks.memory_probe import selective_grid
     from trainer_ext.memory.estimator import usable_probes

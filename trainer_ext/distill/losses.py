@@ -337,7 +337,7 @@ def _fused_topk_loss(logits, targets, teacher, rows, options, weights):
         (grad_support,) = torch.autograd.grad(kd, support_lp)
     ce_weight, kd_weight = weights
     correction = grad_support * (kd_weight / temperature)  # d(kd_weight * D) / d(logit at id i), the ids' own part
-    ce_scale = torch.where(keep, ce_weight, 0.0).expand(keep.shape).contiguous()
+    ce_scale = torch.where(keep, ce_weight, 0.0)  # (C,): 0 at ignored positions
     grad = kernels.write_grad(logits, targets, lse, lse_t, ce_scale, -correction.sum(-1), ids, correction,
                               temperature, limit)
     return ce, kd.detach(), grad
