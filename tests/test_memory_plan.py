@@ -543,5 +543,6 @@ def test_a_driver_that_cannot_report_free_memory_plans_against_the_total_and_say
     monkeypatch.setattr(torch.cuda, "mem_get_info", no_answer)
     with caplog.at_level("WARNING", logger="trainer_ext.memory.plan"):
         assert _applied_plan(args).cap_gib == 24
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    (warning,) = [r.getMessage() for r in caplog.records
+                  if r.levelname == "WARNING" and r.name == "trainer_ext.memory.plan"]
     assert "could not be read (CUDA driver error: not supported)" in warning and "--memory_cap_gib sets" in warning
