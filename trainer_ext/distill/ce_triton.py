@@ -53,13 +53,18 @@ def _ce_kernel(logits_ptr, row_stride, targets_ptr, scale_ptr, loss_ptr, ignore_
             tl.store(base + offsets, (grad * scale).to(logits_ptr.dtype.element_ty), mask=in_row)
 
 
+def check_rows(logits: torch.Tensor, what: str) -> None:
+    """ValueError unless `logits` (C, V) is contiguous along the vocabulary, as the kernels index it."""
+    if logits.stride(1) != 1:
+        raise ValueError(f"{what} needs logits contiguous along the vocabulary, got strides {logits.stride()}")
+
+
 def ce_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None,
                 ignore_index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Summed CE over the kept positions of `logits` (C, V) and, when `scale` (a 0-d tensor) is given, its gradient
     wrt the logits times `scale` (0 at positions whose target is `ignore_index`), written over `logits`."""
     rows, vocab = logits.shape
-    if logits.stride(1) != 1:
-        raise ValueError(f"ce_and_grad needs logits contiguous along the vocabulary, got strides {logits.stride()}")
+    check_rows(logits, "ce_and_grad")
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     block = min(_BLOCK, triton.next_power_of_2(vocab))
     _ce_kernel[(rows,)](logits, logits.stride(0), targets, losses if scale is None else scale, losses, ignore_index,

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 # Logits per iteration of a program and its warps, the online log-sum-exp: as plain CE's.
-from trainer_ext.distill.ce_triton import _BLOCK, _WARPS, online_lse_update
+from trainer_ext.distill.ce_triton import _BLOCK, _WARPS, check_rows, online_lse_update
 
 
 @triton.jit
@@ -79,15 +79,9 @@ def _grad_kernel(logits_ptr, row_stride, targets_ptr, lse_ptr, lse_t_ptr, ce_sca
     tl.store(base + ids, at_ids.to(logits_ptr.dtype.element_ty), mask=in_k)
 
 
-def _check(logits: torch.Tensor) -> None:
-    if logits.stride(1) != 1:
-        raise ValueError(f"the distillation kernels need logits contiguous along the vocabulary, got strides "
-                         f"{logits.stride()}")
-
-
 def row_lse(logits: torch.Tensor, temperature: float, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `logits` (C, V): logsumexp over all V and logsumexp(logits[:, :limit] / temperature), fp32 (C,)."""
-    _check(logits)
+    check_rows(logits, "row_lse")
     rows, vocab = logits.shape
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse_t = torch.empty_like(lse)
@@ -101,7 +95,7 @@ def write_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, l
                temperature: float, limit: int) -> torch.Tensor:
     """Write the gradient of the module docstring over `logits` (C, V) and return it. `ce_scale` and `dense` are
     fp32 (C,) (0 at ignored positions), `ids` (C, k) distinct ids below `limit` per row, `correction` fp32 (C, k)."""
-    _check(logits)
+    check_rows(logits, "write_grad")
     rows, vocab = logits.shape
     ids, correction = ids.contiguous(), correction.float().contiguous()
     _grad_kernel[(rows,)](logits, logits.stride(0), targets, lse, lse_t, ce_scale, dense, ids, correction,
