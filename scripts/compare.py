@@ -52,11 +52,13 @@ import sys
 
 from trainer_ext.comparison.arguments import parse_args
 from trainer_ext.comparison.pipeline import ComparisonRun
+from trainer_ext.training.distributed import end_process_group
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     ComparisonRun(*parse_args(argv)).run()
+    end_process_group()
     return 0
 
 
