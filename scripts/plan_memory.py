@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     parser.add_argument("--torch_compile", choices=("auto", "true", "false"), default="auto",
                         help="auto: on where the calibration measured it faster.")
     parser.add_argument("--distill_topk", type=int, default=0, help="Top-k of a teacher cache in the batch.")
+    parser.add_argument("--vocab_size", type=int, default=None,
+                        help="The head's entries (your tokenizer's size, padded to a multiple of 64); default: the "
+                             "preset's.")
     parser.add_argument("--num_processes", type=int, default=1, help="Processes (GPUs) of the launch; plans one.")
     parser.add_argument("--sharding", default=None,
                         help="ddp (data parallel: torchrun; the default for several processes), fsdp2 "
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
         plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, args.margin_gib,
                                args.optimizer_momentum, args.optimizer_momentum_rank_fraction, compiled,
                                args.distill_topk, args.max_batch_size, args.num_processes, args.sharding,
-                               args.mixed_precision, profile)
+                               args.mixed_precision, profile, args.vocab_size)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -192,6 +192,12 @@ def test_cli_prints_the_plan_as_json(capsys):
     assert plan["predicted_peak_gib"] <= 24 - 1.4 and plan["predicted_tokens_per_second"] > 0
     assert main(["--preset", "recurrent-7b", "--cap_gib", "24"]) == 0
     assert "--per_device_train_batch_size" in capsys.readouterr().out
+    # At a tokenizer's larger vocabulary (Qwen's) the head grows: so does the peak of the same batch.
+    peaks = []
+    for vocab in ([], ["--vocab_size", "151936"]):
+        assert main(["--preset", "recurrent-3.3b", "--cap_gib", "24", "--max_batch_size", "1", "--json", *vocab]) == 0
+        peaks.append(json.loads(capsys.readouterr().out)["predicted_peak_gib"])
+    assert peaks[1] > peaks[0] + 0.5
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -199,6 +205,7 @@ def test_cli_prints_the_plan_as_json(capsys):
     (["--preset", "nope"], "--preset 'nope' is not a preset"),
     (["--preset", "recurrent-7b", "--cap_gib", "8"], "smallest predicted peak"),
     (["--preset", "recurrent-7b", "--seq_len", "0"], "--seq_len=0"),
+    (["--preset", "recurrent-7b", "--vocab_size", "0"], "--vocab_size=0"),
     (["--calibrate", "missing.jsonl"], "--calibrate needs --calibration"),
 ])
 def test_cli_errors_name_the_problem_and_exit_non_zero(argv, message, capsys, tmp_path, monkeypatch):

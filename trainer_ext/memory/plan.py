@@ -225,16 +225,19 @@ def plan_for_preset(preset: str, seq_len: int, cap_gib: float | None, calibratio
                     margin_gib: float = DEFAULT_MARGIN_GIB, momentum: float | None = None,
                     rank_fraction: float | None = None, compiled: bool | None = None, distill_topk: int = 0,
                     max_batch_size: int = MAX_BATCH_SIZE, num_processes: int = 1, sharding: str | None = None,
-                    mixed_precision: str = "no", device_profile: DeviceProfile | None = None) -> MemoryPlan:
-    """The plan of a named preset (its default vocabulary) for one rank of `num_processes` with `sharding` ("ddp",
-    "fsdp2"; None: one process, or data parallel for several) under accelerate's `mixed_precision`, on the card of
-    `device_profile` (default: the calibration's; its memory is the default cap, else DEFAULT_CAP_GIB); checks first
-    (ValueError naming the fix)."""
+                    mixed_precision: str = "no", device_profile: DeviceProfile | None = None,
+                    vocab_size: int | None = None) -> MemoryPlan:
+    """The plan of a named preset (its default vocabulary, or a head of `vocab_size` entries, e.g. a tokenizer's) for
+    one rank of `num_processes` with `sharding` ("ddp", "fsdp2"; None: one process, or data parallel for several)
+    under accelerate's `mixed_precision`, on the card of `device_profile` (default: the calibration's; its memory is
+    the default cap, else DEFAULT_CAP_GIB); checks first (ValueError naming the fix)."""
     from hf_recurrent import presets
 
     if preset not in presets.NAMES:
         raise ValueError(f"--preset {preset!r} is not a preset; choose one of {list(presets.NAMES)}.")
-    config = presets.get(preset)
+    if vocab_size is not None and not (isinstance(vocab_size, int) and vocab_size >= 1):
+        raise ValueError(f"--vocab_size={vocab_size!r} is not allowed; give the tokenizer's size, an integer >= 1.")
+    config = presets.get(preset, vocab_size)
     if cap_gib is None:
         cap_gib = device_profile.memory_gib if device_profile else DEFAULT_CAP_GIB
     check_plan_numbers(seq_len, cap_gib, margin_gib, max_batch_size)
