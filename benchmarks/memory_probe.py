@@ -23,7 +23,12 @@ reads (`hf-recurrent-plan-memory`).
 calibration (--calibration, default the package's), trains a few steps with it the way a probe does, under the cap
 (the process may use no more than --cap_gib), and prints one JSON line per preset with the predicted and measured
 peak reserved memory and tokens/s (an OOM is caught and reported). With --device cpu it is a dry run of the same
-path (no memory figures).
+path (no memory figures). With --only_distill_probes the plans carry a cached teacher's top-k at each of
+--vocab_sizes; --seq_lens plans several lengths; --breakdown adds the steady steps' GPU time by kernel kind
+(`benchmarks/kernel_breakdown.py`). `peak_error` is predicted / measured - 1: negative where the plan under-predicts.
+
+    python3 -m benchmarks.memory_probe --verify --presets recurrent-3.3b recurrent-7b --cap_gib 24 \
+        --only_distill_probes --vocab_sizes 65536 99520 151936 --seq_lens 2048 4096 --breakdown --output v.jsonl
 """
 
 import argparse
@@ -250,10 +255,16 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
     try:
         # A Transformer's checkpointing flag recomputes every layer or none: no per-layer set to apply.
         callbacks = [RecomputeCallback(recompute)] if recurrent else []
+        if spec.get("profile"):  # the steps after the warm-up (compilation included)
+            from benchmarks.kernel_breakdown import KernelProfile
+
+            callbacks.append(KernelProfile(start_step=2 if spec["compile"] else 1))
         trainer = RecurrentTrainer(model=model, args=args, train_dataset=data, callbacks=callbacks + [Timer()])
         trainer.remove_callback(PrinterCallback)  # the probe prints one line per probe
         trainer.train()
         record["status"] = "ok"
+        if spec.get("profile"):
+            record["kernel_breakdown"] = callbacks[-1].result
     except torch.OutOfMemoryError as error:
         record["status"], record["error"] = "oom", str(error).splitlines()[0][:300]
     except Exception as error:  # recorded, the next probe still runs
@@ -363,7 +374,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only_distill_probes", action="store_true",
                         help="Only probes with a cached teacher's top-k, at each of --vocab_sizes.")
     parser.add_argument("--vocab_sizes", type=int, nargs="+", default=[99520, 151936],
-                        help="With --only_distill_probes: the vocabularies probed.")
+                        help="With --only_distill_probes: the vocabularies probed (with --verify: planned).")
     parser.add_argument("--cap_gib", type=float, default=None, help="Emulated card size (default: the device).")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a dry run of the probe loop (no memory figures), e.g. with --presets debug.")
@@ -375,6 +386,11 @@ def main(argv=None) -> int:
     parser.add_argument("--verify", action="store_true", help="Train with each preset's plan for --cap_gib and "
                                                               "print predicted against measured figures.")
     parser.add_argument("--max_batch_size", type=int, default=64, help="With --verify: the plan's largest batch.")
+    parser.add_argument("--seq_lens", type=int, nargs="+", default=None,
+                        help="With --verify: the sequence lengths planned (default: --seq_len).")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="With --verify: the GPU time of the steady steps by kernel kind and idle "
+                             "(benchmarks/kernel_breakdown.py).")
     parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.only_compile_probes and args.no_compile_probes:
@@ -398,40 +414,55 @@ def main(argv=None) -> int:
 
 
 def _verify(args) -> int:
-    """Plan each preset for --cap_gib, train with the plan, print predicted against measured (JSON lines)."""
+    """Plan each preset (at each of --seq_lens, and with --only_distill_probes a cached top-k at each of
+    --vocab_sizes) for --cap_gib, train with the plan, print predicted against measured figures (JSON lines)."""
+    from trainer_ext.memory.estimator import ModelShape, probe_recomputed, time_features
     from trainer_ext.memory.plan import plan_for_preset
 
     if not args.cap_gib:
         raise SystemExit("--verify needs --cap_gib: the memory the plans are made for and the probes may use.")
-    plans, specs = {}, {}
+    vocabs = args.vocab_sizes if args.only_distill_probes else [None]
+    topk = TOPK if args.only_distill_probes else 0
+    plans, specs = [], {}
     for preset in args.presets:
-        plan = plan_for_preset(preset, args.seq_len, args.cap_gib, args.calibration,
-                               max_batch_size=args.max_batch_size)
-        plans[preset] = plan
-        specs[preset] = [{"preset": preset, "seq_len": args.seq_len, "batch_size": plan.per_device_train_batch_size,
-                          "recompute": "plan", "recompute_set": plan.recompute.to_dict(),
-                          "compile": plan.torch_compile, "momentum": None, "distill": False}]
+        for vocab in vocabs:
+            for seq_len in args.seq_lens or [args.seq_len]:
+                plan = plan_for_preset(preset, seq_len, args.cap_gib, args.calibration, distill_topk=topk,
+                                       max_batch_size=args.max_batch_size, vocab_size=vocab)
+                plans.append(plan)
+                specs.setdefault(preset, []).append({
+                    "preset": preset, "seq_len": seq_len, "batch_size": plan.per_device_train_batch_size,
+                    "recompute": "plan", "recompute_set": plan.recompute.to_dict(), "compile": plan.torch_compile,
+                    "momentum": None, "distill": bool(topk), "profile": args.breakdown,
+                    **({"vocab_size": vocab} if vocab else {})})
     done_before = _count_lines(args.output)
     code = _run_all(args, specs)
     with open(args.output) as f:
         records = [json.loads(line) for line in f if line.strip()][done_before:]
-    for record in records:
-        plan = plans[record["preset"]]
+    for plan, record in zip(plans, records):  # both in the order of the presets' specs
         measured_peak = record.get("peak_reserved_bytes")
         steps = record.get("step_seconds", [])[2 if record.get("compile") else 1:]
         steady = sorted(steps)[len(steps) // 2] if steps else None
-        print(json.dumps({
-            "preset": record["preset"], "status": record["status"], "error": record.get("error"),
-            "cap_gib": args.cap_gib, "per_device_train_batch_size": plan.per_device_train_batch_size,
+        row = {
+            "preset": record["preset"], "vocab_size": record.get("vocab_size"), "seq_len": record["seq_len"],
+            "distill_topk": topk, "status": record["status"], "error": record.get("error"), "cap_gib": args.cap_gib,
+            "per_device_train_batch_size": plan.per_device_train_batch_size,
             "recompute": plan.recompute_description, "torch_compile": plan.torch_compile,
             "predicted_peak_gib": round(plan.predicted_peak_gib, 3),
             "measured_peak_gib": round(measured_peak / 2**30, 3) if measured_peak else None,
-            "peak_error": round(measured_peak / 2**30 / plan.predicted_peak_gib - 1, 4) if measured_peak else None,
+            "peak_error": round(plan.predicted_peak_gib / (measured_peak / 2**30) - 1, 4) if measured_peak else None,
             "within_cap_minus_margin": (measured_peak / 2**30 <= args.cap_gib - plan.margin_gib)
             if measured_peak else None,
             "predicted_tokens_per_second": round(plan.predicted_tokens_per_second, 1),
-            "measured_tokens_per_second": round(plan.per_device_train_batch_size * args.seq_len / steady, 1)
-            if steady else None}), flush=True)
+            "measured_tokens_per_second": round(plan.per_device_train_batch_size * record["seq_len"] / steady, 1)
+            if steady else None}
+        if record.get("config"):  # executed FLOPs (the recomputed forwards too) over the model's
+            shape = ModelShape.from_record(record)
+            features = time_features(shape, record["batch_size"], record["seq_len"], probe_recomputed(record))
+            row["flops_ratio"] = round(1 + features[2] / features[1], 4)
+        if record.get("kernel_breakdown"):
+            row["kernel_breakdown"] = record["kernel_breakdown"]
+        print(json.dumps(row), flush=True)
     return code
 
 

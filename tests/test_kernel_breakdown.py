@@ -1,0 +1,59 @@
+"""The step breakdown by kernel kind (benchmarks/kernel_breakdown.py) and the plan verification that reports it."""
+
+import json
+import os
+import re
+
+import pytest
+
+from benchmarks.kernel_breakdown import breakdown_from_trace, category
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_trace_is_summed_by_kind_and_the_gpu_idle_time_is_what_no_kernel_covers():
+    kernels = [  # (name, start us, duration us); the attention kernel overlaps the first product
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", 0, 400), ("flash_fwd_kernel", 300, 200), ("_ce_kernel", 600, 100),
+        ("_apply_kernel", 800, 50), ("triton_per_fused_mul_rsqrt_0", 900, 20),
+        ("void at::native::vectorized_elementwise_kernel", 950, 10)]
+    events = [{"cat": "kernel", "name": name, "ts": ts, "dur": dur} for name, ts, dur in kernels]
+    events += [{"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 980, "dur": 10},
+               {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]  # host events are not GPU time
+    result = breakdown_from_trace({"traceEvents": events}, wall_seconds=2000e-6, steps=2)
+    per_step = result["kernel_seconds_per_step"]
+    assert per_step["matmul"] == pytest.approx(200e-6) and per_step["attention"] == pytest.approx(100e-6)
+    assert per_step["loss_kernels"] == pytest.approx(50e-6) and per_step["optimizer_kernels"] == pytest.approx(25e-6)
+    assert per_step["compiled_elementwise"] == pytest.approx(10e-6) and per_step["other"] == pytest.approx(5e-6)
+    assert per_step["copies"] == pytest.approx(5e-6)
+    busy = 500 + 100 + 50 + 20 + 10 + 10  # the union: 0-500, 600-700, 800-850, 900-920, 950-960, 980-990
+    assert result["shares"]["idle"] == pytest.approx(1 - busy / 2000)
+    assert result["step_seconds"] == pytest.approx(1000e-6)
+
+
+def test_every_triton_kernel_of_ours_has_its_kind():
+    """A kernel added to the loss or the optimizer without a pattern would be counted as `other`."""
+    expected = {"trainer_ext/distill/ce_triton.py": "loss_kernels", "trainer_ext/distill/kd_triton.py": "loss_kernels",
+                "trainer_ext/optim/triton_kernels.py": "optimizer_kernels"}
+    for path, kind in expected.items():
+        with open(os.path.join(REPO, path)) as f:
+            names = re.findall(r"^def (_\w+_kernel)\(", f.read(), flags=re.M)
+        assert names, path
+        assert {name: category(name) for name in names} == {name: kind for name in names}
+
+
+def test_verify_plans_a_cached_teacher_at_each_vocabulary_and_length_and_breaks_the_steps_down(tmp_path, capsys):
+    """memory_probe --verify --only_distill_probes on CPU (a dry run of the GPU path): one plan per vocabulary and
+    sequence length, trained with the cache's top-k at that head, each with its breakdown and FLOPs ratio."""
+    from benchmarks.memory_probe import main
+
+    output = tmp_path / "verify.jsonl"
+    assert main(["--verify", "--presets", "debug", "--device", "cpu", "--cap_gib", "24", "--only_distill_probes",
+                 "--vocab_sizes", "512", "1024", "--seq_lens", "32", "64", "--breakdown", "--max_batch_size", "2",
+                 "--steps", "3", "--compile_steps", "3", "--output", str(output)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in lines if line.startswith('{"preset": "debug", "vocab')]
+    assert [(r["vocab_size"], r["seq_len"]) for r in rows] == [(512, 32), (512, 64), (1024, 32), (1024, 64)]
+    assert all(r["status"] == "ok" and r["distill_topk"] == 64 and r["flops_ratio"] >= 1 for r in rows)
+    assert all(r["kernel_breakdown"]["steps"] >= 1 for r in rows)
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["config"]["vocab_size"] for r in records] == [512, 512, 1024, 1024]
