@@ -47,9 +47,19 @@ ARMS = {
 }
 
 
+def arm_overrides(arm: str, args) -> str:
+    """The arm's config overrides after --config_overrides (the base of every arm; the arm's own keys win)."""
+    merged = {}
+    for text in (args.config_overrides, ARMS[arm][0].format(curriculum=args.steps // 2)):
+        for item in filter(None, (text or "").split(",")):
+            key, _, value = item.partition("=")
+            merged[key.strip()] = value.strip()
+    return ",".join(f"{key}={value}" for key, value in merged.items())
+
+
 def train(arm: str, args, out_dir: str) -> float:
-    overrides, extra = ARMS[arm]
-    overrides = overrides.format(curriculum=args.steps // 2)
+    extra = ARMS[arm][1]
+    overrides = arm_overrides(arm, args)
     command = [
         sys.executable, "-m", "scripts.run_pretrain", "--preset", args.preset, "--data_dir", args.data_dir,
         "--output_dir", out_dir, "--max_steps", str(args.steps), "--per_device_train_batch_size",
@@ -75,7 +85,7 @@ def evaluate_arm(arm: str, args, out_dir: str, seconds: float | None) -> dict:
     dataset = ShardedTokenDataset(args.data_dir, "eval")
     if len(dataset) > args.eval_samples:
         dataset = torch.utils.data.Subset(dataset, range(args.eval_samples))
-    row = {"arm": arm, "overrides": ARMS[arm][0].format(curriculum=args.steps // 2), "extra": " ".join(ARMS[arm][1]),
+    row = {"arm": arm, "overrides": arm_overrides(arm, args), "extra": " ".join(ARMS[arm][1]),
            "seed": args.seed, "steps": args.steps, "train_seconds": None if seconds is None else round(seconds, 1)}
     with open(os.path.join(out_dir, "log_history.json")) as f:
         history = json.load(f)
@@ -95,6 +105,9 @@ def main() -> int:
     parser.add_argument("--data_dir", required=True)
     parser.add_argument("--preset", default="recurrent-125m")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--config_overrides", default="",
+                        help="Config overrides of every arm (k=v,...), before the arm's own, e.g. "
+                             "mean_recurrence=8,backprop_depth=4 to give the debug preset recurrent-125m's depths.")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--learning_rate", type=float, default=3e-4)

@@ -149,3 +149,16 @@ def test_compiled_layers_give_the_same_supervised_loss(tiny_data_dir, tmp_path):
     losses = [trainer.compute_loss(trainer.model.train(), inputs) for trainer in (eager, compiled)]
     assert torch.allclose(*losses, atol=1e-6)
     assert eager.depth_supervision.logs() == compiled.depth_supervision.logs()
+
+
+def test_the_ablations_base_overrides_come_first_and_an_arms_own_keys_win():
+    """benchmarks/depth_ablation.py --config_overrides: every arm's config is the base's, then the arm's."""
+    from types import SimpleNamespace
+
+    from benchmarks.depth_ablation import arm_overrides
+
+    args = SimpleNamespace(config_overrides="mean_recurrence=8,backprop_depth=4", steps=240)
+    assert arm_overrides("scaled_init", args) == "mean_recurrence=8,backprop_depth=4"
+    assert arm_overrides("mean_16_k8", args) == "mean_recurrence=16,backprop_depth=8"
+    assert arm_overrides("curriculum", args) == "mean_recurrence=8,backprop_depth=4,depth_warmup_steps=120"
+    assert arm_overrides("full_backprop", SimpleNamespace(config_overrides="", steps=10)) == "backprop_depth=null"
