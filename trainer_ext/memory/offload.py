@@ -16,7 +16,9 @@ machine's RAM, which is why the bound exists.
 (norms, activations, rotary, residual adds) is recomputed in backward: most of a layer's FLOPs are not repeated, for
 part of its memory.
 
-torchtune's `OffloadActivations` and torchtitan's selective op checkpointing are the patterns followed.
+The model's layers reach both through `recompute.RecomputeSet.apply`: `selective_checkpoint` and `OffloadedForward`
+become the checkpoint functions of the applications the plan places so. torchtune's `OffloadActivations` and
+torchtitan's selective op checkpointing are the patterns followed.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from trainer_ext.memory.device_profile import DeviceProfile, for_device
 from trainer_ext.memory.estimator import GIB, Calibration, ModelShape, load_calibration
 from trainer_ext.memory.placement import Program, application_counts, describe_table, host_bytes_for, placement_table
 from trainer_ext.memory.processes import FP32_BYTES, layout_of, per_rank_shape, resolve_sharding
-from trainer_ext.memory.recompute import RecomputeCallback, RecomputeSet
+from trainer_ext.memory.recompute import Applications, RecomputeCallback, RecomputeSet
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,20 @@ class MemoryPlan:
         if self.transformer or not self.placement:
             return self.recompute_description
         return describe_table(self.placement)
+
+    def placement_lines(self) -> list[str]:
+        """What hf-recurrent-plan-memory prints of the placement: each kind's applications and the host memory."""
+        if self.transformer or not self.placement:
+            return [self.recompute_description]
+        return (["where each layer application keeps what backward needs:"]
+                + [f"  {kind + ':':11}{Applications.from_dict(groups).describe() or '-'}"
+                   for kind, groups in self.placement.items()] + [self.host_description])
+
+    @property
+    def exact_flags(self) -> str:
+        """The training flags that give exactly this plan (its cap, and the host bound where it offloads)."""
+        host = f" --memory_host_gib {self.host_cap_gib * self.num_processes:g}" if self.host_gib else ""
+        return f"--memory_cap_gib {self.cap_gib:g}{host}"
 
     @property
     def host_description(self) -> str:
@@ -163,7 +177,8 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
     for batch in batch_sizes or range(1, MAX_BATCH_SIZE + 1):
         program = Program(shape, calibration, batch, seq_len, compiled, distill_topk)
         chosen = program.solve(budget, host_bytes) if recompute is None else recompute
-        smallest = min(smallest, program.evaluate(recompute or RecomputeSet.named("all", shape, shape.graph_steps))[0])
+        every = recompute if recompute is not None else RecomputeSet.named("all", shape, shape.graph_steps)
+        smallest = min(smallest, program.evaluate(every)[0])
         peak, seconds, host = program.evaluate(chosen) if chosen is not None else (math.inf, math.inf, 0)
         if peak > budget or host > host_bytes:
             if batch_sizes is None:
@@ -173,7 +188,8 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
         counts = application_counts(shape, table)
         candidates.append({"per_device_train_batch_size": batch, "recomputed_applications": counts["recompute"],
                            "selective_applications": counts["selective"],
-                           "offloaded_applications": counts["offload"], "predicted_peak_gib": round(peak / GIB, 3), "host_gib": round(host / GIB, 3),
+                           "offloaded_applications": counts["offload"], "predicted_peak_gib": round(peak / GIB, 3),
+                           "host_gib": round(host / GIB, 3),
                            "predicted_tokens_per_second": round(batch * seq_len / seconds, 1)})
         if best is None or batch * seq_len / seconds > best[0] * seq_len / best[3]:
             best = (batch, chosen, peak, seconds, host, table)

@@ -9,9 +9,10 @@ so their per-step placement is the model's `recompute_core_steps` mapping (graph
 run under), read in the depth loop.
 
 Transformers switches checkpointing on for every layer when training starts (`activation_checkpointing=True`);
-`RecomputeCallback` then narrows it to the set, before the first step: each placed layer's `_gradient_checkpointing_func`
-becomes full checkpointing (the function transformers enabled), `offload.selective_checkpoint`, or an
-`offload.OffloadedForward` that runs the layer under `OffloadActivations` (one context per forward of the model).
+`RecomputeCallback` then narrows it to the set, before the first step: each placed layer's checkpoint function
+(`_gradient_checkpointing_func`) becomes full checkpointing (the function transformers enabled),
+`offload.selective_checkpoint`, or an `offload.OffloadedForward` that runs the layer under `OffloadActivations` (one
+context per forward of the model).
 `selective=True` is the probes' form: every recomputed application above recomputes selectively; the plan names its
 selective applications in `selective_recompute` instead.
 """
