@@ -364,13 +364,18 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
             depth_exit = DepthExit(exit_threshold, state.shape[:2], state.device,
                                    config.kv_cache_mode if cache is not None else None, compact)
         # `recompute_core_steps` (None: each core layer's own flag decides): the steps, counted from the first one
-        # that builds a graph, whose core layers are checkpointed; it sets the core layers' flag at every step.
+        # that builds a graph, whose core layers are checkpointed; it sets the core layers' flag at every step. A
+        # mapping also gives each such step the function its core layers run under (`_gradient_checkpointing_func`:
+        # full or selective recomputation, activation offload; trainer_ext's memory plan sets it).
         recompute = getattr(self, "recompute_core_steps", None)
         slots, shared = core_slots(config, num_steps), config.kv_cache_mode == "shared"
         for step in range(num_steps) if depth_exit is None else depth_exit.steps(num_steps, hidden_states, attentions):
             if recompute is not None:
+                placed = step - no_grad_steps in recompute
                 for layer in self.core:
-                    layer.gradient_checkpointing = step - no_grad_steps in recompute
+                    layer.gradient_checkpointing = placed
+                    if placed and isinstance(recompute, dict):
+                        layer._gradient_checkpointing_func = recompute[step - no_grad_steps]
             core_step = partial(self.core_step, slots=slots[step], read_only=shared and step < num_steps - 1)
             with torch.no_grad() if step < no_grad_steps else nullcontext():
                 if depth_exit is None:

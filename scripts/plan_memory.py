@@ -4,12 +4,11 @@
     hf-recurrent-plan-memory --preset recurrent-7b --cap_gib 24 --num_processes 2 --sharding fsdp2   # per card
     hf-recurrent-plan-memory --preset recurrent-7b --device_profile rtx3090   # a 3090's plan and speed, anywhere
 
-A mixed-integer program picks, for each batch size, which prelude / coda layers and unrolled core steps recompute
-their activations, minimising the calibrated step time under a calibrated peak reserved memory <= cap - margin; the
-batch size of highest predicted tokens/s wins. The calibration committed in the package was measured on an H200;
---device_profile scales its step times to another card's bf16 matmul rate (rtx3090, rtx4090: datasheet figures;
-measure: this machine's card, measured once and cached; or a profile file). Re-calibrate on your own card from its
-probes for the card's own step times and memory:
+A mixed-integer program picks, per batch size, where each prelude / coda layer and core step keeps what backward
+needs (keep, recompute, selective recomputation, pinned host memory within --memory_host_gib), fastest under a
+predicted peak reserved memory <= cap - margin; the batch of highest predicted tokens/s wins. The package's calibration
+is an H200's; --device_profile scales its step times to another card's bf16 matmul rate and prices offload at its
+host-device bandwidth (rtx3090, rtx4090: datasheets; measure: this card, cached; or a file). Re-calibrate on yours:
 
     python3 -m benchmarks.memory_probe --output probes.jsonl            # on the GPU, a few minutes
     hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json
@@ -22,6 +21,7 @@ import sys
 
 from trainer_ext.memory.device_profile import SPEC_PROFILES, resolve_device_profile
 from trainer_ext.memory.estimator import load_calibration, write_calibration_from_probes
+from trainer_ext.memory.placement import HOST_HELP, host_memory_limit
 from trainer_ext.memory.plan import DEFAULT_MARGIN_GIB, MAX_BATCH_SIZE, plan_for_preset
 
 
@@ -52,6 +52,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mixed_precision", default="no",
                         help="accelerate's mixed_precision of an FSDP2 launch (accelerate_fsdp2_<N>x24gb.yaml: no): "
                              "other than no, accelerate keeps the shards as fp32 master weights.")
+    parser.add_argument("--memory_host_gib", type=float, default=None, help=HOST_HELP)
     parser.add_argument("--calibration", default=None,
                         help="Calibration file to use (default: the package's), or to write with --calibrate.")
     parser.add_argument("--calibrate", metavar="PROBES", default=None,
@@ -70,10 +71,11 @@ def main(argv=None) -> int:
             raise ValueError("--preset is required, e.g. --preset recurrent-3.3b.")
         compiled = None if args.torch_compile == "auto" else args.torch_compile == "true"
         profile = resolve_device_profile(args.device_profile, args.calibration)
-        plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, args.margin_gib,
-                               args.optimizer_momentum, args.optimizer_momentum_rank_fraction, compiled,
-                               args.distill_topk, args.max_batch_size, args.num_processes, args.sharding,
-                               args.mixed_precision, profile, args.vocab_size)
+        with host_memory_limit(args.memory_host_gib):
+            plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, args.margin_gib,
+                                   args.optimizer_momentum, args.optimizer_momentum_rank_fraction, compiled,
+                                   args.distill_topk, args.max_batch_size, args.num_processes, args.sharding,
+                                   args.mixed_precision, profile, args.vocab_size)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -82,7 +84,7 @@ def main(argv=None) -> int:
         return 0
     print(f"{args.preset}, {args.seq_len} tokens per sequence, cap {plan.cap_gib:g} GiB:")
     print(f"  --per_device_train_batch_size {plan.per_device_train_batch_size}")
-    print(f"  {plan.recompute_description}")
+    print("\n".join(f"  {line}" for line in plan.placement_lines()))
     print(f"  torch.compile {'on' if plan.torch_compile else 'off'}")
     # The speed is the calibration's device's, or scaled to the profile's matmul rate (re-calibrating fits a card).
     device = load_calibration(args.calibration).info.get("device_name") or "the calibration's device"
@@ -99,8 +101,7 @@ def main(argv=None) -> int:
                          f"--num_processes {args.num_processes} scripts/run_pretrain.py"}
     launch = launches.get(plan.sharding, "hf-recurrent-pretrain")
     print(f"{launch} --preset {args.preset} applies it on such a card (--memory_plan auto, the default on CUDA, "
-          f"plans for the memory free when the run starts; add --memory_cap_gib {plan.cap_gib:g} for exactly this "
-          "plan).")
+          f"plans for the memory free when the run starts; add {plan.exact_flags} for exactly this plan).")
     return 0
 
 

@@ -7,8 +7,8 @@ calibration device's measured matmul rate over the profile's (`for_device`), so 
 tokens/s on any machine. Two things this leaves out: the parts of a step that are not matrix products (the optimizer,
 norms, launches) follow memory bandwidth and latency rather than the matmul rate, and a datasheet rate is an upper
 bound that a card's own matmuls reach only in part. A calibration measured on the card itself
-(`hf-recurrent-plan-memory --calibrate`) carries neither approximation. The host-device bandwidth is carried for
-placements that move activations to CPU memory; the plan does not use it yet.
+(`hf-recurrent-plan-memory --calibrate`) carries neither approximation. The host-device bandwidth prices activation
+offload to pinned host memory (`placement.py`): copies that do not hide under a layer's compute stall it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ machine's RAM, which is why the bound exists.
 (norms, activations, rotary, residual adds) is recomputed in backward: most of a layer's FLOPs are not repeated, for
 part of its memory.
 
-torchtune's `OffloadActivations` and torchtitan's selective op checkpointing are the patterns followed.
+The model's layers reach both through `recompute.RecomputeSet.apply`: `selective_checkpoint` and `OffloadedForward`
+become the checkpoint functions of the applications the plan places so. torchtune's `OffloadActivations` and
+torchtitan's selective op checkpointing are the patterns followed.
 """
 
 from __future__ import annotations
@@ -58,7 +60,21 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._fetched: dict[int, tuple] = {}  # key -> (device tensor, copy event): brought back ahead of use
         self._next_key = 0
         self._stream = None
+        self._boundary = None  # an event on the copy stream after the copies issued before the last layer boundary
         super().__init__(self._pack, self._unpack)
+
+    def layer_boundary(self) -> None:
+        """Before each offloaded layer application: the compute stream waits for the copies issued before the previous
+        boundary, so that at most two applications' tensors are on their way out (the one before, the one running:
+        the plan's offload window), and a copy stream slower than compute stalls compute rather than holding device
+        memory. Nothing to wait for on a CPU."""
+        if self._stream is None:
+            return
+        current = torch.cuda.current_stream(self._stream.device)
+        if self._boundary is not None:
+            current.wait_event(self._boundary)
+        self._boundary = torch.cuda.Event()
+        self._boundary.record(self._stream)
 
     def _copy_stream(self, device: torch.device):
         if device.type != "cuda":
@@ -123,3 +139,30 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             current.wait_event(done)
             tensor.record_stream(current)
         return tensor
+
+
+class OffloadedForward:
+    """The checkpoint function (`_gradient_checkpointing_func`) of the layer applications a plan offloads: it runs
+    the layer's forward inside the `OffloadActivations` of the model's current forward. One context per forward of the
+    model (`renew`, a forward pre-hook), not one per layer: backward's prefetch then runs across layers, and
+    `max_host_bytes` bounds the host memory of the whole step. Not traced by torch.compile (`recursive=False`): the
+    context is entered eagerly and the layer's forward inside it stays compiled, so the compiled graph's saved
+    tensors pass through the hooks (torchtune's pattern: hooks outside the compiled region)."""
+
+    def __init__(self, min_bytes: int = 1 << 20, max_host_bytes: int | None = None):
+        self.min_bytes, self.max_host_bytes = min_bytes, max_host_bytes
+        self.context: OffloadActivations | None = None
+
+    def renew(self, *hook_args) -> None:
+        """A fresh context for the next forward; the previous one lives on in its graph until backward empties it."""
+        self.context = OffloadActivations(self.min_bytes, self.max_host_bytes)
+
+    def __call__(self, function, *args):
+        if self.context is None:
+            self.renew()
+        with self.context:
+            self.context.layer_boundary()
+            return function(*args)
+
+
+OffloadedForward.__call__ = torch.compiler.disable(OffloadedForward.__call__, recursive=False)

@@ -1,9 +1,10 @@
 """The memory planner: batch size and recompute set decided once, before training, for a memory cap.
 
-For each candidate batch size a mixed-integer program (`scipy.optimize.milp`, HiGHS) chooses which prelude layers,
-coda layers and graph-building core steps recompute their activations: one binary variable each, minimising the
-calibrated step time subject to the calibrated peak reserved memory <= cap - margin (`estimator.py`; both are
-linear in the choice at a fixed batch size). The batch size with the highest predicted tokens per second wins. A plain
+For each candidate batch size a mixed-integer program (`placement.py`, `scipy.optimize.milp`, HiGHS) chooses where
+each prelude layer, coda layer and graph-building core step keeps what backward needs (keep, recompute, selective
+recomputation, offload to pinned host memory), minimising the predicted step time subject to the predicted peak
+reserved memory <= cap - margin and the host-memory bound (`estimator.py`'s calibrated terms, `placement.py`'s analytic
+ones; both linear in the choice at a fixed batch size). The batch size with the highest predicted tokens/s wins. A plain
 Transformer's layers count as prelude layers, and its choice is all of them or none: what transformers' checkpointing
 flag carries out. On several processes (data parallel or FSDP2) it plans one rank, whose weights, optimizer state and
 buffers `processes.py` accounts; the batch is per device. The plan is fixed for the run: nothing adapts during training.
@@ -23,8 +24,9 @@ from transformers import TrainerCallback
 
 from trainer_ext.memory.device_profile import DeviceProfile, for_device
 from trainer_ext.memory.estimator import GIB, Calibration, ModelShape, load_calibration
+from trainer_ext.memory.placement import Program, application_counts, describe_table, host_bytes_for, placement_table
 from trainer_ext.memory.processes import FP32_BYTES, layout_of, per_rank_shape, resolve_sharding
-from trainer_ext.memory.recompute import RecomputeCallback, RecomputeSet
+from trainer_ext.memory.recompute import Applications, RecomputeCallback, RecomputeSet
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,35 @@ class MemoryPlan:
     sharding: str | None = None  # "ddp", "fsdp2", or None for one process
     fixed_gib: dict = field(default_factory=dict)  # one rank's memory whatever the batch, by term
     device_profile: dict | None = None  # the card whose speed the plan predicts (None: the calibration's device)
+    placement: dict = field(default_factory=dict)  # each placement's applications (`placement.placement_table`)
+    host_gib: float = 0.0  # pinned host memory the offloaded applications use
+    host_cap_gib: float | None = None  # the bound on it, per process
+
+    @property
+    def placement_description(self) -> str:
+        """Every placement's applications, keep included (a Transformer: all or nothing recomputed)."""
+        if self.transformer or not self.placement:
+            return self.recompute_description
+        return describe_table(self.placement)
+
+    def placement_lines(self) -> list[str]:
+        """What hf-recurrent-plan-memory prints of the placement: each kind's applications and the host memory."""
+        if self.transformer or not self.placement:
+            return [self.recompute_description]
+        return (["where each layer application keeps what backward needs:"]
+                + [f"  {kind + ':':11}{Applications.from_dict(groups).describe() or '-'}"
+                   for kind, groups in self.placement.items()] + [self.host_description])
+
+    @property
+    def exact_flags(self) -> str:
+        """The training flags that give exactly this plan (its cap, and the host bound where it offloads)."""
+        host = f" --memory_host_gib {self.host_cap_gib * self.num_processes:g}" if self.host_gib else ""
+        return f"--memory_cap_gib {self.cap_gib:g}{host}"
+
+    @property
+    def host_description(self) -> str:
+        return (f"offload uses {self.host_gib:.2f} GiB of pinned host memory (bound {self.host_cap_gib:.2f} GiB per "
+                "process, --memory_host_gib)" if self.host_gib else "no host memory used")
 
     @property
     def recompute_description(self) -> str:
@@ -81,13 +112,17 @@ class MemoryPlan:
                 "predicted_tokens_per_second": round(self.predicted_tokens_per_second, 1),
                 "calibration": self.calibration, "num_processes": self.num_processes, "sharding": self.sharding,
                 "per_rank_fixed_gib": self.fixed_gib, "device_profile": self.device_profile,
+                "placement": self.placement, "placement_description": self.placement_description,
+                "host_gib": round(self.host_gib, 3),
+                "host_cap_gib": None if self.host_cap_gib is None else round(self.host_cap_gib, 3),
                 "candidates": self.candidates}
 
     def describe(self) -> str:
         text = (f"batch {self.per_device_train_batch_size} x {self.seq_len} tokens, {self.recompute_description}, "
                 f"torch.compile {'on' if self.torch_compile else 'off'}: predicted peak reserved "
                 f"{self.predicted_peak_gib:.2f} GiB (cap {self.cap_gib:g} - margin {self.margin_gib:g} GiB), "
-                f"{self.predicted_tokens_per_second:,.0f} tokens/s")
+                f"{self.predicted_tokens_per_second:,.0f} tokens/s" + (f"; {self.host_description}"
+                                                                        if self.host_gib else ""))
         return f"{text}; {self.describe_processes()}" if self.sharding else text
 
     def describe_processes(self) -> str:
@@ -116,93 +151,48 @@ def training_shape(config, momentum: float | None = None, rank_fraction: float |
     return per_rank_shape(shape, config, state, bytes_per_param, num_processes, sharding, sharded_weight_bytes)
 
 
-def _items(shape: ModelShape) -> list[tuple[str, int, int]]:
-    """(section, index, layer applications) of each recompute choice, in tie-break order: unique layers first,
-    then core steps from the last one."""
-    items = [("prelude", i, 1) for i in range(shape.n_prelude_layers)]
-    items += [("coda", i, 1) for i in range(shape.n_coda_layers)]
-    items += [("core_steps", s, shape.n_core_layers) for s in reversed(range(shape.graph_steps))]
-    return items
-
-
-def _set_of(items, chosen) -> RecomputeSet:
-    picked = {"prelude": [], "core_steps": [], "coda": []}
-    for (section, index, _), on in zip(items, chosen):
-        if on:
-            picked[section].append(index)
-    return RecomputeSet(*(tuple(sorted(picked[name])) for name in ("prelude", "core_steps", "coda")))
-
-
-def _recomputed(shape: ModelShape, recompute: RecomputeSet) -> int:
-    return len(recompute.prelude) + len(recompute.coda) + shape.n_core_layers * len(recompute.core_steps)
-
-
-def _solve(shape, calibration, batch, seq_len, budget_bytes, compiled, distill_topk):
-    """The fastest recompute set of this batch size under the budget (MILP), or None if none fits."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
-    peak0 = calibration.peak_bytes(shape, batch, seq_len, 0, distill_topk, compiled)
-    peak_per_app = calibration.peak_bytes(shape, batch, seq_len, 1, distill_topk, compiled) - peak0
-    time0 = calibration.step_seconds(shape, batch, seq_len, 0, compiled)
-    time_per_app = calibration.step_seconds(shape, batch, seq_len, 1, compiled) - time0
-    items = _items(shape)
-    if not items:
-        return (RecomputeSet(), peak0, time0) if peak0 <= budget_bytes else None
-    apps = np.array([n for _, _, n in items], dtype=float)
-    cost = apps * time_per_app + 1e-9 * np.arange(len(items))  # the index: a deterministic tie-break
-    memory = apps * peak_per_app / GIB
-    result = milp(cost, integrality=np.ones(len(items)), bounds=Bounds(0, 1),
-                  constraints=LinearConstraint(memory[None, :], -np.inf, (budget_bytes - peak0) / GIB + 1e-9))
-    if result.status != 0 or result.x is None:
-        return None
-    recompute = _set_of(items, np.round(result.x) > 0.5)
-    recomputed = _recomputed(shape, recompute)
-    return (recompute, calibration.peak_bytes(shape, batch, seq_len, recomputed, distill_topk, compiled),
-            calibration.step_seconds(shape, batch, seq_len, recomputed, compiled))
-
-
 def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Calibration,
                 margin_gib: float = DEFAULT_MARGIN_GIB, batch_sizes=None, recompute: RecomputeSet | None = None,
                 compiled: bool | None = None, distill_topk: int = 0, preset: str | None = None,
-                calibration_path: str | None = None) -> MemoryPlan:
+                calibration_path: str | None = None, memory_host_gib: float | None = None) -> MemoryPlan:
     """The plan of highest predicted throughput with a predicted peak <= cap - margin.
 
-    `batch_sizes`: the candidates (default 1..MAX_BATCH_SIZE); `recompute`: a fixed set (the MILP then only checks
-    it); `compiled`: torch.compile on or off (default: on where the calibration measured it faster)."""
+    `batch_sizes`: the candidates (default 1..MAX_BATCH_SIZE); `recompute`: a fixed placement (the program then only
+    checks it); `compiled`: torch.compile on or off (default: on where the calibration measured it faster);
+    `memory_host_gib`: the pinned host memory offload may use on the host (`placement.host_bytes_for`)."""
     compiled = calibration.compile_is_faster(shape) if compiled is None else compiled
     if recompute is None and not shape.n_core_layers:  # a plain Transformer checkpoints all its layers or none
         plans, error = [], None
         for fixed in (RecomputeSet(), RecomputeSet.named("all", shape, 0)):
             try:
                 plans.append(plan_memory(shape, seq_len, cap_gib, calibration, margin_gib, batch_sizes, fixed,
-                                         compiled, distill_topk, preset, calibration_path))
+                                         compiled, distill_topk, preset, calibration_path, memory_host_gib))
             except NoPlanError as no_plan:
                 error = no_plan
         if not plans:
             raise error
         return max(plans, key=lambda plan: plan.predicted_tokens_per_second)
-    budget = (cap_gib - margin_gib) * GIB
+    budget, host_bytes = (cap_gib - margin_gib) * GIB, host_bytes_for(memory_host_gib, shape.num_processes)
     best, candidates, smallest = None, [], math.inf
     for batch in batch_sizes or range(1, MAX_BATCH_SIZE + 1):
-        if recompute is None:
-            solved = _solve(shape, calibration, batch, seq_len, budget, compiled, distill_topk)
-            every = _recomputed(shape, RecomputeSet.named("all", shape, shape.graph_steps))
-        else:
-            every = _recomputed(shape, recompute)
-            peak = calibration.peak_bytes(shape, batch, seq_len, every, distill_topk, compiled)
-            solved = (recompute, peak, calibration.step_seconds(shape, batch, seq_len, every, compiled)) \
-                if peak <= budget else None
-        smallest = min(smallest, calibration.peak_bytes(shape, batch, seq_len, every, distill_topk, compiled))
-        if solved is None:
+        program = Program(shape, calibration, batch, seq_len, compiled, distill_topk)
+        chosen = program.solve(budget, host_bytes) if recompute is None else recompute
+        every = recompute if recompute is not None else RecomputeSet.named("all", shape, shape.graph_steps)
+        smallest = min(smallest, program.evaluate(every)[0])
+        peak, seconds, host = program.evaluate(chosen) if chosen is not None else (math.inf, math.inf, 0)
+        if peak > budget or host > host_bytes:
             if batch_sizes is None:
                 break  # the peak only grows with the batch
             continue
-        chosen, peak, seconds = solved
-        candidates.append({"per_device_train_batch_size": batch, "recomputed_applications": _recomputed(shape, chosen),
-                           "predicted_peak_gib": round(peak / GIB, 3),
+        table = placement_table(shape, chosen)
+        counts = application_counts(shape, table)
+        candidates.append({"per_device_train_batch_size": batch, "recomputed_applications": counts["recompute"],
+                           "selective_applications": counts["selective"],
+                           "offloaded_applications": counts["offload"], "predicted_peak_gib": round(peak / GIB, 3),
+                           "host_gib": round(host / GIB, 3),
                            "predicted_tokens_per_second": round(batch * seq_len / seconds, 1)})
         if best is None or batch * seq_len / seconds > best[0] * seq_len / best[3]:
-            best = (batch, chosen, peak, seconds)
+            best = (batch, chosen, peak, seconds, host, table)
     if best is None:
         fixed = f" with {recompute.describe()}" if recompute is not None else " with every layer recomputed"
         raise NoPlanError(
@@ -213,12 +203,13 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
             + (f" On {shape.num_processes} processes ({shape.sharding}) each rank holds "
                f"{shape.fixed_bytes / GIB:.2f} GiB before activations; FSDP2 over more processes holds less."
                if shape.sharding else ""))
-    batch, chosen, peak, seconds = best
+    batch, chosen, peak, seconds, host, table = best
     fixed = {"weights": shape.weight_bytes, "optimizer_state": shape.optimizer_state_bytes, **dict(shape.process_terms)}
     return MemoryPlan(seq_len, cap_gib, margin_gib, batch, chosen, compiled, peak / GIB, seconds, preset,
                       calibration_path, candidates, transformer=not shape.n_core_layers,
                       num_processes=shape.num_processes, sharding=shape.sharding,
-                      fixed_gib={name: round(size / GIB, 3) for name, size in fixed.items()})
+                      fixed_gib={name: round(size / GIB, 3) for name, size in fixed.items()},
+                      placement=table, host_gib=host / GIB, host_cap_gib=host_bytes / GIB)
 
 
 def plan_for_preset(preset: str, seq_len: int, cap_gib: float | None, calibration_path: str | None = None,
@@ -316,7 +307,8 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
     try:
         plan = plan_memory(shape, seq_len, cap, calibration, training_args.memory_margin_gib, batches, fixed_set,
                            compiled=bool(training_args.torch_compile), distill_topk=distill_topk,
-                           calibration_path=training_args.memory_calibration)
+                           calibration_path=training_args.memory_calibration,
+                           memory_host_gib=training_args.memory_host_gib)
     except NoPlanError as error:
         if not explicit & TRAINING_SETTINGS:
             raise ValueError(f"--memory_plan auto: {error} (--memory_plan none trains without a plan)") from error
@@ -338,7 +330,7 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
     elif "activation_checkpointing" not in explicit:
         setattr(training_args, CHECKPOINTING_FLAG, not plan.recompute.empty)
         if not plan.recompute.empty and is_recurrent(config):  # a Transformer's checkpointing is all or nothing
-            callbacks.insert(0, RecomputeCallback(plan.recompute))
+            callbacks.insert(0, RecomputeCallback(plan.recompute, int(plan.host_cap_gib * GIB)))
     logger.info("Memory plan (cap %.2f GiB: %s): %s", cap, cap_source, plan.describe())
     return callbacks
 

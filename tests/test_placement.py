@@ -1,0 +1,223 @@
+"""Placements per layer application (trainer_ext/memory/placement.py, recompute.py): keep / recompute / selective /
+offload written and read (old plan files too), carried out in the model with the loss and gradients of keeping
+everything, chosen by the program where the card's balance favours them, and host memory bounded."""
+
+import contextlib
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_recurrent import presets
+from test_memory_plan import SYNTHETIC, fake_24gb_cuda
+from trainer_ext.memory import placement as placements
+from trainer_ext.memory.device_profile import SPEC_PROFILES
+from trainer_ext.memory.estimator import GIB, Calibration
+from trainer_ext.memory.offload import OffloadActivations
+from trainer_ext.memory.placement import OFFLOAD_SECONDS_PER_APPLICATION, Program, host_bytes_for, host_memory_limit
+from trainer_ext.memory.plan import MemoryPlanCallback, apply_memory_plan, plan_for_preset, plan_memory, \
+    training_shape
+from trainer_ext.memory.recompute import Applications, RecomputeCallback, RecomputeSet
+from trainer_ext.training.arguments import RecurrentTrainingArguments
+
+MIX = RecomputeSet(prelude=(0,), core_steps=(0,), selective_recompute=Applications(core_steps=(1,)),
+                   offload=Applications(core_steps=(2,), coda=(0,)))
+
+
+def test_a_placement_survives_its_round_trip_and_old_files_still_read():
+    assert RecomputeSet.from_dict(json.loads(json.dumps(MIX.to_dict()))) == MIX
+    assert [MIX.placement(*where) for where in (("prelude", 0), ("core_steps", 0), ("core_steps", 1),
+                                                 ("core_steps", 2), ("coda", 0), ("core_steps", 3))] == [
+        "recompute", "recompute", "selective", "offload", "offload", "keep"]
+    assert MIX.describe() == ("recompute prelude 0, core steps 0; recompute selectively core steps 1; "
+                              "offload core steps 2, coda 0")
+    # A plan file or probe record of the recompute lists only (and the probes' all-selective form) reads as before,
+    # and a set of recomputed applications only writes the same keys as before.
+    old = {"prelude": [1, 2], "core_steps": [0], "coda": []}
+    assert RecomputeSet.from_dict(old) == RecomputeSet((1, 2), (0,), ())
+    assert RecomputeSet.from_dict(old).to_dict() == old
+    probes = RecomputeSet.from_dict({**old, "selective": True})
+    assert probes.placement("prelude", 1) == "selective" and probes.to_dict() == {**old, "selective": True}
+    assert RecomputeSet().empty and not RecomputeSet(offload=Applications(coda=(0,))).empty
+    with pytest.raises(ValueError, match="core_steps 2 is placed twice"):
+        RecomputeSet(core_steps=(2,), offload=Applications(core_steps=(2,)))
+    with pytest.raises(ValueError, match="must map"):
+        RecomputeSet.from_dict({"prelude": 3})
+
+
+def _loss_and_grads(model, ids, placement, **apply_kwargs):
+    model.zero_grad(set_to_none=True)
+    if placement is None:
+        model.gradient_checkpointing_disable()
+        model.model.recompute_core_steps = None
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        placement.apply(model, **apply_kwargs)
+    loss = model(ids, labels=ids, num_steps=4).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_mix_of_placements_gives_the_loss_and_gradients_of_keeping_everything(monkeypatch):
+    torch.manual_seed(0)
+    config = presets.get("debug", depth_distribution="fixed")
+    config.backprop_depth = 3
+    model = AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    contexts = []
+    original = OffloadActivations.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        contexts.append(self)
+
+    monkeypatch.setattr(OffloadActivations, "__init__", record)
+    reference_loss, reference = _loss_and_grads(model, ids, None)
+    assert not contexts
+    for forward in range(2):  # a second forward gets a context of its own
+        loss, grads = _loss_and_grads(model, ids, MIX, offload_min_bytes=0)
+        assert torch.equal(loss, reference_loss) and grads.keys() == reference.keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
+        context = contexts[-1]
+        assert len(contexts) == forward + 1
+        # Core step 2's two core layers and coda layer 0 saved their tensors through the hooks; all came back.
+        assert context.offloaded > 10 and context.host_bytes == 0 and not context._stored and not context._fetched
+    functions = model.model.recompute_core_steps
+    assert sorted(functions) == [0, 1, 2] and functions[2] is model.model.coda[0]._gradient_checkpointing_func
+    # A set without offload removes the per-forward renewal: no more contexts.
+    _loss_and_grads(model, ids, RecomputeSet(core_steps=(0, 1, 2)))
+    assert len(contexts) == 2 and model.model._offload_renewal is None
+
+
+def test_offloaded_layers_hold_no_more_host_memory_than_the_bound():
+    torch.manual_seed(0)
+    config = presets.get("debug", depth_distribution="fixed")
+    model = AutoModelForCausalLM.from_config(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    everything = RecomputeSet(offload=Applications(prelude=(0,), core_steps=tuple(range(4)), coda=(0,)))
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    for bound in (None, 20_000):
+        everything.apply(model, max_host_bytes=bound, offload_min_bytes=0)
+        output = model(ids, labels=ids, num_steps=4)
+        context = model.model.coda[0]._gradient_checkpointing_func.context
+        held = context.host_bytes
+        assert held > 0 and (bound is None and held > 20_000 or bound is not None and held <= bound)
+        output.loss.backward()
+        assert context.host_bytes == 0
+
+
+def _with_bandwidth(rate: float) -> Calibration:
+    """The synthetic calibration on a card whose copies run at `rate` bytes/s each way."""
+    profile = {"device_to_host_bytes_per_second": rate, "host_to_device_bytes_per_second": rate}
+    return Calibration(SYNTHETIC.families, info={"device_profile": profile})
+
+
+def _offloaded(plan) -> int:
+    return sum(len(plan.placement["offload"][name]) for name in plan.placement["offload"])
+
+
+def test_the_program_offloads_where_copies_are_free_and_never_over_a_slow_link():
+    shape = training_shape(presets.get("recurrent-3.3b"))
+    kwargs = dict(batch_sizes=range(1, 9), memory_host_gib=1000)
+    free = plan_memory(shape, 2048, 24, _with_bandwidth(1e18), **kwargs)
+    slow = plan_memory(shape, 2048, 24, _with_bandwidth(1e3), **kwargs)
+    unknown = plan_memory(shape, 2048, 24, SYNTHETIC, **kwargs)  # no bandwidth: not offered
+    assert _offloaded(free) > 0 and free.host_gib > 0
+    assert _offloaded(slow) == _offloaded(unknown) == 0 and slow.host_gib == 0
+    assert free.predicted_tokens_per_second > slow.predicted_tokens_per_second
+    # Free copies cost only the hooks' launches; the plan's figures are its placement's.
+    program = Program(shape, _with_bandwidth(1e18), free.per_device_train_batch_size, 2048, compiled=True)
+    assert program.offload_seconds == pytest.approx(OFFLOAD_SECONDS_PER_APPLICATION)
+    peak, seconds, host = program.evaluate(free.recompute)
+    assert (peak / GIB, seconds, host / GIB) == pytest.approx(
+        (free.predicted_peak_gib, free.predicted_step_seconds, free.host_gib))
+    assert free.predicted_peak_gib <= 24 - 1.4 + 1e-6
+
+
+@pytest.mark.parametrize("host_gib", [0, 16, 40])
+def test_memory_host_gib_bounds_the_host_memory_of_the_plan(host_gib):
+    shape = training_shape(presets.get("recurrent-3.3b"))
+    plan = plan_memory(shape, 2048, 24, _with_bandwidth(1e18), batch_sizes=range(1, 9), memory_host_gib=host_gib)
+    assert plan.host_gib <= host_gib + 1e-9 and plan.host_cap_gib == host_gib
+    assert (_offloaded(plan) > 0) == (host_gib > 0)
+    # Processes of one host share the bound.
+    two = training_shape(presets.get("recurrent-3.3b"), num_processes=2, sharding="fsdp2")
+    shared = plan_memory(two, 2048, 24, _with_bandwidth(1e18), batch_sizes=range(1, 9), memory_host_gib=host_gib)
+    assert shared.host_cap_gib == host_gib / 2 and shared.host_gib <= host_gib / 2 + 1e-9
+
+
+def test_the_default_host_bound_is_a_fraction_of_the_machines_memory(monkeypatch):
+    monkeypatch.setattr(placements, "machine_ram_bytes", lambda: 64 * GIB)
+    assert host_bytes_for() == 32 * GIB and host_bytes_for(num_processes=4) == 8 * GIB
+    with host_memory_limit(6):
+        assert host_bytes_for() == 6 * GIB and host_bytes_for(2.0) == 2 * GIB
+    assert host_bytes_for() == 32 * GIB
+
+
+def test_the_h200_calibration_never_offloads_and_a_3090_offloads_where_its_balance_favours_it():
+    # On the H200 a layer's copies over PCIe 5.0 take several times its compute (compute is ~10x a 3090's, the link
+    # 2x): the stall costs more than recomputing, so even unbounded host memory buys no offload.
+    with host_memory_limit(1000):
+        for preset in ("recurrent-7b", "recurrent-3.3b"):
+            h200 = plan_for_preset(preset, 2048, None)
+            assert _offloaded(h200) == 0 and h200.host_gib == 0
+        rtx3090 = plan_for_preset("recurrent-7b", 2048, None, device_profile=SPEC_PROFILES["rtx3090"])
+    shape = training_shape(presets.get("recurrent-7b"))
+    from trainer_ext.memory.estimator import load_calibration
+    from trainer_ext.memory.device_profile import for_device
+
+    for calibration, hidden in ((load_calibration(), False), (for_device(load_calibration(),
+                                                                            SPEC_PROFILES["rtx3090"])[0], True)):
+        program = Program(shape, calibration, 4, 2048, compiled=True)
+        per_application = program.offload_seconds
+        assert (per_application == pytest.approx(OFFLOAD_SECONDS_PER_APPLICATION)) == hidden
+        assert (per_application < program.seconds["recompute"]) == hidden
+    # On a 3090 a 7b layer's forward (~4 us a token) hides its copies out (~4 us at 31.5 GB/s) and back (backward
+    # is twice as long): offload is cheaper than recomputing, and with host memory for it the plan is faster.
+    with host_memory_limit(0):
+        without = plan_for_preset("recurrent-7b", 2048, None, device_profile=SPEC_PROFILES["rtx3090"])
+    assert _offloaded(rtx3090) > 0 and 0 < rtx3090.host_gib <= 1000
+    assert rtx3090.predicted_tokens_per_second > without.predicted_tokens_per_second
+    assert rtx3090.predicted_peak_gib <= 24 - 1.4 + 1e-6
+
+
+def test_cli_prints_each_placement_and_the_host_memory(capsys):
+    from trainer_ext.cli.plan_memory import main
+
+    argv = ["--preset", "recurrent-7b", "--device_profile", "rtx3090", "--memory_host_gib", "32"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for kind in ("keep", "recompute", "selective", "offload"):
+        assert re.search(rf"^    {kind}: +\S", out, re.MULTILINE), kind
+    assert re.search(r"offload uses \d+\.\d\d GiB of pinned host memory \(bound 32\.00 GiB", out)
+    assert "--memory_host_gib 32 for exactly this plan" in out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert set(plan["placement"]) == {"keep", "recompute", "selective", "offload"}
+    assert plan["placement"]["offload"]["prelude"] and 0 < plan["host_gib"] <= 32 and plan["host_cap_gib"] == 32
+    assert RecomputeSet.from_dict(plan["recompute"]).offload  # what training applies
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "lots"])
+def test_bad_host_memory_is_refused_naming_the_flag(value, capsys, tmp_path):
+    from trainer_ext.cli.plan_memory import main
+
+    with pytest.raises(SystemExit) if value == "lots" else contextlib.nullcontext():  # argparse: not a number
+        assert main(["--preset", "recurrent-7b", "--memory_host_gib", value]) == 2
+    assert "--memory_host_gib" in capsys.readouterr().err
+    if value != "lots":
+        with pytest.raises(ValueError, match=rf"--memory_host_gib={value}.* >= 0"):
+            RecurrentTrainingArguments(output_dir=str(tmp_path), memory_host_gib=float(value))
+
+
+def test_training_passes_its_host_bound_to_the_plan_and_the_offload_hooks(tmp_path, monkeypatch):
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True,
+                                      memory_host_gib=3)
+    fake_24gb_cuda(monkeypatch, args)
+    callbacks = apply_memory_plan(args, presets.get("recurrent-3.3b"), 2048, 2)
+    plan = next(c for c in callbacks if isinstance(c, MemoryPlanCallback)).plan
+    placed = next(c for c in callbacks if isinstance(c, RecomputeCallback))
+    assert plan.host_cap_gib == 3 and placed.max_host_bytes == 3 * GIB and placed.recompute == plan.recompute
