@@ -5,14 +5,14 @@
     hf-recurrent-plan-memory --preset recurrent-7b --device_profile rtx3090   # a 3090's plan and speed, anywhere
 
 A mixed-integer program picks, per batch size, where each prelude / coda layer and core step keeps what backward
-needs (keep, recompute, selective recomputation, pinned host memory within --memory_host_gib), fastest under a
-predicted peak reserved memory <= cap - margin; the batch of highest predicted tokens/s wins. The package's calibration
-is an H200's; --device_profile scales its step times to another card's bf16 matmul rate and prices offload at its
-host-device bandwidth (rtx3090, rtx4090: datasheets; measure: this card, cached; or a file). Re-calibrate on yours:
+needs (keep or recompute; with --memory_placements all also selective recomputation and pinned host memory within
+--memory_host_gib), fastest under a predicted peak reserved memory <= cap - margin; the batch of highest predicted
+tokens/s wins. The package's calibration is an H200's; --device_profile scales its step times to another card's bf16
+matmul rate and prices offload at its host-device bandwidth (rtx3090, rtx4090: datasheets; measure: this card,
+cached; or a file). Re-calibrate on yours:
 
     python3 -m benchmarks.memory_probe --output probes.jsonl            # on the GPU, a few minutes
-    hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json
-    hf-recurrent-plan-memory --preset recurrent-3.3b --cap_gib 24 --calibration my_card.json
+    hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json   # then plan with --calibration
 """
 
 import argparse
@@ -21,7 +21,7 @@ import sys
 
 from trainer_ext.memory.device_profile import SPEC_PROFILES, resolve_device_profile
 from trainer_ext.memory.estimator import load_calibration, write_calibration_from_probes
-from trainer_ext.memory.placement import HOST_HELP, host_memory_limit
+from trainer_ext.memory.placement import DEFAULT_PLACEMENTS, HOST_HELP, PLACEMENT_CHOICES, PLACEMENTS_HELP
 from trainer_ext.memory.plan import DEFAULT_MARGIN_GIB, MAX_BATCH_SIZE, plan_for_preset
 
 
@@ -42,9 +42,7 @@ def main(argv=None) -> int:
     parser.add_argument("--torch_compile", choices=("auto", "true", "false"), default="auto",
                         help="auto: on where the calibration measured it faster.")
     parser.add_argument("--distill_topk", type=int, default=0, help="Top-k of a teacher cache in the batch.")
-    parser.add_argument("--vocab_size", type=int, default=None,
-                        help="The head's entries (your tokenizer's size, padded to a multiple of 64); default: the "
-                             "preset's.")
+    parser.add_argument("--vocab_size", type=int, default=None, help="Your tokenizer's size (default: the preset's).")
     parser.add_argument("--num_processes", type=int, default=1, help="Processes (GPUs) of the launch; plans one.")
     parser.add_argument("--sharding", default=None,
                         help="ddp (data parallel: torchrun; the default for several processes), fsdp2 "
@@ -53,6 +51,8 @@ def main(argv=None) -> int:
                         help="accelerate's mixed_precision of an FSDP2 launch (accelerate_fsdp2_<N>x24gb.yaml: no): "
                              "other than no, accelerate keeps the shards as fp32 master weights.")
     parser.add_argument("--memory_host_gib", type=float, default=None, help=HOST_HELP)
+    parser.add_argument("--memory_placements", choices=PLACEMENT_CHOICES, default=DEFAULT_PLACEMENTS,
+                        help=PLACEMENTS_HELP)
     parser.add_argument("--calibration", default=None,
                         help="Calibration file to use (default: the package's), or to write with --calibrate.")
     parser.add_argument("--calibrate", metavar="PROBES", default=None,
@@ -71,11 +71,11 @@ def main(argv=None) -> int:
             raise ValueError("--preset is required, e.g. --preset recurrent-3.3b.")
         compiled = None if args.torch_compile == "auto" else args.torch_compile == "true"
         profile = resolve_device_profile(args.device_profile, args.calibration)
-        with host_memory_limit(args.memory_host_gib):
-            plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, args.margin_gib,
-                                   args.optimizer_momentum, args.optimizer_momentum_rank_fraction, compiled,
-                                   args.distill_topk, args.max_batch_size, args.num_processes, args.sharding,
-                                   args.mixed_precision, profile, args.vocab_size)
+        plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, args.margin_gib,
+                               args.optimizer_momentum, args.optimizer_momentum_rank_fraction, compiled,
+                               args.distill_topk, args.max_batch_size, args.num_processes, args.sharding,
+                               args.mixed_precision, profile, args.vocab_size, args.memory_host_gib,
+                               args.memory_placements)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

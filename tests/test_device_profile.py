@@ -17,7 +17,6 @@ from trainer_ext.memory.device_profile import (
     resolve_device_profile,
 )
 from trainer_ext.memory.estimator import load_calibration
-from trainer_ext.memory.placement import host_memory_limit
 from trainer_ext.memory.plan import plan_for_preset
 
 H200_MATMUL_FLOPS = 665.1e12  # the committed calibration's device, measured (BENCHMARKS.md)
@@ -41,9 +40,9 @@ def test_a_profile_scales_the_step_times_by_the_matmul_rates_and_keeps_the_memor
     for name, fit in calibration.families.items():
         assert scaled.families[name].time_coefficients == pytest.approx([c * factor for c in fit.time_coefficients])
         assert scaled.families[name].memory_coefficients == fit.memory_coefficients
-    with host_memory_limit(0):  # no offload: the placements whose costs scale with the matmul rate alone
-        h200 = plan_for_preset("recurrent-7b", 2048, None)
-        rtx3090 = plan_for_preset("recurrent-7b", 2048, None, device_profile=SPEC_PROFILES["rtx3090"])
+    # The default placements (keep / recompute): their costs scale with the matmul rate alone.
+    h200 = plan_for_preset("recurrent-7b", 2048, None)
+    rtx3090 = plan_for_preset("recurrent-7b", 2048, None, device_profile=SPEC_PROFILES["rtx3090"])
     # The same card size gives the same plan (the memory model is the calibration's), at a 3090's speed.
     assert rtx3090.cap_gib == h200.cap_gib == 24.0
     assert rtx3090.per_device_train_batch_size == h200.per_device_train_batch_size
@@ -64,10 +63,10 @@ def test_cli_prints_the_plan_a_3090_would_get_with_its_tokens_per_second(preset,
     (line,) = [line for line in out.splitlines() if "tokens/s" in line]
     assert "speed on NVIDIA GeForce RTX 3090 (datasheet: 71.0 TFLOP/s bf16, 31.5 GB/s host-device, 24 GiB)" in line
     assert "the step times of NVIDIA H200 x 9.37" in line
-    without_offload = ["--memory_host_gib", "0"]  # the plans differ in the step-time scale only
-    assert main(["--device_profile", "rtx3090", "--preset", preset, "--json", *without_offload]) == 0
+    # With the default placements (keep / recompute) the plans differ in the step-time scale only.
+    assert main(["--device_profile", "rtx3090", "--preset", preset, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert main(["--preset", preset, "--json", *without_offload]) == 0
+    assert main(["--preset", preset, "--json"]) == 0
     h200 = json.loads(capsys.readouterr().out)
     assert plan["predicted_tokens_per_second"] == pytest.approx(h200["predicted_tokens_per_second"] / 9.3676, rel=1e-3)
     assert main(["--device_profile", "rtx3090", "--preset", preset, "--cap_gib", "20", "--json"]) == 0

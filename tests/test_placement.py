@@ -16,7 +16,7 @@ from trainer_ext.memory import placement as placements
 from trainer_ext.memory.device_profile import SPEC_PROFILES
 from trainer_ext.memory.estimator import GIB, Calibration
 from trainer_ext.memory.offload import OffloadActivations
-from trainer_ext.memory.placement import OFFLOAD_SECONDS_PER_APPLICATION, Program, host_bytes_for, host_memory_limit
+from trainer_ext.memory.placement import OFFLOAD_SECONDS_PER_APPLICATION, Program, host_bytes_for
 from trainer_ext.memory.plan import MemoryPlanCallback, apply_memory_plan, plan_for_preset, plan_memory, \
     training_shape
 from trainer_ext.memory.recompute import Applications, RecomputeCallback, RecomputeSet
@@ -121,7 +121,7 @@ def _offloaded(plan) -> int:
 
 def test_the_program_offloads_where_copies_are_free_and_never_over_a_slow_link():
     shape = training_shape(presets.get("recurrent-3.3b"))
-    kwargs = dict(batch_sizes=range(1, 9), memory_host_gib=1000)
+    kwargs = dict(batch_sizes=range(1, 9), memory_host_gib=1000, placements="all")
     free = plan_memory(shape, 2048, 24, _with_bandwidth(1e18), **kwargs)
     slow = plan_memory(shape, 2048, 24, _with_bandwidth(1e3), **kwargs)
     unknown = plan_memory(shape, 2048, 24, SYNTHETIC, **kwargs)  # no bandwidth: not offered
@@ -129,7 +129,8 @@ def test_the_program_offloads_where_copies_are_free_and_never_over_a_slow_link()
     assert _offloaded(slow) == _offloaded(unknown) == 0 and slow.host_gib == 0
     assert free.predicted_tokens_per_second > slow.predicted_tokens_per_second
     # Free copies cost only the hooks' launches; the plan's figures are its placement's.
-    program = Program(shape, _with_bandwidth(1e18), free.per_device_train_batch_size, 2048, compiled=True)
+    program = Program(shape, _with_bandwidth(1e18), free.per_device_train_batch_size, 2048, compiled=True,
+                      choices="all")
     assert program.offload_seconds == pytest.approx(OFFLOAD_SECONDS_PER_APPLICATION)
     peak, seconds, host = program.evaluate(free.recompute)
     assert (peak / GIB, seconds, host / GIB) == pytest.approx(
@@ -140,45 +141,45 @@ def test_the_program_offloads_where_copies_are_free_and_never_over_a_slow_link()
 @pytest.mark.parametrize("host_gib", [0, 16, 40])
 def test_memory_host_gib_bounds_the_host_memory_of_the_plan(host_gib):
     shape = training_shape(presets.get("recurrent-3.3b"))
-    plan = plan_memory(shape, 2048, 24, _with_bandwidth(1e18), batch_sizes=range(1, 9), memory_host_gib=host_gib)
+    plan = plan_memory(shape, 2048, 24, _with_bandwidth(1e18), batch_sizes=range(1, 9), memory_host_gib=host_gib,
+                       placements="all")
     assert plan.host_gib <= host_gib + 1e-9 and plan.host_cap_gib == host_gib
     assert (_offloaded(plan) > 0) == (host_gib > 0)
     # Processes of one host share the bound.
     two = training_shape(presets.get("recurrent-3.3b"), num_processes=2, sharding="fsdp2")
-    shared = plan_memory(two, 2048, 24, _with_bandwidth(1e18), batch_sizes=range(1, 9), memory_host_gib=host_gib)
+    shared = plan_memory(two, 2048, 24, _with_bandwidth(1e18), batch_sizes=range(1, 9), memory_host_gib=host_gib,
+                         placements="all")
     assert shared.host_cap_gib == host_gib / 2 and shared.host_gib <= host_gib / 2 + 1e-9
 
 
 def test_the_default_host_bound_is_a_fraction_of_the_machines_memory(monkeypatch):
     monkeypatch.setattr(placements, "machine_ram_bytes", lambda: 64 * GIB)
     assert host_bytes_for() == 32 * GIB and host_bytes_for(num_processes=4) == 8 * GIB
-    with host_memory_limit(6):
-        assert host_bytes_for() == 6 * GIB and host_bytes_for(2.0) == 2 * GIB
-    assert host_bytes_for() == 32 * GIB
+    assert host_bytes_for(6) == 6 * GIB and host_bytes_for(2.0, num_processes=2) == 1 * GIB
 
 
 def test_the_h200_calibration_never_offloads_and_a_3090_offloads_where_its_balance_favours_it():
     # On the H200 a layer's copies over PCIe 5.0 take several times its compute (compute is ~10x a 3090's, the link
     # 2x): the stall costs more than recomputing, so even unbounded host memory buys no offload.
-    with host_memory_limit(1000):
-        for preset in ("recurrent-7b", "recurrent-3.3b"):
-            h200 = plan_for_preset(preset, 2048, None)
-            assert _offloaded(h200) == 0 and h200.host_gib == 0
-        rtx3090 = plan_for_preset("recurrent-7b", 2048, None, device_profile=SPEC_PROFILES["rtx3090"])
+    every = dict(memory_host_gib=1000, placements="all")
+    for preset in ("recurrent-7b", "recurrent-3.3b"):
+        h200 = plan_for_preset(preset, 2048, None, **every)
+        assert _offloaded(h200) == 0 and h200.host_gib == 0
+    rtx3090 = plan_for_preset("recurrent-7b", 2048, None, device_profile=SPEC_PROFILES["rtx3090"], **every)
     shape = training_shape(presets.get("recurrent-7b"))
     from trainer_ext.memory.estimator import load_calibration
     from trainer_ext.memory.device_profile import for_device
 
     for calibration, hidden in ((load_calibration(), False), (for_device(load_calibration(),
                                                                             SPEC_PROFILES["rtx3090"])[0], True)):
-        program = Program(shape, calibration, 4, 2048, compiled=True)
+        program = Program(shape, calibration, 4, 2048, compiled=True, choices="all")
         per_application = program.offload_seconds
         assert (per_application == pytest.approx(OFFLOAD_SECONDS_PER_APPLICATION)) == hidden
         assert (per_application < program.seconds["recompute"]) == hidden
     # On a 3090 a 7b layer's forward (~4 us a token) hides its copies out (~4 us at 31.5 GB/s) and back (backward
     # is twice as long): offload is cheaper than recomputing, and with host memory for it the plan is faster.
-    with host_memory_limit(0):
-        without = plan_for_preset("recurrent-7b", 2048, None, device_profile=SPEC_PROFILES["rtx3090"])
+    without = plan_for_preset("recurrent-7b", 2048, None, device_profile=SPEC_PROFILES["rtx3090"], memory_host_gib=0,
+                              placements="all")
     assert _offloaded(rtx3090) > 0 and 0 < rtx3090.host_gib <= 1000
     assert rtx3090.predicted_tokens_per_second > without.predicted_tokens_per_second
     assert rtx3090.predicted_peak_gib <= 24 - 1.4 + 1e-6
@@ -187,13 +188,14 @@ def test_the_h200_calibration_never_offloads_and_a_3090_offloads_where_its_balan
 def test_cli_prints_each_placement_and_the_host_memory(capsys):
     from trainer_ext.cli.plan_memory import main
 
-    argv = ["--preset", "recurrent-7b", "--device_profile", "rtx3090", "--memory_host_gib", "32"]
+    argv = ["--preset", "recurrent-7b", "--device_profile", "rtx3090", "--memory_host_gib", "32",
+            "--memory_placements", "all"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     for kind in ("keep", "recompute", "selective", "offload"):
         assert re.search(rf"^    {kind}: +\S", out, re.MULTILINE), kind
     assert re.search(r"offload uses \d+\.\d\d GiB of pinned host memory \(bound 32\.00 GiB", out)
-    assert "--memory_host_gib 32 for exactly this plan" in out
+    assert "--memory_placements all --memory_host_gib 32 for exactly this plan" in out
     assert main([*argv, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert set(plan["placement"]) == {"keep", "recompute", "selective", "offload"}
@@ -215,9 +217,27 @@ def test_bad_host_memory_is_refused_naming_the_flag(value, capsys, tmp_path):
 
 def test_training_passes_its_host_bound_to_the_plan_and_the_offload_hooks(tmp_path, monkeypatch):
     args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True,
-                                      memory_host_gib=3)
+                                      memory_host_gib=3, memory_placements="all")
     fake_24gb_cuda(monkeypatch, args)
     callbacks = apply_memory_plan(args, presets.get("recurrent-3.3b"), 2048, 2)
     plan = next(c for c in callbacks if isinstance(c, MemoryPlanCallback)).plan
     placed = next(c for c in callbacks if isinstance(c, RecomputeCallback))
     assert plan.host_cap_gib == 3 and placed.max_host_bytes == 3 * GIB and placed.recompute == plan.recompute
+
+
+def test_by_default_the_plan_keeps_or_recomputes_and_asked_for_all_it_may_place_more(tmp_path, capsys):
+    """Selective recomputation and offload are priced by the analytic model until GPU probes calibrate them: a
+    training run's plan and the command's default choose between keep and recompute only, even where the program
+    with every placement predicts a faster step (a 3090 with host memory for offload)."""
+    from trainer_ext.cli.plan_memory import main
+
+    profile = dict(device_profile=SPEC_PROFILES["rtx3090"], memory_host_gib=32)
+    default = plan_for_preset("recurrent-7b", 2048, None, **profile)
+    every = plan_for_preset("recurrent-7b", 2048, None, placements="all", **profile)
+    assert _offloaded(default) == 0 and not any(default.placement["selective"].values())
+    assert _offloaded(every) > 0 and every.predicted_tokens_per_second > default.predicted_tokens_per_second
+    with pytest.raises(SystemExit):  # argparse names the flag and its choices
+        main(["--preset", "recurrent-7b", "--memory_placements", "some"])
+    assert "--memory_placements" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--memory_placements='some'.*\['recompute', 'all'\]"):
+        RecurrentTrainingArguments(output_dir=str(tmp_path), memory_placements="some")

@@ -26,14 +26,14 @@ Per layer application of N tokens (K, R, S bytes per token):
 
 Until GPU probes calibrate them (the selective probes exist: `memory_probe --selective_probes`; offload has none yet),
 S, SELECTIVE_TIME_FRACTION, the overlap and OFFLOAD_SECONDS_PER_APPLICATION are this analytic model, not measurements.
+So the program chooses between keep and recompute unless asked for more (`--memory_placements all`, PLACEMENT_CHOICES):
+a training run's default placement stays the measured one until probes price the other two.
 The bandwidths are the device profile's (`--device_profile`), or for the calibration's own device the datasheet link
 in CALIBRATION_DEVICE_HOST_DEVICE_BYTES_PER_SECOND; where neither is known, offload is not offered. Host memory: the
 pinned memory all processes of the host may use (`--memory_host_gib`, default HOST_FRACTION of the machine's RAM;
 WSL2 gives its VM part of the RAM and limits what CUDA may pin), split evenly among a launch's processes.
 """
 
-import contextlib
-import contextvars
 import os
 
 import numpy as np
@@ -47,14 +47,18 @@ OFFLOAD_SECONDS_PER_APPLICATION = 5e-4
 OFFLOAD_WINDOW_APPLICATIONS = 2
 BF16_BYTES = 2
 HOST_FRACTION = 0.5
+# What the program may choose: keep / recompute (calibrated), or all four (selective and offload: the analytic terms).
+PLACEMENT_CHOICES = ("recompute", "all")
+DEFAULT_PLACEMENTS = "recompute"
+PLACEMENTS_HELP = ("The placements the memory plan may choose per layer application: recompute (keep or recompute, "
+                   "the calibrated ones, the default) or all (also selective recomputation and offload to pinned "
+                   "host memory, priced by an analytic model that GPU probes have not calibrated yet).")
 # PCIe 5.0 x16: 32 GT/s per lane, 128b/130b encoding (PCI-SIG, PCI Express Base Specification 5.0), each way.
 CALIBRATION_DEVICE_HOST_DEVICE_BYTES_PER_SECOND = {"NVIDIA H200": 32e9 * 16 * 128 / 130 / 8}
 HOST_HELP = ("Pinned host memory, GiB, that activation offload may use on this machine, all processes together "
              f"(default: {HOST_FRACTION:g} of its RAM). Under WSL2 the VM has only part of the machine's RAM and "
              "CUDA may pin less still (NVIDIA's CUDA on WSL notes): set it below what `free -g` shows there. "
              "0: no offload.")
-
-_host_gib = contextvars.ContextVar("memory_host_gib", default=None)
 
 
 def machine_ram_bytes() -> int:
@@ -74,21 +78,14 @@ def check_host_gib(value, flag: str = "--memory_host_gib") -> None:
                          f"{HOST_FRACTION:g} of the machine's RAM.")
 
 
-@contextlib.contextmanager
-def host_memory_limit(gib: float | None):
-    """Plans made inside it (`plan_for_preset`, `plan_memory`) bound host memory by `gib` (None: the default)."""
-    check_host_gib(gib)
-    token = _host_gib.set(gib)
-    try:
-        yield
-    finally:
-        _host_gib.reset(token)
+def check_placements(value, flag: str = "--memory_placements") -> None:
+    if value not in PLACEMENT_CHOICES:
+        raise ValueError(f"{flag}={value!r} is not allowed; choose one of {list(PLACEMENT_CHOICES)}.")
 
 
 def host_bytes_for(gib: float | None = None, num_processes: int = 1) -> int:
-    """One process's host-memory bound: `gib` (else the one `host_memory_limit` set, else HOST_FRACTION of the RAM)
-    shared evenly by the processes of one host."""
-    gib = _host_gib.get() if gib is None else gib
+    """One process's host-memory bound: `gib` (None: HOST_FRACTION of the RAM) shared evenly by the processes of one
+    host."""
     check_host_gib(gib)
     total = HOST_FRACTION * machine_ram_bytes() if gib is None else gib * GIB
     return int(total // max(num_processes, 1))
@@ -140,9 +137,10 @@ class Program:
     layer application adds against keeping it, and the host bytes of an offloaded one."""
 
     def __init__(self, shape: ModelShape, calibration: Calibration, batch: int, seq_len: int, compiled: bool,
-                 distill_topk: int = 0):
+                 distill_topk: int = 0, choices: str = DEFAULT_PLACEMENTS):
+        check_placements(choices)
         self.shape, self.calibration, self.batch, self.seq_len = shape, calibration, batch, seq_len
-        self.compiled, self.distill_topk = compiled, distill_topk
+        self.compiled, self.distill_topk, self.choices = compiled, distill_topk, choices
         tokens = batch * seq_len
         per_token = bytes_per_token(shape, calibration, compiled)
         self.keep_bytes = per_token["keep"] * tokens
@@ -166,6 +164,9 @@ class Program:
 
     @property
     def placements(self) -> tuple[str, ...]:
+        """The placements but keep the program may choose: `choices`, offload where the bandwidth is known."""
+        if self.choices == "recompute":
+            return (RECOMPUTE,)
         return (RECOMPUTE, SELECTIVE) + ((OFFLOAD,) if self.offload_seconds is not None else ())
 
     def evaluate(self, placement: RecomputeSet) -> tuple[float, float, float]:

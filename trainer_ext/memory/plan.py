@@ -19,12 +19,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 from transformers import TrainerCallback
 
 from trainer_ext.memory.device_profile import DeviceProfile, for_device
 from trainer_ext.memory.estimator import GIB, Calibration, ModelShape, load_calibration
-from trainer_ext.memory.placement import Program, application_counts, describe_table, host_bytes_for, placement_table
+from trainer_ext.memory.placement import DEFAULT_PLACEMENTS, Program, application_counts, describe_table, \
+    host_bytes_for, placement_table
 from trainer_ext.memory.processes import FP32_BYTES, layout_of, per_rank_shape, resolve_sharding
 from trainer_ext.memory.recompute import Applications, RecomputeCallback, RecomputeSet
 
@@ -83,9 +83,11 @@ class MemoryPlan:
 
     @property
     def exact_flags(self) -> str:
-        """The training flags that give exactly this plan (its cap, and the host bound where it offloads)."""
+        """The training flags that give exactly this plan (its cap; the placements and the host bound where it places
+        more than keep / recompute)."""
+        more = any(any(self.placement.get(kind, {}).values()) for kind in ("selective", "offload"))
         host = f" --memory_host_gib {self.host_cap_gib * self.num_processes:g}" if self.host_gib else ""
-        return f"--memory_cap_gib {self.cap_gib:g}{host}"
+        return f"--memory_cap_gib {self.cap_gib:g}" + (" --memory_placements all" if more else "") + host
 
     @property
     def host_description(self) -> str:
@@ -154,19 +156,22 @@ def training_shape(config, momentum: float | None = None, rank_fraction: float |
 def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Calibration,
                 margin_gib: float = DEFAULT_MARGIN_GIB, batch_sizes=None, recompute: RecomputeSet | None = None,
                 compiled: bool | None = None, distill_topk: int = 0, preset: str | None = None,
-                calibration_path: str | None = None, memory_host_gib: float | None = None) -> MemoryPlan:
+                calibration_path: str | None = None, memory_host_gib: float | None = None,
+                placements: str = DEFAULT_PLACEMENTS) -> MemoryPlan:
     """The plan of highest predicted throughput with a predicted peak <= cap - margin.
 
     `batch_sizes`: the candidates (default 1..MAX_BATCH_SIZE); `recompute`: a fixed placement (the program then only
     checks it); `compiled`: torch.compile on or off (default: on where the calibration measured it faster);
-    `memory_host_gib`: the pinned host memory offload may use on the host (`placement.host_bytes_for`)."""
+    `memory_host_gib`: the pinned host memory offload may use on the host (`placement.host_bytes_for`);
+    `placements`: the choices the program has (`placement.PLACEMENT_CHOICES`)."""
     compiled = calibration.compile_is_faster(shape) if compiled is None else compiled
     if recompute is None and not shape.n_core_layers:  # a plain Transformer checkpoints all its layers or none
         plans, error = [], None
         for fixed in (RecomputeSet(), RecomputeSet.named("all", shape, 0)):
             try:
                 plans.append(plan_memory(shape, seq_len, cap_gib, calibration, margin_gib, batch_sizes, fixed,
-                                         compiled, distill_topk, preset, calibration_path, memory_host_gib))
+                                         compiled, distill_topk, preset, calibration_path, memory_host_gib,
+                                         placements))
             except NoPlanError as no_plan:
                 error = no_plan
         if not plans:
@@ -175,7 +180,7 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
     budget, host_bytes = (cap_gib - margin_gib) * GIB, host_bytes_for(memory_host_gib, shape.num_processes)
     best, candidates, smallest = None, [], math.inf
     for batch in batch_sizes or range(1, MAX_BATCH_SIZE + 1):
-        program = Program(shape, calibration, batch, seq_len, compiled, distill_topk)
+        program = Program(shape, calibration, batch, seq_len, compiled, distill_topk, placements)
         chosen = program.solve(budget, host_bytes) if recompute is None else recompute
         every = recompute if recompute is not None else RecomputeSet.named("all", shape, shape.graph_steps)
         smallest = min(smallest, program.evaluate(every)[0])
@@ -217,11 +222,13 @@ def plan_for_preset(preset: str, seq_len: int, cap_gib: float | None, calibratio
                     rank_fraction: float | None = None, compiled: bool | None = None, distill_topk: int = 0,
                     max_batch_size: int = MAX_BATCH_SIZE, num_processes: int = 1, sharding: str | None = None,
                     mixed_precision: str = "no", device_profile: DeviceProfile | None = None,
-                    vocab_size: int | None = None) -> MemoryPlan:
+                    vocab_size: int | None = None, memory_host_gib: float | None = None,
+                    placements: str = DEFAULT_PLACEMENTS) -> MemoryPlan:
     """The plan of a named preset (its default vocabulary, or a head of `vocab_size` entries, e.g. a tokenizer's) for
     one rank of `num_processes` with `sharding` ("ddp", "fsdp2"; None: one process, or data parallel for several)
     under accelerate's `mixed_precision`, on the card of `device_profile` (default: the calibration's; its memory is
-    the default cap, else DEFAULT_CAP_GIB); checks first (ValueError naming the fix)."""
+    the default cap, else DEFAULT_CAP_GIB), with `placements` and `memory_host_gib` as `plan_memory`; checks first
+    (ValueError naming the fix)."""
     from hf_recurrent import presets
 
     if preset not in presets.NAMES:
@@ -243,7 +250,8 @@ def plan_for_preset(preset: str, seq_len: int, cap_gib: float | None, calibratio
     shape = training_shape(config, momentum, rank_fraction, num_processes=num_processes, sharding=sharding,
                            sharded_weight_bytes=FP32_BYTES if upcast else None)
     plan = plan_memory(shape, seq_len, cap_gib, calibration, margin_gib, range(1, max_batch_size + 1),
-                       compiled=compiled, distill_topk=distill_topk, preset=preset, calibration_path=calibration_path)
+                       compiled=compiled, distill_topk=distill_topk, preset=preset, calibration_path=calibration_path,
+                       memory_host_gib=memory_host_gib, placements=placements)
     if device_profile is not None:
         plan.device_profile = {**device_profile.to_dict(), "step_time_scale": round(scale, 4),
                                "calibration_device": calibration.info.get("device_name")}
@@ -308,7 +316,8 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
         plan = plan_memory(shape, seq_len, cap, calibration, training_args.memory_margin_gib, batches, fixed_set,
                            compiled=bool(training_args.torch_compile), distill_topk=distill_topk,
                            calibration_path=training_args.memory_calibration,
-                           memory_host_gib=training_args.memory_host_gib)
+                           memory_host_gib=training_args.memory_host_gib,
+                           placements=training_args.memory_placements)
     except NoPlanError as error:
         if not explicit & TRAINING_SETTINGS:
             raise ValueError(f"--memory_plan auto: {error} (--memory_plan none trains without a plan)") from error

@@ -19,7 +19,8 @@ from transformers import TrainingArguments
 from hf_recurrent import presets
 from trainer_ext.compat import CHECKPOINTING_FLAG
 from trainer_ext.distill.losses import DIVERGENCES
-from trainer_ext.memory.placement import HOST_HELP, check_host_gib
+from trainer_ext.memory.placement import DEFAULT_PLACEMENTS, HOST_HELP, PLACEMENTS_HELP, check_host_gib, \
+    check_placements
 from trainer_ext.training.depth_supervision import WEIGHTINGS
 from trainer_ext.training.stability import check_settings
 
@@ -236,6 +237,7 @@ class RecurrentTrainingArguments(TrainingArguments):
     memory_margin_gib: float = field(
         default=1.4, metadata={"help": "Kept free below the cap: the CUDA context and the estimate's error."})
     memory_host_gib: float | None = field(default=None, metadata={"help": HOST_HELP})
+    memory_placements: str = field(default=DEFAULT_PLACEMENTS, metadata={"help": PLACEMENTS_HELP})
     memory_calibration: str | None = field(
         default=None, metadata={"help": "The planner's calibration file (default: the package's, measured on an "
                                         "H200; hf-recurrent-plan-memory --calibrate makes one for your card)."})
@@ -319,6 +321,7 @@ class RecurrentTrainingArguments(TrainingArguments):
             raise ValueError(f"--memory_cap_gib={self.memory_cap_gib!r} is not allowed; it must be > 0 (GiB), or "
                              "unset for the memory free on the CUDA device when the run starts.")
         check_host_gib(self.memory_host_gib)
+        check_placements(self.memory_placements)
         if not self.memory_margin_gib >= 0:
             raise ValueError(f"--memory_margin_gib={self.memory_margin_gib!r} is not allowed; it must be >= 0 (GiB).")
         if self.memory_calibration is not None and not os.path.isfile(self.memory_calibration):
