@@ -123,4 +123,7 @@ def test_selective_probes_are_left_out_of_the_fit_until_it_has_a_term_for_them()
     ran = {"status": "ok", "peak_reserved_bytes": 2**34, "step_seconds": [1.0, 0.5]}
     full = {**ran, "recompute_set": {"prelude": [0], "core_steps": [0], "coda": [0]}}
     selective = {**ran, "recompute_set": {**full["recompute_set"], "selective": True}}
-    assert usable_probes([full, selective]) == [full]
+    # A plan's placements beyond keep / recompute (a verified plan of --memory_placements all) are left out too.
+    placed = [{**ran, "recompute_set": {**full["recompute_set"], key: {"prelude": [1], "core_steps": [], "coda": []}}}
+              for key in ("selective_recompute", "offload")]
+    assert usable_probes([full, selective, *placed]) == [full]

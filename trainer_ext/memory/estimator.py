@@ -261,10 +261,13 @@ def read_probes(path: str) -> list[dict]:
 
 
 def usable_probes(records: list[dict]) -> list[dict]:
-    """Records that ran (status ok) and carry memory figures (a CUDA probe), of placements the features carry
-    (selective recomputation has no term yet)."""
+    """Records that ran (status ok) and carry memory figures (a CUDA probe), of placements the features carry (keep
+    and recompute: selective recomputation and offload have no terms yet)."""
+    def fitted(placement: dict) -> bool:
+        return not (placement.get("selective") or placement.get("selective_recompute") or placement.get("offload"))
+
     return [r for r in records if r.get("status") == "ok" and r.get("peak_reserved_bytes")
-            and len(r.get("step_seconds", ())) >= 2 and not r.get("recompute_set", {}).get("selective")]
+            and len(r.get("step_seconds", ())) >= 2 and fitted(r.get("recompute_set", {}))]
 
 
 def probe_recomputed(record: dict) -> int:
