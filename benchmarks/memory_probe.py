@@ -6,6 +6,7 @@
     python3 -m benchmarks.memory_probe --fit probes.jsonl [--calibration memory_calibration.json]
     python3 -m benchmarks.memory_probe --verify --presets recurrent-3.3b recurrent-7b --cap_gib 24 \
         --output verify.jsonl --max_seconds 200
+    python3 -m benchmarks.memory_probe --presets recurrent-3.3b recurrent-7b --offload_probes --output offload.jsonl
 
 Each probe trains a few steps of `RecurrentTrainer` (the low-memory optimizer in backward, the chunked loss, the
 depth loop; random tokens, the depth fixed at `mean_recurrence`) at one point of a grid: batch size, sequence length,
@@ -59,6 +60,44 @@ def selective_grid(preset: str, seq_len: int, compile_probes: bool) -> list[dict
     return [{"preset": preset, "seq_len": seq_len, "batch_size": batch * u, "recompute": "all", "compile": compiled,
              "momentum": None, "distill": False, "selective": True}
             for compiled in ((True, False) if compile_probes else (False,)) for batch in (1, 2, 4)]
+
+
+def offload_grid(preset: str, seq_len: int, compile_probes: bool) -> list[dict]:
+    """Probes of activation offload (`--memory_placements all`'s placement, forced): the unique layers offloaded and
+    the core steps recomputed, then every graph-building application offloaded, at batches 1, 2, 4 (units). Each
+    record carries the placement program's prediction of its peak and step time (`predicted_*`): what the overlap
+    of the copies with compute has to meet (the fit leaves these records out)."""
+    from hf_recurrent import presets
+    from trainer_ext.memory.recompute import Applications, RecomputeSet
+
+    config = presets.get(preset)
+    prelude, coda = tuple(range(config.n_prelude_layers)), tuple(range(config.n_coda_layers))
+    steps = tuple(range(config.backprop_depth or config.mean_recurrence))
+    placements = {"offload_unique": RecomputeSet(core_steps=steps, offload=Applications(prelude, (), coda)),
+                  "offload_all": RecomputeSet(offload=Applications(prelude, steps, coda))}
+    u = BATCH_UNIT.get(preset, 1)
+    return [{"preset": preset, "seq_len": seq_len, "batch_size": batch * u, "recompute": name,
+             "recompute_set": placement.to_dict(), "compile": compiled, "momentum": None, "distill": False}
+            for compiled in ((True, False) if compile_probes else (False,)) for name, placement in placements.items()
+            for batch in (1, 2, 4)]
+
+
+def predicted_figures(record: dict) -> dict:
+    """The placement program's peak (GiB) and step seconds for a probe's placement (with the H200 calibration's
+    host-device bandwidth for offload), to set beside the measured ones."""
+    from hf_recurrent import presets
+    from trainer_ext.memory.estimator import GIB, load_calibration
+    from trainer_ext.memory.placement import Program
+    from trainer_ext.memory.plan import training_shape
+    from trainer_ext.memory.recompute import RecomputeSet
+
+    config = presets.get(record["preset"], record["config"]["vocab_size"])
+    shape = training_shape(config, record["momentum"] or 0.0, record["momentum_rank_fraction"])
+    program = Program(shape, load_calibration(), record["batch_size"], record["seq_len"], record["compile"],
+                      record.get("distill_topk", 0), choices="all")
+    peak, seconds, host = program.evaluate(RecomputeSet.from_dict(record["recompute_set"]))
+    return {"predicted_peak_gib": round(peak / GIB, 3), "predicted_step_seconds": round(seconds, 4),
+            "predicted_host_gib": round(host / GIB, 6)}
 
 
 def distill_grid(preset: str, seq_len: int, vocab_sizes: list[int], compile_probes: bool) -> list[dict]:
@@ -329,6 +368,8 @@ def child(specs_path: str, output: str, deadline: float, steps: int, compile_ste
                     machine["model_build_seconds"] = round(time.perf_counter() - started, 2)
                 run_steps = compile_steps if spec["compile"] else steps
                 record = run_probe(model, spec, run_steps, device, output_dir)
+                if spec["recompute"].startswith("offload") and record["status"] == "ok":
+                    record.update(predicted_figures({**spec, **record}))
             _append(output, {**spec, **record, **machine})
             print(json.dumps({k: v for k, v in {**spec, **record}.items() if k not in ("config", "recompute_set")}),
                   flush=True)
@@ -369,6 +410,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no_distill_probes", action="store_true")
     parser.add_argument("--only_compile_probes", action="store_true",
                         help="Only the compiled probes (to add to eager probes measured before).")
+    parser.add_argument("--offload_probes", action="store_true",
+                        help="Only probes of activation offload, each with the placement program's prediction.")
     parser.add_argument("--selective_probes", action="store_true",
                         help="Only probes of selective recomputation (offload.selective_checkpoint).")
     parser.add_argument("--only_distill_probes", action="store_true",
@@ -477,6 +520,8 @@ def _run_all(args, specs_by_preset: dict | None = None) -> int:
     for preset in args.presets:
         if specs_by_preset is not None:
             specs = specs_by_preset[preset]
+        elif args.offload_probes:
+            specs = offload_grid(preset, args.seq_len, compile_probes)
         elif args.selective_probes:
             specs = selective_grid(preset, args.seq_len, compile_probes)
         elif args.only_distill_probes:

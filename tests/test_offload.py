@@ -1,6 +1,8 @@
 """Activation offload and selective recomputation (trainer_ext/memory/offload.py): the same gradients as keeping
 everything, tensors really moved and brought back, and selective recomputation repeating no matrix product."""
 
+import json
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -127,3 +129,23 @@ def test_selective_probes_are_left_out_of_the_fit_until_it_has_a_term_for_them()
     placed = [{**ran, "recompute_set": {**full["recompute_set"], key: {"prelude": [1], "core_steps": [], "coda": []}}}
               for key in ("selective_recompute", "offload")]
     assert usable_probes([full, selective, *placed]) == [full]
+
+
+def test_offload_probes_train_the_forced_placement_and_carry_the_programs_prediction(tmp_path):
+    """memory_probe --offload_probes (a CPU dry run of the GPU path): each probe trains with its offload placement
+    through the hooks and its record holds the program's predicted peak and step time beside what was measured; the
+    calibration's fit leaves such records out."""
+    from benchmarks.memory_probe import main, offload_grid
+    from trainer_ext.memory.estimator import usable_probes
+    from trainer_ext.memory.recompute import RecomputeSet
+
+    specs = offload_grid("recurrent-7b", 2048, compile_probes=True)
+    assert {spec["recompute"] for spec in specs} == {"offload_unique", "offload_all"} and len(specs) == 12
+    assert all(RecomputeSet.from_dict(spec["recompute_set"]).offload for spec in specs)
+    output = tmp_path / "offload.jsonl"
+    assert main(["--presets", "debug", "--device", "cpu", "--offload_probes", "--no_compile_probes", "--seq_len",
+                 "32", "--steps", "2", "--output", str(output)]) == 0
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(records) == 6 and all(r["status"] == "ok" for r in records)
+    assert all(r["predicted_step_seconds"] > 0 and r["predicted_host_gib"] > 0 for r in records)
+    assert usable_probes([{**r, "peak_reserved_bytes": 2**30} for r in records]) == []
