@@ -21,6 +21,9 @@ head's dtype) stay alive until backward.
 The states and the coda's call arguments (causal mask, rotary phases) are taken with forward hooks on the decoder
 while the training forward runs (through whatever wraps the model: DDP, FSDP2), and removed after it, before backward
 (a recomputing checkpoint must not fire them again). Evaluation is unchanged: the loss at the evaluation depth.
+
+A model with a learned exit gate (`config.exit_gate`) trains on Ouro's expected loss over the same captured depths
+instead of fixed weights: `ExitGateLoss` (exit_gate.py), chosen by `supervision_for`.
 """
 
 from __future__ import annotations
@@ -49,9 +52,14 @@ def supervised_steps(num_steps: int, num_graph_steps: int, count: int) -> list[i
     return [first + j * num_graph_steps // count for j in range(1, count + 1)]
 
 
-def supervision_for(args, recurrent: bool) -> DepthSupervision | None:
+def supervision_for(args, recurrent: bool, exit_gate: bool = False) -> DepthSupervision | None:
     """The trainer's DepthSupervision from its arguments (`--depth_supervision`, `--depth_supervision_weights`), or
-    None for the plain loss at the last depth."""
+    None for the plain loss at the last depth. A model with an exit gate (`exit_gate`, its config's) gets the
+    expected loss over depths (`ExitGateLoss`) whatever `--depth_supervision` says."""
+    if exit_gate:
+        from trainer_ext.training.exit_gate import ExitGateLoss  # it builds on this module
+
+        return ExitGateLoss(args.depth_supervision, args.exit_gate_entropy_weight)
     if args.depth_supervision == 1:
         return None
     if not recurrent:
@@ -72,6 +80,8 @@ class SupervisedStates:
 
 class DepthSupervision:
     """The loss over several depths of a training step, and the per-depth CE of the logging window."""
+
+    keeps_last_state = False  # the state after the last supervised step too (an exit gate reads it)
 
     def __init__(self, count: int, weighting: str = "uniform"):
         if weighting not in WEIGHTINGS:
@@ -95,7 +105,7 @@ class DepthSupervision:
         """Around the training forward of `decoder` (the `RecurrentDepthModel`) at `depth` ({"num_steps",
         "backprop_depth"}): yields the SupervisedStates it fills."""
         captured = SupervisedStates(self.steps_for(decoder.config, depth))
-        wanted = set(captured.steps[:-1])
+        wanted = set(captured.steps if self.keeps_last_state else captured.steps[:-1])
         calls = [0]
 
         def keep_state(module, args, output):
@@ -126,21 +136,29 @@ class DepthSupervision:
         total_weight = sum(weights)
         loss = None
         for step, weight in zip(steps, weights):
-            if step == steps[-1]:
-                hidden = final_hidden
-            else:
-                hidden = captured.states.pop(step)
-                for layer, kwargs in zip(decoder.coda, captured.coda_kwargs):
-                    hidden = layer(hidden, **kwargs)
-                hidden = decoder.norm(hidden)
+            hidden = self.readout(decoder, final_hidden, captured, step)
             out = lm_loss(hidden)  # one depth's head at a time
             del hidden
             term = out.loss * (weight / total_weight)
             loss = term if loss is None else loss + term
-            window = self._window[step]
-            window[0] += out.ce.detach()
-            window[1] += 1
+            self.count_ce(step, out.ce)
         return LossOutput(loss=loss, ce=out.ce, kd=out.kd)
+
+    @staticmethod
+    def readout(decoder, final_hidden: torch.Tensor, captured: SupervisedStates, step: int) -> torch.Tensor:
+        """What the LM head reads at supervised step `step`: the decoder's output for the last one, else the coda and
+        the final norm applied to the captured state (released from `captured`)."""
+        if step == captured.steps[-1]:
+            return final_hidden
+        hidden = captured.states.pop(step)
+        for layer, kwargs in zip(decoder.coda, captured.coda_kwargs):
+            hidden = layer(hidden, **kwargs)
+        return decoder.norm(hidden)
+
+    def count_ce(self, step: int, ce: torch.Tensor) -> None:
+        window = self._window[step]
+        window[0] += ce.detach()
+        window[1] += 1
 
     def logs(self) -> dict:
         """`ce_depth_<i>`: the mean training CE of the state after step i over the steps of the window that
