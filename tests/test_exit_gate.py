@@ -14,7 +14,8 @@ from hf_recurrent import RecurrentDepthConfig, RecurrentDepthForCausalLM, adapti
 from trainer_ext.data.shards import ShardedTokenDataset
 from trainer_ext.distill.losses import chunked_lm_loss
 from trainer_ext.training.arguments import TARGETS, RecurrentTrainingArguments
-from trainer_ext.training.exit_gate import ExitGateLoss, exit_distribution, expected_exit_loss, token_ce
+from trainer_ext.training.depth_supervision import ExitGateLoss
+from trainer_ext.training.exit_gate import exit_distribution, expected_exit_loss, token_ce
 from trainer_ext.training.trainer import RecurrentTrainer
 
 CLOSE = dict(atol=1e-5, rtol=1e-5)

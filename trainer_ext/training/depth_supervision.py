@@ -23,7 +23,7 @@ while the training forward runs (through whatever wraps the model: DDP, FSDP2), 
 (a recomputing checkpoint must not fire them again). Evaluation is unchanged: the loss at the evaluation depth.
 
 A model with a learned exit gate (`config.exit_gate`) trains on Ouro's expected loss over the same captured depths
-instead of fixed weights: `ExitGateLoss` (exit_gate.py), chosen by `supervision_for`.
+instead of fixed weights: `ExitGateLoss` (the objective's math in exit_gate.py), chosen by `supervision_for`.
 """
 
 from __future__ import annotations
@@ -36,11 +36,14 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_recurrent.cost import graph_steps
-from trainer_ext.distill.losses import LossOutput
+from trainer_ext.distill.losses import IGNORE_INDEX, LossOutput
+from trainer_ext.training.exit_gate import exit_distribution, expected_exit_loss, token_ce
 
 WEIGHTINGS = ("uniform", "linear")
 
-__all__ = ["WEIGHTINGS", "DepthSupervision", "SupervisedStates", "supervised_steps", "supervision_for"]
+__all__ = ["WEIGHTINGS", "DepthSupervision", "ExitGateLoss", "SupervisedStates", "supervised_steps", "supervision_for"]
+
+EVERY_GRAPH_STEP = 1 << 30  # a count larger than any depth: `supervised_steps` then takes every graph step
 
 
 def supervised_steps(num_steps: int, num_graph_steps: int, count: int) -> list[int]:
@@ -57,8 +60,6 @@ def supervision_for(args, recurrent: bool, exit_gate: bool = False) -> DepthSupe
     None for the plain loss at the last depth. A model with an exit gate (`exit_gate`, its config's) gets the
     expected loss over depths (`ExitGateLoss`) whatever `--depth_supervision` says."""
     if exit_gate:
-        from trainer_ext.training.exit_gate import ExitGateLoss  # it builds on this module
-
         return ExitGateLoss(args.depth_supervision, args.exit_gate_entropy_weight)
     if args.depth_supervision == 1:
         return None
@@ -166,4 +167,58 @@ class DepthSupervision:
         logs = {f"ce_depth_{step}": round(float(total) / count, 4)
                 for step, (total, count) in sorted(self._window.items())}
         self._window.clear()
+        return logs
+
+
+class ExitGateLoss(DepthSupervision):
+    """`DepthSupervision`'s capture and readouts with Ouro's expected loss over the supervised depths
+    (exit_gate.py). `count`: `--depth_supervision` (1: every step with gradients); `entropy_weight`: beta."""
+
+    keeps_last_state = True
+
+    def __init__(self, count: int, entropy_weight: float):
+        super().__init__(EVERY_GRAPH_STEP if count == 1 else count)
+        self.entropy_weight = entropy_weight
+        self._gate_window = [0.0, 0.0, 0]  # summed expected exit step, entropy (on the device), steps
+
+    def loss(self, decoder, final_hidden: torch.Tensor, captured: SupervisedStates,
+             lm_loss: Callable[..., LossOutput]) -> LossOutput:
+        """`lm_loss`: the trainer's `chunked_lm_loss` partial, read for its head weight, targets and chunk size."""
+        bound = lm_loss.keywords
+        if bound.get("teacher") is not None:
+            raise ValueError("exit_gate=True trains the gate with the expected CE over depths, which does not combine "
+                             "with distillation yet: train without a teacher (no --teacher / --teacher_cache), or "
+                             "set exit_gate=false in --config_overrides.")
+        weight, labels = bound["lm_head_weight"], bound["labels"]
+        lambdas = torch.stack([torch.sigmoid(decoder.exit_gate(captured.states[step]).float().squeeze(-1))
+                               for step in captured.steps])  # (K, B, T)
+        ce = []
+        for step in captured.steps:
+            hidden = self.readout(decoder, final_hidden, captured, step)
+            ce.append(token_ce(hidden, weight, labels, bound.get("chunk_size")))
+            del hidden
+        ce = torch.stack(ce)  # (K, B, T)
+        keep = labels != IGNORE_INDEX
+        loss, _, entropy = expected_exit_loss(lambdas, ce, keep, self.entropy_weight)
+        count = keep.sum().clamp(min=1)
+        mean_ce = torch.where(keep, ce.detach(), 0.0).flatten(1).sum(-1) / count  # (K,)
+        for step, step_ce in zip(captured.steps, mean_ce):
+            self.count_ce(step, step_ce)
+        with torch.no_grad():
+            steps = torch.tensor(captured.steps, dtype=torch.float32, device=lambdas.device)[:, None, None]
+            exit_step = torch.where(keep, (exit_distribution(lambdas) * steps).sum(0), 0.0).sum() / count
+        self._gate_window[0] += exit_step
+        self._gate_window[1] += entropy.detach()
+        self._gate_window[2] += 1
+        return LossOutput(loss=loss, ce=mean_ce[-1], kd=torch.zeros_like(mean_ce[-1]))
+
+    def logs(self) -> dict:
+        """Deep supervision's `ce_depth_<i>`, and the window's mean `exit_gate_mean_step` (the expected exit step
+        under the gate) and `exit_gate_entropy` (of its exit distribution, nats)."""
+        logs = super().logs()
+        exit_step, entropy, steps = self._gate_window
+        if steps:
+            logs["exit_gate_mean_step"] = round(float(exit_step) / steps, 3)
+            logs["exit_gate_entropy"] = round(float(entropy) / steps, 4)
+        self._gate_window = [0.0, 0.0, 0]
         return logs

@@ -1,4 +1,5 @@
-"""Ouro's training objective for a learned exit gate (`config.exit_gate`): the expected loss over depths.
+"""Ouro's training objective for a learned exit gate (`config.exit_gate`): the expected loss over depths. The math
+is here; `ExitGateLoss` (depth_supervision.py) applies it to the states a training step captured.
 
 The gate reads the core state after each step, lambda_i = sigmoid(gate(s_i)) (the state the next step and the coda
 read, after `state_norm`). Over the supervised steps i_1 < ... < i_K of a training step, each token's exit
@@ -27,18 +28,13 @@ gate yet: a teacher's loss is refused here (the objective is CE only).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer_ext.distill.losses import IGNORE_INDEX, LossOutput, chunk_logit_bytes, default_chunk_size
-from trainer_ext.training.depth_supervision import DepthSupervision, SupervisedStates
+from trainer_ext.distill.losses import IGNORE_INDEX, chunk_logit_bytes, default_chunk_size
 
-EVERY_GRAPH_STEP = 1 << 30  # a count larger than any depth: `supervised_steps` then takes every graph step
-
-__all__ = ["ExitGateLoss", "exit_distribution", "expected_exit_loss", "token_ce"]
+__all__ = ["exit_distribution", "expected_exit_loss", "token_ce"]
 
 
 def exit_distribution(lambdas: torch.Tensor) -> torch.Tensor:
@@ -75,57 +71,3 @@ def token_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          flat_labels[start:start + chunk_size], use_reentrant=False)
               for start in range(0, flat_labels.numel(), chunk_size)]
     return torch.cat(pieces).view(labels.shape)
-
-
-class ExitGateLoss(DepthSupervision):
-    """`DepthSupervision`'s capture and readouts with Ouro's expected loss over the supervised depths. `count`:
-    `--depth_supervision` (1: every step with gradients); `entropy_weight`: beta."""
-
-    keeps_last_state = True
-
-    def __init__(self, count: int, entropy_weight: float):
-        super().__init__(EVERY_GRAPH_STEP if count == 1 else count)
-        self.entropy_weight = entropy_weight
-        self._gate_window = [0.0, 0.0, 0]  # summed expected exit step, entropy (on the device), steps
-
-    def loss(self, decoder, final_hidden: torch.Tensor, captured: SupervisedStates,
-             lm_loss: Callable[..., LossOutput]) -> LossOutput:
-        """`lm_loss`: the trainer's `chunked_lm_loss` partial, read for its head weight, targets and chunk size."""
-        bound = lm_loss.keywords
-        if bound.get("teacher") is not None:
-            raise ValueError("exit_gate=True trains the gate with the expected CE over depths, which does not combine "
-                             "with distillation yet: train without a teacher (no --teacher / --teacher_cache), or "
-                             "set exit_gate=false in --config_overrides.")
-        weight, labels = bound["lm_head_weight"], bound["labels"]
-        lambdas = torch.stack([torch.sigmoid(decoder.exit_gate(captured.states[step]).float().squeeze(-1))
-                               for step in captured.steps])  # (K, B, T)
-        ce = []
-        for step in captured.steps:
-            hidden = self.readout(decoder, final_hidden, captured, step)
-            ce.append(token_ce(hidden, weight, labels, bound.get("chunk_size")))
-            del hidden
-        ce = torch.stack(ce)  # (K, B, T)
-        keep = labels != IGNORE_INDEX
-        loss, _, entropy = expected_exit_loss(lambdas, ce, keep, self.entropy_weight)
-        count = keep.sum().clamp(min=1)
-        mean_ce = torch.where(keep, ce.detach(), 0.0).flatten(1).sum(-1) / count  # (K,)
-        for step, step_ce in zip(captured.steps, mean_ce):
-            self.count_ce(step, step_ce)
-        with torch.no_grad():
-            steps = torch.tensor(captured.steps, dtype=torch.float32, device=lambdas.device)[:, None, None]
-            exit_step = torch.where(keep, (exit_distribution(lambdas) * steps).sum(0), 0.0).sum() / count
-        self._gate_window[0] += exit_step
-        self._gate_window[1] += entropy.detach()
-        self._gate_window[2] += 1
-        return LossOutput(loss=loss, ce=mean_ce[-1], kd=torch.zeros_like(mean_ce[-1]))
-
-    def logs(self) -> dict:
-        """Deep supervision's `ce_depth_<i>`, and the window's mean `exit_gate_mean_step` (the expected exit step
-        under the gate) and `exit_gate_entropy` (of its exit distribution, nats)."""
-        logs = super().logs()
-        exit_step, entropy, steps = self._gate_window
-        if steps:
-            logs["exit_gate_mean_step"] = round(float(exit_step) / steps, 3)
-            logs["exit_gate_entropy"] = round(float(entropy) / steps, 4)
-        self._gate_window = [0.0, 0.0, 0]
-        return logs
