@@ -8,6 +8,15 @@ With `exit_threshold=t` (a `forward` / `generate` keyword, or `config.exit_thres
 keeps s_i from then on. The model reports the steps each token used as `num_steps_used` (B, T). t = 0 never exits
 (fixed depth); a huge t exits every token after one step.
 
+A model with a learned exit gate (`config.exit_gate`, Ouro's) can exit by it instead: the gate reads the state after
+each step, lambda_i = sigmoid(gate(s_i)), and a token exits after the first step at which its cumulative exit
+probability reaches t, a number in (0, 1] (exit_criterion="gate"):
+
+    1 - prod_{j<=i} (1 - lambda_j) >= t
+
+The gate is read from the same normed state the next step and the coda read. Both criteria share what follows: only
+the test of "this token stops now" differs (`DepthExit._stops`).
+
 An exited token's state no longer changes, but later steps may still need it: in `kv_cache_mode="per_step"` every
 step's cache slot holds its keys and values, and at every step the tokens after it attend to its keys and values at
 that step, computed from the frozen state exactly as a full forward pass computes them, so cached decoding stays
@@ -50,35 +59,56 @@ SKIP_EXITED_STEPS = True  # False: run every step masked, even once all tokens h
 COMPACT_EXITED_STEPS = True  # False: while some token iterates, a step runs on the whole batch (masked)
 
 
-def check_exit(threshold, criterion: str) -> None:
+def check_exit(threshold, criterion: str, has_gate: bool = False) -> None:
+    """Raise ValueError for a threshold or criterion a call cannot use; `has_gate`: the model's `config.exit_gate`."""
     if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 0):
         raise ValueError(f"exit_threshold={threshold!r} must be a number >= 0 (or None for a fixed depth).")
     if criterion not in EXIT_CRITERIA:
         raise ValueError(f"exit_criterion={criterion!r} is not allowed; choose one of {list(EXIT_CRITERIA)}.")
+    if criterion == "gate" and not has_gate:
+        raise ValueError("exit_criterion='gate' needs a model with a learned exit gate, and this one has none "
+                         "(config.exit_gate is False): train one with exit_gate=True (--config_overrides "
+                         "exit_gate=true), or use exit_criterion='state'.")
+    if criterion == "gate" and threshold is not None and not 0 < threshold <= 1:
+        raise ValueError(f"exit_threshold={threshold!r} must be in (0, 1] with exit_criterion='gate' (the cumulative "
+                         "exit probability at which a token stops).")
 
 
 class DepthExit:
     """The exit state of one forward pass: which tokens still iterate and how many steps each has used.
     `cache_mode`: the call's `kv_cache_mode`, None without a cache (which steps `steps` may leave out); `compact`:
     whether a step may run on part of the batch (no cache or a dynamic one, no mask or a tensor one, no attention
-    keyword arguments beyond the model's own)."""
+    keyword arguments beyond the model's own); `gate`: the model's exit gate for exit_criterion="gate" (None: the
+    state criterion)."""
 
     def __init__(self, threshold: float, shape: tuple[int, int], device: torch.device, cache_mode: str | None = None,
-                 compact: bool = False):
+                 compact: bool = False, gate: Callable | None = None):
         self.threshold = threshold
         self.cache_mode = cache_mode
         self.compact = compact
+        self.gate = gate
         self.active = torch.ones(shape, dtype=torch.bool, device=device)  # (B, T)
         self.steps_used = torch.zeros(shape, dtype=torch.long, device=device)
+        # The gate criterion's prod_j (1 - lambda_j) over the steps so far: the probability of not having exited.
+        self.survival = torch.ones(shape, dtype=torch.float32, device=device) if gate is not None else None
         # What the next step runs on: None (every token), or (rows, length): the rows (None: all) cut to `length`.
         self.block = None
+
+    def _stops(self, old: torch.Tensor, new: torch.Tensor, index) -> torch.Tensor:
+        """Which tokens of `index` (the whole batch or a block of it) stop after the step that took `old` to `new`."""
+        if self.gate is None:
+            change = (new - old).float().norm(dim=-1) / new.float().norm(dim=-1).clamp_min(1e-12)
+            return change < self.threshold
+        survival = self.survival[index] * (1 - torch.sigmoid(self.gate(new).float().squeeze(-1)))
+        self.survival[index] = survival  # an exited token's value is never read again
+        return 1 - survival >= self.threshold
 
     def step(self, state: torch.Tensor, new_state: torch.Tensor) -> torch.Tensor:
         """The state after one more step: `new_state` for active tokens, `state` (frozen) for exited ones."""
         self.steps_used += self.active
-        change = (new_state - state).float().norm(dim=-1) / new_state.float().norm(dim=-1).clamp_min(1e-12)
+        stops = self._stops(state, new_state, (slice(None), slice(None)))
         state = torch.where(self.active[..., None], new_state, state)
-        self.active = self.active & ~(change < self.threshold)
+        self.active = self.active & ~stops
         return state
 
     def run(self, core_step: Callable, state: torch.Tensor, embedded: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
@@ -92,11 +122,11 @@ class DepthExit:
                                                                              state.shape[1]))
         active = take_block(self.active, rows, length)
         self.steps_used += self.active
-        change = (new - old).float().norm(dim=-1) / new.float().norm(dim=-1).clamp_min(1e-12)
-        state, self.active = state.clone(), self.active.clone()
         index = (slice(None) if rows is None else rows, slice(None, length))
+        stops = self._stops(old, new, index)
+        state, self.active = state.clone(), self.active.clone()
         state[index] = torch.where(active[..., None], new, old)
-        self.active[index] = active & ~(change < self.threshold)
+        self.active[index] = active & ~stops
         return state
 
     def steps(self, num_steps: int, hidden_states: list | None, attentions: list | None) -> Iterable[int]:

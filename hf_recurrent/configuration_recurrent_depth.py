@@ -11,7 +11,7 @@ from transformers.configuration_utils import PreTrainedConfig
 INJECTION_MODES = ("concat", "add")
 STATE_INITS = ("zeros", "normal")
 KV_CACHE_MODES = ("per_step", "shared")
-EXIT_CRITERIA = ("state",)  # adaptive depth (adaptive_depth.py)
+EXIT_CRITERIA = ("state", "gate")  # adaptive depth (adaptive_depth.py); "gate" needs exit_gate=True
 DEPTH_DISTRIBUTIONS = ("fixed", "poisson_lognormal")
 BLOCK_NORMS = ("pre", "sandwich")
 INIT_SCHEMES = ("normal", "scaled")
@@ -62,7 +62,11 @@ class RecurrentDepthConfig(PreTrainedConfig):
             layer written by the last step; memory independent of depth, an approximation for n > 1).
         exit_threshold: adaptive per-token depth at inference (`adaptive_depth`): a token stops iterating once its
             state changes by less than this, relative, in one step (None: a fixed depth, the default; 0 never exits).
-            A `forward` / `generate` keyword overrides it. `exit_criterion`: how change is measured (`state`).
+            A `forward` / `generate` keyword overrides it. `exit_criterion`: `state` (that relative change) or
+            `gate` (the learned exit gate's cumulative exit probability reaches the threshold, in (0, 1]).
+        exit_gate: a learned exit gate (Ouro's): Linear(hidden_size, 1) on the state after each core step, exit
+            probability sigmoid(gate(s_i)); trained by the expected loss over depths (trainer_ext/training/exit_gate.py)
+            and read by `exit_criterion="gate"`. Off by default: no parameters added, older checkpoints load as saved.
     """
 
     model_type = "recurrent_depth"
@@ -107,6 +111,7 @@ class RecurrentDepthConfig(PreTrainedConfig):
     kv_cache_mode: str = "per_step"
     exit_threshold: float | int | None = None
     exit_criterion: str = "state"
+    exit_gate: bool = False
     block_norm: str = "pre"
     qk_norm: bool = False
     init_scheme: str = "normal"
@@ -188,6 +193,14 @@ class RecurrentDepthConfig(PreTrainedConfig):
         _check_choice("exit_criterion", self.exit_criterion, EXIT_CRITERIA)
         if self.exit_threshold is not None and not self.exit_threshold >= 0:
             raise ValueError(f"RecurrentDepthConfig.exit_threshold={self.exit_threshold!r} must be >= 0 (or None).")
+        if not isinstance(self.exit_gate, bool):
+            raise ValueError(f"RecurrentDepthConfig.exit_gate={self.exit_gate!r} must be true or false.")
+        if self.exit_criterion == "gate" and not self.exit_gate:
+            raise ValueError("RecurrentDepthConfig.exit_criterion='gate' needs a learned exit gate: set exit_gate=True "
+                             "(and train it) or use exit_criterion='state'.")
+        if self.exit_criterion == "gate" and self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
+            raise ValueError(f"RecurrentDepthConfig.exit_threshold={self.exit_threshold!r} must be in (0, 1] with "
+                             "exit_criterion='gate' (a cumulative exit probability), or None.")
         _check_choice("depth_distribution", self.depth_distribution, DEPTH_DISTRIBUTIONS)
         _check_choice("block_norm", self.block_norm, BLOCK_NORMS)
         if not isinstance(self.qk_norm, bool):

@@ -23,6 +23,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.masking_utils import create_causal_mask
@@ -205,7 +206,11 @@ class RecurrentDepthPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
 
     def _init_weights(self, module):
-        """`init_scheme="normal"`: transformers' init; `"scaled"`: `init_scaled` for linear and embedding layers."""
+        """`init_scheme="normal"`: transformers' init; `"scaled"`: `init_scaled` for linear and embedding layers. The
+        exit gate starts at zero under both: lambda = 1/2 at every step, the same for every token."""
+        if getattr(module, "is_exit_gate", False):
+            init.zeros_(module.weight)
+            return init.zeros_(module.bias)
         if self.config.init_scheme == "normal" or not isinstance(module, (nn.Linear, nn.Embedding)):
             return super()._init_weights(module)
         init_scaled(module, self.config)
@@ -251,6 +256,9 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         # Normalising the state after every step keeps its scale independent of the depth.
         self.state_norm = RecurrentDepthRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = RecurrentDepthRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.exit_gate:  # Ouro's learned exit: lambda_i = sigmoid(exit_gate(s_i)) (`adaptive_depth`)
+            self.exit_gate = nn.Linear(config.hidden_size, 1)
+            self.exit_gate.is_exit_gate = True
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.initial_states = InitialStates()
         self.gradient_checkpointing = False
@@ -305,7 +313,8 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         if num_steps < 1:
             raise ValueError(f"num_steps={num_steps} must be >= 1.")
         exit_threshold = config.exit_threshold if exit_threshold is None else exit_threshold
-        check_exit(exit_threshold, exit_criterion or config.exit_criterion)
+        exit_criterion = exit_criterion or config.exit_criterion
+        check_exit(exit_threshold, exit_criterion, config.exit_gate)
         backprop_depth = config.backprop_depth if backprop_depth is None else int(backprop_depth)
         if backprop_depth is not None and backprop_depth < 1:
             raise ValueError(f"backprop_depth={backprop_depth} must be >= 1 (or None for all steps).")
@@ -362,7 +371,8 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
             compact = ((cache is None or not is_static(cache)) and not kwargs
                        and (mask is None or isinstance(mask, torch.Tensor)))
             depth_exit = DepthExit(exit_threshold, state.shape[:2], state.device,
-                                   config.kv_cache_mode if cache is not None else None, compact)
+                                   config.kv_cache_mode if cache is not None else None, compact,
+                                   self.exit_gate if exit_criterion == "gate" else None)
         # `recompute_core_steps` (None: each core layer's own flag decides): the steps, counted from the first one
         # that builds a graph, whose core layers are checkpointed; it sets the core layers' flag at every step. A
         # mapping also gives each such step the function its core layers run under (`_gradient_checkpointing_func`:

@@ -64,6 +64,7 @@ def evaluate_model(
     chunk_size: int = 1024,
     progress: bool = True,
     exit_threshold: float | None = None,
+    exit_criterion: str | None = None,
 ) -> dict:
     """Cross-entropy (nats/token), perplexity, top-1 / top-5 accuracy over `dataset`.
 
@@ -73,7 +74,8 @@ def evaluate_model(
     LM head `chunk_size` positions at a time, so a 64k vocabulary costs chunk_size x V floats, not B x T x V.
     `device`: where to run (the model is moved there); default: where the model is. `exit_threshold`: adaptive
     depth of a recurrent model (`hf_recurrent.adaptive_depth`, at most `num_steps` steps per token); the result then
-    also has "mean_steps_used", the core steps per evaluated token. `progress`: a bar on a terminal, a progress line
+    also has "mean_steps_used", the core steps per evaluated token; `exit_criterion` its criterion (default: the
+    model config's). `progress`: a bar on a terminal, a progress line
     in the log every 30 s elsewhere (`trainer_ext.progress`); False shows none.
     """
     if batch_size < 1 or chunk_size < 1 or (max_batches is not None and max_batches < 1):
@@ -85,6 +87,8 @@ def evaluate_model(
         if not forward_kwargs:
             raise ValueError(f"exit_threshold={exit_threshold} was given but {type(model).__name__} has a fixed depth.")
         forward_kwargs["exit_threshold"] = exit_threshold
+        if exit_criterion is not None:
+            forward_kwargs["exit_criterion"] = exit_criterion
     steps_used = []  # per batch: (sum of core steps, tokens) over the evaluated positions
     weight, bias = output_head(model)
     metric = load_metric("next_token")

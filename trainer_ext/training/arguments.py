@@ -145,6 +145,10 @@ class RecurrentTrainingArguments(TrainingArguments):
     depth_supervision_weights: str = field(
         default="uniform", metadata={"help": f"Weights of the supervised depths: one of {list(WEIGHTINGS)} "
                                              "(linear: proportional to the step)."})
+    exit_gate_entropy_weight: float = field(
+        default=0.05, metadata={"help": "With a learned exit gate (exit_gate=true in the model config): beta of the "
+                                        "entropy term of the expected loss over depths (Ouro: about 0.05); "
+                                        "trainer_ext/training/exit_gate.py."})
     optimizer: str = field(
         default="low_memory",
         metadata={"help": "low_memory (factored, bf16 in place, update in backward) or hf (use `optim`)."})
@@ -361,6 +365,8 @@ class RecurrentTrainingArguments(TrainingArguments):
         check("depth_supervision", is_int(self.depth_supervision) and self.depth_supervision >= 1,
               "an integer >= 1 (depths whose LM loss is averaged each step; 1, the default, is the last depth only)")
         check("depth_supervision_weights", self.depth_supervision_weights in WEIGHTINGS, f"one of {list(WEIGHTINGS)}")
+        check("exit_gate_entropy_weight", is_number(self.exit_gate_entropy_weight)
+              and self.exit_gate_entropy_weight >= 0, "a number >= 0 (0: the expected loss alone)")
         check("gc_interval", is_int(self.gc_interval) and self.gc_interval >= 0,
               "an integer >= 0 (steps between garbage collections; 0 leaves Python's automatic collection)")
         check("profile_steps", is_int(self.profile_steps) and self.profile_steps >= 0,

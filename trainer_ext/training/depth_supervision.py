@@ -21,6 +21,9 @@ head's dtype) stay alive until backward.
 The states and the coda's call arguments (causal mask, rotary phases) are taken with forward hooks on the decoder
 while the training forward runs (through whatever wraps the model: DDP, FSDP2), and removed after it, before backward
 (a recomputing checkpoint must not fire them again). Evaluation is unchanged: the loss at the evaluation depth.
+
+A model with a learned exit gate (`config.exit_gate`) trains on Ouro's expected loss over the same captured depths
+instead of fixed weights: `ExitGateLoss` (the objective's math in exit_gate.py), chosen by `supervision_for`.
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_recurrent.cost import graph_steps
-from trainer_ext.distill.losses import LossOutput
+from trainer_ext.distill.losses import IGNORE_INDEX, LossOutput
+from trainer_ext.training.exit_gate import exit_distribution, expected_exit_loss, token_ce
 
 WEIGHTINGS = ("uniform", "linear")
 
-__all__ = ["WEIGHTINGS", "DepthSupervision", "SupervisedStates", "supervised_steps", "supervision_for"]
+__all__ = ["WEIGHTINGS", "DepthSupervision", "ExitGateLoss", "SupervisedStates", "supervised_steps", "supervision_for"]
+
+EVERY_GRAPH_STEP = 1 << 30  # a count larger than any depth: `supervised_steps` then takes every graph step
 
 
 def supervised_steps(num_steps: int, num_graph_steps: int, count: int) -> list[int]:
@@ -49,9 +55,12 @@ def supervised_steps(num_steps: int, num_graph_steps: int, count: int) -> list[i
     return [first + j * num_graph_steps // count for j in range(1, count + 1)]
 
 
-def supervision_for(args, recurrent: bool) -> DepthSupervision | None:
+def supervision_for(args, recurrent: bool, exit_gate: bool = False) -> DepthSupervision | None:
     """The trainer's DepthSupervision from its arguments (`--depth_supervision`, `--depth_supervision_weights`), or
-    None for the plain loss at the last depth."""
+    None for the plain loss at the last depth. A model with an exit gate (`exit_gate`, its config's) gets the
+    expected loss over depths (`ExitGateLoss`) whatever `--depth_supervision` says."""
+    if exit_gate:
+        return ExitGateLoss(args.depth_supervision, args.exit_gate_entropy_weight)
     if args.depth_supervision == 1:
         return None
     if not recurrent:
@@ -72,6 +81,8 @@ class SupervisedStates:
 
 class DepthSupervision:
     """The loss over several depths of a training step, and the per-depth CE of the logging window."""
+
+    keeps_last_state = False  # the state after the last supervised step too (an exit gate reads it)
 
     def __init__(self, count: int, weighting: str = "uniform"):
         if weighting not in WEIGHTINGS:
@@ -95,7 +106,7 @@ class DepthSupervision:
         """Around the training forward of `decoder` (the `RecurrentDepthModel`) at `depth` ({"num_steps",
         "backprop_depth"}): yields the SupervisedStates it fills."""
         captured = SupervisedStates(self.steps_for(decoder.config, depth))
-        wanted = set(captured.steps[:-1])
+        wanted = set(captured.steps if self.keeps_last_state else captured.steps[:-1])
         calls = [0]
 
         def keep_state(module, args, output):
@@ -126,21 +137,29 @@ class DepthSupervision:
         total_weight = sum(weights)
         loss = None
         for step, weight in zip(steps, weights):
-            if step == steps[-1]:
-                hidden = final_hidden
-            else:
-                hidden = captured.states.pop(step)
-                for layer, kwargs in zip(decoder.coda, captured.coda_kwargs):
-                    hidden = layer(hidden, **kwargs)
-                hidden = decoder.norm(hidden)
+            hidden = self.readout(decoder, final_hidden, captured, step)
             out = lm_loss(hidden)  # one depth's head at a time
             del hidden
             term = out.loss * (weight / total_weight)
             loss = term if loss is None else loss + term
-            window = self._window[step]
-            window[0] += out.ce.detach()
-            window[1] += 1
+            self.count_ce(step, out.ce)
         return LossOutput(loss=loss, ce=out.ce, kd=out.kd)
+
+    @staticmethod
+    def readout(decoder, final_hidden: torch.Tensor, captured: SupervisedStates, step: int) -> torch.Tensor:
+        """What the LM head reads at supervised step `step`: the decoder's output for the last one, else the coda and
+        the final norm applied to the captured state (released from `captured`)."""
+        if step == captured.steps[-1]:
+            return final_hidden
+        hidden = captured.states.pop(step)
+        for layer, kwargs in zip(decoder.coda, captured.coda_kwargs):
+            hidden = layer(hidden, **kwargs)
+        return decoder.norm(hidden)
+
+    def count_ce(self, step: int, ce: torch.Tensor) -> None:
+        window = self._window[step]
+        window[0] += ce.detach()
+        window[1] += 1
 
     def logs(self) -> dict:
         """`ce_depth_<i>`: the mean training CE of the state after step i over the steps of the window that
@@ -148,4 +167,58 @@ class DepthSupervision:
         logs = {f"ce_depth_{step}": round(float(total) / count, 4)
                 for step, (total, count) in sorted(self._window.items())}
         self._window.clear()
+        return logs
+
+
+class ExitGateLoss(DepthSupervision):
+    """`DepthSupervision`'s capture and readouts with Ouro's expected loss over the supervised depths
+    (exit_gate.py). `count`: `--depth_supervision` (1: every step with gradients); `entropy_weight`: beta."""
+
+    keeps_last_state = True
+
+    def __init__(self, count: int, entropy_weight: float):
+        super().__init__(EVERY_GRAPH_STEP if count == 1 else count)
+        self.entropy_weight = entropy_weight
+        self._gate_window = [0.0, 0.0, 0]  # summed expected exit step, entropy (on the device), steps
+
+    def loss(self, decoder, final_hidden: torch.Tensor, captured: SupervisedStates,
+             lm_loss: Callable[..., LossOutput]) -> LossOutput:
+        """`lm_loss`: the trainer's `chunked_lm_loss` partial, read for its head weight, targets and chunk size."""
+        bound = lm_loss.keywords
+        if bound.get("teacher") is not None:
+            raise ValueError("exit_gate=True trains the gate with the expected CE over depths, which does not combine "
+                             "with distillation yet: train without a teacher (no --teacher / --teacher_cache), or "
+                             "set exit_gate=false in --config_overrides.")
+        weight, labels = bound["lm_head_weight"], bound["labels"]
+        lambdas = torch.stack([torch.sigmoid(decoder.exit_gate(captured.states[step]).float().squeeze(-1))
+                               for step in captured.steps])  # (K, B, T)
+        ce = []
+        for step in captured.steps:
+            hidden = self.readout(decoder, final_hidden, captured, step)
+            ce.append(token_ce(hidden, weight, labels, bound.get("chunk_size")))
+            del hidden
+        ce = torch.stack(ce)  # (K, B, T)
+        keep = labels != IGNORE_INDEX
+        loss, _, entropy = expected_exit_loss(lambdas, ce, keep, self.entropy_weight)
+        count = keep.sum().clamp(min=1)
+        mean_ce = torch.where(keep, ce.detach(), 0.0).flatten(1).sum(-1) / count  # (K,)
+        for step, step_ce in zip(captured.steps, mean_ce):
+            self.count_ce(step, step_ce)
+        with torch.no_grad():
+            steps = torch.tensor(captured.steps, dtype=torch.float32, device=lambdas.device)[:, None, None]
+            exit_step = torch.where(keep, (exit_distribution(lambdas) * steps).sum(0), 0.0).sum() / count
+        self._gate_window[0] += exit_step
+        self._gate_window[1] += entropy.detach()
+        self._gate_window[2] += 1
+        return LossOutput(loss=loss, ce=mean_ce[-1], kd=torch.zeros_like(mean_ce[-1]))
+
+    def logs(self) -> dict:
+        """Deep supervision's `ce_depth_<i>`, and the window's mean `exit_gate_mean_step` (the expected exit step
+        under the gate) and `exit_gate_entropy` (of its exit distribution, nats)."""
+        logs = super().logs()
+        exit_step, entropy, steps = self._gate_window
+        if steps:
+            logs["exit_gate_mean_step"] = round(float(exit_step) / steps, 3)
+            logs["exit_gate_entropy"] = round(float(entropy) / steps, 4)
+        self._gate_window = [0.0, 0.0, 0]
         return logs

@@ -105,7 +105,8 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         config = self.model.config
         self.recurrent = is_recurrent(config)
         self.depth_sampler = DepthSampler(config, seed=self.args.depth_seed) if self.recurrent else None
-        self.depth_supervision = supervision_for(self.args, self.recurrent)  # None: the loss at the last depth only
+        # None: the loss at the last depth only; an exit gate's expected loss over depths otherwise (exit_gate.py)
+        self.depth_supervision = supervision_for(self.args, self.recurrent, getattr(config, "exit_gate", False))
         self.teacher = teacher
         self.teacher_vocab_limit = teacher_vocab_limit
         if teacher is not None:
@@ -322,7 +323,7 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             self._window["tokens"] += input_ids.numel()
             step_flops = input_ids.numel() * flops_per_token(
                 unwrapped.config, num_steps, depth.get("backprop_depth"), seq_len=input_ids.shape[1],
-                supervised_depths=self.args.depth_supervision)
+                supervised_depths=getattr(self.depth_supervision, "count", 1))
             self._window["flops"] += step_flops
             self._step_flops += step_flops
             # Summed on the device and read at logging time: a float() here would wait for the GPU every step.

@@ -1,0 +1,194 @@
+"""A learned exit gate (`exit_gate=True`, exit_criterion="gate"): its exits equal the masked reference through the
+compacted paths, it is refused on a model without one, Ouro's expected loss over depths has the hand-computed value
+and trains the gate, the config round-trips, and a model without the gate trains exactly as before."""
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+from hf_recurrent import RecurrentDepthConfig, RecurrentDepthForCausalLM, adaptive_depth, presets
+from trainer_ext.data.shards import ShardedTokenDataset
+from trainer_ext.distill.losses import chunked_lm_loss
+from trainer_ext.training.arguments import TARGETS, RecurrentTrainingArguments
+from trainer_ext.training.depth_supervision import ExitGateLoss
+from trainer_ext.training.exit_gate import exit_distribution, expected_exit_loss, token_ce
+from trainer_ext.training.trainer import RecurrentTrainer
+
+CLOSE = dict(atol=1e-5, rtol=1e-5)
+
+
+def gated(seed=0, **overrides) -> RecurrentDepthForCausalLM:
+    """The debug model with a gate whose exits differ from token to token (a trained gate's would; a fresh one is
+    zero: lambda = 1/2 everywhere)."""
+    torch.manual_seed(seed)
+    model = RecurrentDepthForCausalLM(presets.get("debug", exit_gate=True, **overrides)).eval()
+    with torch.no_grad():
+        model.model.exit_gate.weight.normal_(std=0.4)
+        model.model.exit_gate.bias.fill_(-1.5)
+    return model
+
+
+def left_padded(lengths=(10, 7, 10, 4), seq=10, seed=1):
+    ids = torch.randint(3, 500, (len(lengths), seq), generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, :seq - length] = 0
+        mask[row, seq - length:] = 1
+    return ids, mask
+
+
+def decode(model, ids, mask, prefix_len, threshold):
+    out = model(ids[:, :prefix_len], attention_mask=mask[:, :prefix_len], num_steps=12, use_cache=True,
+                exit_threshold=threshold, exit_criterion="gate")
+    cache, used, logits = out.past_key_values, [out.num_steps_used], [out.logits]
+    for i in range(prefix_len, ids.shape[1]):
+        out = model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], num_steps=12, exit_threshold=threshold,
+                    exit_criterion="gate", past_key_values=cache)
+        logits.append(out.logits)
+        used.append(out.num_steps_used)
+    return torch.cat(logits, dim=1), torch.cat(used, dim=1), cache
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_step"])
+def test_gate_exits_in_a_left_padded_batch_equal_the_masked_reference(mode, monkeypatch):
+    model = gated(kv_cache_mode=mode)
+    ids, mask = left_padded((14, 11, 14, 6), seq=14)
+    runs = []
+    for compact, skip in ((True, True), (False, False)):  # compacted blocks; every step masked on the whole batch
+        monkeypatch.setattr(adaptive_depth, "COMPACT_EXITED_STEPS", compact)
+        monkeypatch.setattr(adaptive_depth, "SKIP_EXITED_STEPS", skip)
+        with torch.no_grad():
+            runs.append(decode(model, ids, mask, 8, threshold=0.8))
+    (logits, used, cache), (ref_logits, ref_used, ref_cache) = runs
+    assert torch.equal(used, ref_used) and len(used[mask.bool()].unique()) > 2
+    torch.testing.assert_close(logits, ref_logits, **CLOSE)
+    for a, b in zip(cache.layers, ref_cache.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, **CLOSE)
+        torch.testing.assert_close(a.values, b.values, **CLOSE)
+
+
+def test_a_token_exits_at_the_first_step_its_cumulative_exit_probability_reaches_the_threshold():
+    model = gated()
+    ids, threshold = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(2)), 0.8
+    with torch.no_grad():
+        out = model(ids, num_steps=12, use_cache=False, output_hidden_states=True)
+        exited = model(ids, num_steps=12, use_cache=False, exit_threshold=threshold, exit_criterion="gate")
+        states = torch.stack(out.hidden_states[2:14])  # (12, B, T, C): after each step (1 prelude layer)
+        cdf = 1 - torch.cumprod(1 - torch.sigmoid(model.model.exit_gate(states).squeeze(-1)), dim=0)
+    expected = ((cdf >= threshold).int().argmax(0) + 1).where((cdf >= threshold).any(0), torch.tensor(12))
+    assert torch.equal(exited.num_steps_used, expected) and len(expected.unique()) > 2
+    # Full forward, batched generate (compacted, dynamic cache) and a static cache (masked) agree.
+    greedy = dict(num_steps=12, exit_threshold=threshold, exit_criterion="gate", max_new_tokens=5, do_sample=False,
+                  pad_token_id=0)
+    dynamic = model.generate(ids[:1, :6], **greedy)
+    assert torch.equal(dynamic, model.generate(ids[:1, :6], cache_implementation="static", **greedy))
+    assert torch.equal(dynamic, model.generate(ids[:1, :6], use_cache=False, **greedy))
+
+
+def test_the_gate_criterion_is_refused_without_a_gate_naming_exit_gate():
+    torch.manual_seed(0)
+    model = RecurrentDepthForCausalLM(presets.get("debug")).eval()
+    assert not hasattr(model.model, "exit_gate")  # old configs: no new parameters
+    with pytest.raises(ValueError, match=r"exit_criterion='gate'.*exit_gate.*exit_gate=True"):
+        model(torch.tensor([[5, 6]]), exit_threshold=0.5, exit_criterion="gate")
+    with pytest.raises(ValueError, match=r"exit_gate=True"):
+        RecurrentDepthConfig(exit_criterion="gate")
+    with pytest.raises(ValueError, match=r"exit_threshold=1.5 .*\(0, 1\]"):
+        gated()(torch.tensor([[5, 6]]), exit_threshold=1.5, exit_criterion="gate")
+
+
+def test_config_and_gate_round_trip_through_save_and_load(tmp_path):
+    model = gated()
+    model.save_pretrained(tmp_path)
+    loaded = RecurrentDepthForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.exit_gate is True
+    assert torch.equal(loaded.model.exit_gate.weight, model.model.exit_gate.weight)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        a, b = (m(ids, num_steps=6, exit_threshold=0.7, exit_criterion="gate") for m in (model, loaded))
+    assert torch.equal(a.num_steps_used, b.num_steps_used) and torch.equal(a.logits, b.logits)
+    fresh = RecurrentDepthForCausalLM(presets.get("debug", exit_gate=True))
+    assert not fresh.model.exit_gate.weight.any() and not fresh.model.exit_gate.bias.any()  # lambda = 1/2
+
+
+def test_expected_loss_matches_a_hand_computed_value_and_its_gradient_reaches_the_gate():
+    lambdas = torch.tensor([[[0.2, 0.9]], [[0.5, 0.1]], [[0.7, 0.3]]])  # (K=3, B=1, T=2)
+    ce = torch.tensor([[[3.0, 2.0]], [[2.0, 1.0]], [[1.0, 4.0]]])
+    # token 0: p = 0.2, 0.8 * 0.5, 0.8 * 0.5 (the last takes the rest); token 1: 0.9, 0.1 * 0.1, 0.1 * 0.9
+    p0, p1 = [0.2, 0.4, 0.4], [0.9, 0.01, 0.09]
+    assert torch.allclose(exit_distribution(lambdas)[:, 0], torch.tensor([p0, p1]).T)
+    expected = (sum(p * c for p, c in zip(p0, [3, 2, 1])) + sum(p * c for p, c in zip(p1, [2, 1, 4]))) / 2
+    entropy = (-sum(p * math.log(p) for p in p0) - sum(p * math.log(p) for p in p1)) / 2
+    loss, got_expected, got_entropy = expected_exit_loss(lambdas, ce, torch.ones(1, 2, dtype=torch.bool), 0.05)
+    assert got_expected.item() == pytest.approx(expected) and got_entropy.item() == pytest.approx(entropy)
+    assert loss.item() == pytest.approx(expected - 0.05 * entropy)
+    keep = torch.tensor([[True, False]])  # an ignored position counts in neither term
+    assert expected_exit_loss(lambdas, ce, keep, 0.0)[0].item() == pytest.approx(sum(
+        p * c for p, c in zip(p0, [3, 2, 1])))
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 5, 8), torch.randn(11, 8)
+    labels = torch.randint(0, 11, (2, 5))
+    labels[0, 0] = -100
+    reference = F.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten(), reduction="none").view(2, 5)
+    torch.testing.assert_close(token_ce(hidden, weight, labels, chunk_size=3), reference)
+
+    # Through the model: the trainer's loss gives the gate (initialised at zero) a non-zero gradient.
+    model = RecurrentDepthForCausalLM(presets.get("debug", exit_gate=True)).train()
+    objective, ids = ExitGateLoss(1, 0.05), torch.randint(3, 500, (2, 8))
+    with objective.capture(model.model, {"num_steps": 4}) as captured:
+        hidden = model.model(ids, num_steps=4, use_cache=False).last_hidden_state
+    assert captured.steps == [1, 2, 3, 4]
+    lm_loss = functools.partial(chunked_lm_loss, lm_head_weight=model.lm_head.weight, labels=ids)  # as the trainer's
+    out = objective.loss(model.model, hidden, captured, lm_loss)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    assert model.model.exit_gate.weight.grad.abs().sum() > 0 and model.model.exit_gate.bias.grad.abs() > 0
+    assert model.model.core[0].mlp.up_proj.weight.grad.abs().sum() > 0
+    logs = objective.logs()
+    assert sorted(k for k in logs if k.startswith("ce_depth_")) == [f"ce_depth_{i}" for i in range(1, 5)]
+    assert 1 <= logs["exit_gate_mean_step"] <= 4 and logs["exit_gate_entropy"] == pytest.approx(math.log(4), abs=0.2)
+
+
+def make_trainer(data_dir, out_dir, exit_gate: bool, **overrides):
+    tokenizer = AutoTokenizer.from_pretrained(data_dir)
+    torch.manual_seed(0)
+    model = RecurrentDepthForCausalLM(presets.get("debug", vocab_size=len(tokenizer), exit_gate=exit_gate))
+    args = dict(output_dir=str(out_dir), max_steps=3, per_device_train_batch_size=4, learning_rate=3e-3,
+                logging_steps=1, report_to="none", seed=0, dataloader_pin_memory=False, disable_tqdm=True,
+                use_cpu=True, save_strategy="no", stability_guard=False)
+    args.update(overrides)
+    return RecurrentTrainer(model=model, args=RecurrentTrainingArguments(**args),
+                            train_dataset=ShardedTokenDataset(data_dir, "train"), processing_class=tokenizer)
+
+
+def test_without_the_gate_training_is_the_plain_loss_and_with_it_the_gate_learns(tiny_data_dir, tmp_path):
+    plain = make_trainer(tiny_data_dir, tmp_path / "plain", exit_gate=False)
+    assert plain.depth_supervision is None  # exactly today's path: the chunked loss at the sampled depth
+    dataset = ShardedTokenDataset(tiny_data_dir, "train")
+    inputs = {key: torch.stack([dataset[i][key] for i in range(4)]) for key in ("input_ids", TARGETS)}
+    model = plain.model.train()
+    depth = plain.current_depth(True)
+    loss = plain.compute_loss(model, inputs)
+    hidden = model.model(input_ids=inputs["input_ids"], use_cache=False, **depth).last_hidden_state
+    assert torch.equal(loss, chunked_lm_loss(hidden, model.lm_head.weight, inputs[TARGETS]).loss)
+    plain.train()
+    plain_losses = [e["loss"] for e in plain.state.log_history if "loss" in e]
+
+    # The same run with the argument of the gate's objective set: no gate, nothing changes.
+    again = make_trainer(tiny_data_dir, tmp_path / "again", exit_gate=False, exit_gate_entropy_weight=0.3)
+    again.train()
+    assert [e["loss"] for e in again.state.log_history if "loss" in e] == plain_losses
+
+    gate = make_trainer(tiny_data_dir, tmp_path / "gate", exit_gate=True)
+    assert isinstance(gate.depth_supervision, ExitGateLoss)
+    gate.train()
+    logs = [e for e in gate.state.log_history if "loss" in e]
+    assert len(logs) == 3 and all("exit_gate_mean_step" in e and math.isfinite(e["loss"]) for e in logs)
+    assert gate.model.model.exit_gate.weight.abs().sum() > 0  # moved from its zero init
+    with pytest.raises(ValueError, match=r"--exit_gate_entropy_weight=-1"):
+        RecurrentTrainingArguments(output_dir=str(tmp_path), exit_gate_entropy_weight=-1)
