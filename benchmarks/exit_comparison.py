@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 
-import torch
 from transformers import AutoModelForCausalLM
 
 import hf_recurrent  # noqa: F401

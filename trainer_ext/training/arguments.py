@@ -138,17 +138,14 @@ class RecurrentTrainingArguments(TrainingArguments):
     eval_num_steps: int | None = field(
         default=None, metadata={"help": "Depth used for evaluation (default: the config's mean_recurrence)."})
     depth_supervision: int = field(
-        default=1, metadata={"help": "Deep supervision over depth: the loss is the weighted mean of the LM losses at "
-                                     "this many depths of each step, evenly spaced among the steps that carry "
-                                     "gradients, the last included (1: the last depth only, the plain loss). Logs "
-                                     "ce_depth_<i>; trainer_ext/training/depth_supervision.py."})
+        default=1, metadata={"help": "Deep supervision: the weighted mean of the LM losses at this many depths of each "
+                                     "step, spread over the steps with gradients, the last included (1: the plain "
+                                     "loss). Logs ce_depth_<i>; trainer_ext/training/depth_supervision.py."})
     depth_supervision_weights: str = field(
         default="uniform", metadata={"help": f"Weights of the supervised depths: one of {list(WEIGHTINGS)} "
                                              "(linear: proportional to the step)."})
-    exit_gate_entropy_weight: float = field(
-        default=0.05, metadata={"help": "With a learned exit gate (exit_gate=true in the model config): beta of the "
-                                        "entropy term of the expected loss over depths (Ouro: about 0.05); "
-                                        "trainer_ext/training/exit_gate.py."})
+    exit_gate_entropy_weight: float = field(default=0.05, metadata={"help": "With exit_gate=true in the model "
+                                                   "config: beta of the exit distribution's entropy (Ouro: 0.05)."})
     optimizer: str = field(
         default="low_memory",
         metadata={"help": "low_memory (factored, bf16 in place, update in backward) or hf (use `optim`)."})
