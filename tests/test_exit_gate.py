@@ -18,6 +18,8 @@ from trainer_ext.training.depth_supervision import ExitGateLoss
 from trainer_ext.training.exit_gate import exit_distribution, expected_exit_loss, token_ce
 from trainer_ext.training.trainer import RecurrentTrainer
 
+from test_exits import left_padded
+
 CLOSE = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -30,15 +32,6 @@ def gated(seed=0, **overrides) -> RecurrentDepthForCausalLM:
         model.model.exit_gate.weight.normal_(std=0.4)
         model.model.exit_gate.bias.fill_(-1.5)
     return model
-
-
-def left_padded(lengths=(10, 7, 10, 4), seq=10, seed=1):
-    ids = torch.randint(3, 500, (len(lengths), seq), generator=torch.Generator().manual_seed(seed))
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        ids[row, :seq - length] = 0
-        mask[row, seq - length:] = 1
-    return ids, mask
 
 
 def decode(model, ids, mask, prefix_len, threshold):

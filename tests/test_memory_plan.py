@@ -380,40 +380,42 @@ def test_a_transformer_checkpoints_all_its_layers_or_none(tmp_path, monkeypatch)
         plan_for_preset("transformer-3.3b", 2048, 4)
 
 
+def loss_and_grads(model, ids, placement: RecomputeSet | None, **apply_kwargs):
+    """The loss, the gradients and the matrix products run by a forward and backward at depth 4 of `model` with
+    `placement` applied (None: no checkpointing at all)."""
+    from test_offload import CountMatmuls
+
+    model.zero_grad(set_to_none=True)
+    if placement is None:
+        model.gradient_checkpointing_disable()
+        model.model.recompute_core_steps = None
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        placement.apply(model, **apply_kwargs)
+    products = CountMatmuls()
+    with products:
+        loss = model(ids, labels=ids, num_steps=4).loss
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, products.count
+
+
 def test_per_step_recompute_gives_the_loss_and_gradients_of_no_recompute():
     """Recompute sets, a selective one among them, give the loss and gradients of keeping everything; the selective
     set runs none of the forward's matrix products again in backward (a full set runs them again), and a plain set
     after it has the full checkpointing function back."""
-    from test_offload import CountMatmuls
-
     torch.manual_seed(0)
     config = presets.get("debug", depth_distribution="fixed")
     config.backprop_depth = 3
     model = __import__("transformers").AutoModelForCausalLM.from_config(config).train()
     ids = torch.randint(0, config.vocab_size, (2, 16))
-
-    def loss_and_grads(recompute):
-        model.zero_grad(set_to_none=True)
-        if recompute is None:
-            model.gradient_checkpointing_disable()
-            model.model.recompute_core_steps = None
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            recompute.apply(model)
-        products = CountMatmuls()
-        with products:
-            loss = model(ids, labels=ids, num_steps=4).loss
-            loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return loss.detach(), grads, products.count
-
-    reference_loss, reference, kept_products = loss_and_grads(None)
+    reference_loss, reference, kept_products = loss_and_grads(model, ids, None)
     everything = RecomputeSet.named("all", config, 3)
     selective = RecomputeSet(everything.prelude, everything.core_steps, everything.coda, selective=True)
     assert RecomputeSet.from_dict(selective.to_dict()) == selective and "selectively" in selective.describe()
     for chosen in (RecomputeSet(prelude=(0,), core_steps=(1,)), RecomputeSet(core_steps=(0, 2), coda=(0,)),
                    everything, selective, everything):
-        loss, grads, products = loss_and_grads(chosen)
+        loss, grads, products = loss_and_grads(model, ids, chosen)
         assert torch.equal(loss, reference_loss)
         assert grads.keys() == reference.keys()
         for name in grads:

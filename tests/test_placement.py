@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_recurrent import presets
-from test_memory_plan import SYNTHETIC, fake_24gb_cuda
+from test_memory_plan import SYNTHETIC, fake_24gb_cuda, loss_and_grads
 from trainer_ext.memory import placement as placements
 from trainer_ext.memory.device_profile import SPEC_PROFILES
 from trainer_ext.memory.estimator import GIB, Calibration
@@ -47,19 +47,6 @@ def test_a_placement_survives_its_round_trip_and_old_files_still_read():
         RecomputeSet.from_dict({"prelude": 3})
 
 
-def _loss_and_grads(model, ids, placement, **apply_kwargs):
-    model.zero_grad(set_to_none=True)
-    if placement is None:
-        model.gradient_checkpointing_disable()
-        model.model.recompute_core_steps = None
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        placement.apply(model, **apply_kwargs)
-    loss = model(ids, labels=ids, num_steps=4).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def test_a_mix_of_placements_gives_the_loss_and_gradients_of_keeping_everything(monkeypatch):
     torch.manual_seed(0)
     config = presets.get("debug", depth_distribution="fixed")
@@ -74,10 +61,10 @@ def test_a_mix_of_placements_gives_the_loss_and_gradients_of_keeping_everything(
         contexts.append(self)
 
     monkeypatch.setattr(OffloadActivations, "__init__", record)
-    reference_loss, reference = _loss_and_grads(model, ids, None)
+    reference_loss, reference, _ = loss_and_grads(model, ids, None)
     assert not contexts
     for forward in range(2):  # a second forward gets a context of its own
-        loss, grads = _loss_and_grads(model, ids, MIX, offload_min_bytes=0)
+        loss, grads, _ = loss_and_grads(model, ids, MIX, offload_min_bytes=0)
         assert torch.equal(loss, reference_loss) and grads.keys() == reference.keys()
         for name in grads:
             torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -88,7 +75,7 @@ def test_a_mix_of_placements_gives_the_loss_and_gradients_of_keeping_everything(
     functions = model.model.recompute_core_steps
     assert sorted(functions) == [0, 1, 2] and functions[2] is model.model.coda[0]._gradient_checkpointing_func
     # A set without offload removes the per-forward renewal: no more contexts.
-    _loss_and_grads(model, ids, RecomputeSet(core_steps=(0, 1, 2)))
+    loss_and_grads(model, ids, RecomputeSet(core_steps=(0, 1, 2)))
     assert len(contexts) == 2 and model.model._offload_renewal is None
 
 
