@@ -185,3 +185,33 @@ def test_without_the_gate_training_is_the_plain_loss_and_with_it_the_gate_learns
     assert gate.model.model.exit_gate.weight.abs().sum() > 0  # moved from its zero init
     with pytest.raises(ValueError, match=r"--exit_gate_entropy_weight=-1"):
         RecurrentTrainingArguments(output_dir=str(tmp_path), exit_gate_entropy_weight=-1)
+
+
+def test_hf_recurrent_evaluate_exits_by_the_gate_and_refuses_a_checkpoint_without_one_before_any_work(
+        tiny_data_dir, tmp_path):
+    """hf-recurrent-evaluate --exit_criterion gate: the adaptive rows exit by the checkpoint's gate (the same steps
+    as the model's own forward at that threshold); a checkpoint without a gate, or a threshold outside (0, 1], is
+    refused naming the flag before anything is evaluated."""
+    from trainer_ext.cli import evaluate_checkpoints as evaluate_script
+    from trainer_ext.evaluation.checkpoints import evaluate_checkpoints
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_data_dir)
+    with_gate, without = tmp_path / "gate" / "final", tmp_path / "plain" / "final"
+    gated(vocab_size=len(tokenizer)).save_pretrained(with_gate)
+    RecurrentDepthForCausalLM(presets.get("debug", vocab_size=len(tokenizer))).save_pretrained(without)
+    for path in (with_gate, without):
+        tokenizer.save_pretrained(path)
+    common = ["--data_dir", tiny_data_dir, "--depths", "6", "--max_samples", "2", "--speed_batch_size", "1",
+              "--prompt_len", "4", "--new_tokens", "2", "--speed_repeats", "1", "--cache_cost_samples", "0",
+              "--plots", "false", "--exit_criterion", "gate", "--output_dir", str(tmp_path / "eval")]
+    report = evaluate_checkpoints(evaluate_script.parse_args(["--checkpoints", str(with_gate), *common,
+                                                              "--exit_thresholds", "0.5", "1"]))
+    half, full = report["adaptive_depth"]
+    assert half["exit_criterion"] == "gate" and 1 <= half["mean_steps_used"] < full["mean_steps_used"] <= 6
+    with pytest.raises(ValueError, match=r"--exit_criterion gate: .*plain/final has no learned exit gate"):
+        evaluate_checkpoints(evaluate_script.parse_args(["--checkpoints", str(with_gate), str(without), *common,
+                                                         "--exit_thresholds", "0.5", "--output_dir",
+                                                         str(tmp_path / "x")]))
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match=r"--exit_thresholds \[2.0\]: with --exit_criterion gate"):
+        evaluate_script.parse_args(["--checkpoints", str(with_gate), *common, "--exit_thresholds", "2"])

@@ -19,8 +19,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from hf_recurrent.adaptive_depth import EXIT_CRITERIA
 from hf_recurrent.cost import unrolled_layers
 from hf_recurrent.presets import is_recurrent
 from trainer_ext.checkpoints import check_model_dir
@@ -63,6 +64,10 @@ class EvaluateArguments:
                                       "each is evaluated at the deepest --depths value as the step cap, reporting "
                                       "mean core steps per token, the CE difference to that fixed depth and "
                                       "batch-1 decoding tokens/s with the shared KV cache against that fixed depth."})
+    exit_criterion: str = field(
+        default="state", metadata={"help": "How --exit_thresholds decide (hf_recurrent.adaptive_depth): state (the "
+                                           "state's relative change) or gate (a learned exit gate's cumulative exit "
+                                           "probability; the checkpoints need exit_gate=true)."})
     output_dir: str = field(default=os.path.join("outputs", "evaluate"), metadata={"help": "Where results go."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), bfloat16 or float32."})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
@@ -78,6 +83,12 @@ class EvaluateArguments:
             raise ValueError(f"--depths {self.depths}: give one or more integers >= 1.")
         if self.exit_thresholds is not None and any(not t >= 0 for t in self.exit_thresholds):
             raise ValueError(f"--exit_thresholds {self.exit_thresholds}: give numbers >= 0.")
+        if self.exit_criterion not in EXIT_CRITERIA:
+            raise ValueError(f"--exit_criterion={self.exit_criterion!r} is not allowed; choose one of "
+                             f"{list(EXIT_CRITERIA)}.")
+        if self.exit_criterion == "gate" and any(not 0 < t <= 1 for t in self.exit_thresholds or ()):
+            raise ValueError(f"--exit_thresholds {self.exit_thresholds}: with --exit_criterion gate give cumulative "
+                             "exit probabilities in (0, 1].")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype={self.dtype!r} is not allowed; choose one of {list(DTYPES)}.")
         for name in ("batch_size", "speed_batch_size", "prompt_len", "new_tokens", "speed_repeats",
@@ -194,10 +205,12 @@ def adaptive_depth_records(args: EvaluateArguments, model, dataset, records: lis
     for threshold in args.exit_thresholds:
         logger.info("adaptive depth: exit threshold %g, at most %d steps", threshold, n_max)
         quality = evaluate_model(model, dataset, num_steps=n_max, batch_size=args.batch_size,
-                                 exit_threshold=threshold)
+                                 exit_threshold=threshold, exit_criterion=args.exit_criterion)
         with kv_cache_mode(model, "shared"):
-            exit_speed = generation_speed(model, exit_threshold=threshold, **speed)[1]
-        rows.append({"num_steps": n_max, "exit_threshold": threshold, "mean_steps_used": quality["mean_steps_used"],
+            exit_speed = generation_speed(model, exit_threshold=threshold, exit_criterion=args.exit_criterion,
+                                          **speed)[1]
+        rows.append({"num_steps": n_max, "exit_threshold": threshold, "exit_criterion": args.exit_criterion,
+                     "mean_steps_used": quality["mean_steps_used"],
                      "ce": quality["ce"], "top1": quality["top1"], "ce_fixed_depth": fixed["ce"],
                      "ce_increase": quality["ce"] - fixed["ce"], "tokens": quality["tokens"],
                      "decode_tokens_per_s": exit_speed, "decode_tokens_per_s_fixed_depth": fixed_speed,
@@ -213,6 +226,14 @@ def evaluate_checkpoints(args: EvaluateArguments) -> dict:
     if len(set(labels)) != len(labels):
         raise ValueError(f"--labels: the names {labels} repeat; give each checkpoint its own label with --labels.")
 
+    if args.exit_thresholds and args.exit_criterion == "gate":  # before any work: which checkpoints have a gate
+        for checkpoint in args.checkpoints:
+            check_model_dir(checkpoint, "--checkpoints")
+            config = AutoConfig.from_pretrained(checkpoint)
+            if is_recurrent(config) and not getattr(config, "exit_gate", False):
+                raise ValueError(f"--exit_criterion gate: {checkpoint} has no learned exit gate (its config has "
+                                 "exit_gate false); train one with --config_overrides exit_gate=true, or evaluate it "
+                                 "with --exit_criterion state.")
     heldout = ShardedTokenDataset(args.data_dir, args.split)
     num_samples = len(heldout) if args.max_samples is None else min(len(heldout), args.max_samples)
     unigram_ce = unigram_cross_entropy(torch.utils.data.Subset(heldout, range(num_samples)))
