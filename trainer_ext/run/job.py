@@ -38,6 +38,7 @@ from trainer_ext.training.arguments import (
     ModelArguments,
     RecurrentTrainingArguments,
 )
+from trainer_ext.training.depth_supervision import EXIT_GATE_WITH_A_TEACHER
 from trainer_ext.training.distributed import check_processes_coordinated
 from trainer_ext.training.output_dir import check_steps_left, resolve_checkpoint
 
@@ -103,6 +104,9 @@ class TrainingJob:
                 check_model_dir(path, option)
         if data_args.teacher_cache_dir and model_args.teacher_model_name_or_path:
             raise ValueError("Pass either --teacher_model_name_or_path (online) or --teacher_cache_dir (offline).")
+        distilling = data_args.teacher_cache_dir or model_args.teacher_model_name_or_path
+        if distilling and config is not None and getattr(config, "exit_gate", False):
+            raise ValueError(EXIT_GATE_WITH_A_TEACHER)
         job = cls(model_args, data_args, training_args, overrides, config, teacher_cache=None,
                   swept_learning_rate=None, checkpoint=None, checkpoint_found=False, teacher_tokenizer_checked=False)
         cache_dir = data_args.teacher_cache_dir

@@ -55,6 +55,12 @@ def supervised_steps(num_steps: int, num_graph_steps: int, count: int) -> list[i
     return [first + j * num_graph_steps // count for j in range(1, count + 1)]
 
 
+EXIT_GATE_WITH_A_TEACHER = (
+    "exit_gate=true trains the gate with the expected CE over depths, which does not combine with distillation yet: "
+    "train without a teacher (no --teacher_model_name_or_path / --teacher_cache_dir), or set exit_gate=false in "
+    "--config_overrides.")
+
+
 def supervision_for(args, recurrent: bool, exit_gate: bool = False) -> DepthSupervision | None:
     """The trainer's DepthSupervision from its arguments (`--depth_supervision`, `--depth_supervision_weights`), or
     None for the plain loss at the last depth. A model with an exit gate (`exit_gate`, its config's) gets the
@@ -186,9 +192,7 @@ class ExitGateLoss(DepthSupervision):
         """`lm_loss`: the trainer's `chunked_lm_loss` partial, read for its head weight, targets and chunk size."""
         bound = lm_loss.keywords
         if bound.get("teacher") is not None:
-            raise ValueError("exit_gate=True trains the gate with the expected CE over depths, which does not combine "
-                             "with distillation yet: train without a teacher (no --teacher / --teacher_cache), or "
-                             "set exit_gate=false in --config_overrides.")
+            raise ValueError(EXIT_GATE_WITH_A_TEACHER)
         weight, labels = bound["lm_head_weight"], bound["labels"]
         lambdas = torch.stack([torch.sigmoid(decoder.exit_gate(captured.states[step]).float().squeeze(-1))
                                for step in captured.steps])  # (K, B, T)
