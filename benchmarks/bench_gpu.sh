@@ -32,7 +32,8 @@
 #       24 GiB cap: MFU table and ratio to the GaLore peer; $OUT/peers.jsonl (STEPS default 12, SECONDS_LIMIT 540)
 #   bash benchmarks/bench_gpu.sh adaptive [evaluate args]   recurrent-125m trained on ~12M tokens of Python sources
 #       (STEPS default 360 of 32 x 1024), then evaluated at n = 1 / 4 / 12 and with exit thresholds at n_max = 12:
-#       mean core steps, CE cost, batch-1 decoding tokens/s with the shared cache; $OUT/adaptive/results.md
+#       mean core steps, CE cost, batch-1 decoding tokens/s with the shared cache; $OUT/adaptive/results.md (GATE=1:
+#       trained with exit_gate=true, evaluated by the state criterion and by the gate; $OUT/adaptive_gate/results.md)
 #   bash benchmarks/bench_gpu.sh ablation [depth_ablation args]   recurrent-125m arms, held-out CE at n = 1 / 4 / 12
 #   bash benchmarks/bench_gpu.sh optimizer   the fused optimizer kernels: their GPU tests, single-tensor updates of the
 #       7B shapes fused against the compiled torch functions (MOMENTA: none full subspace; VARIANTS: fused torch;
@@ -159,7 +160,7 @@ case $STAGE in
       --max_seconds "${SECONDS_LIMIT:-540}" --output_dir "$OUT/peers" --output "$OUT/peers.jsonl" "$@" 2>&1 | quiet
     for log in "$OUT"/peers/*.log; do tail -60 "$log" > "$log.tail" && mv "$log.tail" "$log"; done ;;
   adaptive)
-    DATA_PY=outputs/data/py_12m RUN=outputs/adaptive_125m
+    DATA_PY=outputs/data/py_12m RUN=outputs/adaptive_125m${GATE:+_gate}  # GATE=1: trained with a learned exit gate
     PURELIB=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
     [ -f $DATA_PY/manifest.json ] || python3 -m scripts.prepare_data --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" \
       --output_dir $DATA_PY --vocab_size 32768 --tokenizer_train_documents 6000 --seq_len 1024 --eval_samples 128 \
@@ -167,12 +168,16 @@ case $STAGE in
     [ -f $RUN/final/config.json ] || python3 -m scripts.run_pretrain --preset recurrent-125m --data_dir $DATA_PY \
       --output_dir $RUN --max_steps "${STEPS:-360}" --per_device_train_batch_size 32 --learning_rate 1e-3 \
       --warmup_steps 30 --lr_scheduler_type cosine --bf16 true --eval_strategy no --save_strategy no \
-      --disable_tqdm true --logging_steps 20 > "$OUT/adaptive_train.log" 2>&1
+      --disable_tqdm true --logging_steps 20 ${GATE:+--config_overrides exit_gate=true} > "$OUT/adaptive_train.log" 2>&1
     grep -E "tokens_per_second|rror" "$OUT/adaptive_train.log" | tail -2 | cut -c1-300
     python3 -m scripts.evaluate_checkpoints --checkpoints $RUN/final --labels recurrent-125m --data_dir $DATA_PY \
       --depths 1 4 12 --cache_cost_depths 12 --exit_thresholds 0.3 0.1 0.05 0.03 0.01 0.003 --new_tokens 64 \
       --output_dir "$OUT/adaptive" --plots false "$@" > "$OUT/adaptive_eval.log" 2>&1
-    echo "evaluate exit code $?"; cat "$OUT/adaptive/results.md" ;;
+    echo "evaluate exit code $?"; cat "$OUT/adaptive/results.md"
+    [ -z "${GATE:-}" ] || python3 -m scripts.evaluate_checkpoints --checkpoints $RUN/final --labels gate \
+      --data_dir $DATA_PY --depths 12 --cache_cost_samples 0 --exit_criterion gate --exit_thresholds 0.5 0.7 0.9 0.95 \
+      --new_tokens 64 --output_dir "$OUT/adaptive_gate" --plots false > "$OUT/adaptive_gate_eval.log" 2>&1 \
+      && cat "$OUT/adaptive_gate/results.md" ;;
   ablation)
     prepare_1024
     timeout "${SECONDS_LIMIT:-36000}" python3 benchmarks/depth_ablation.py --data_dir $DATA_1024 \
