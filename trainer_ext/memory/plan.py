@@ -1,10 +1,11 @@
 """The memory planner: batch size and recompute set decided once, before training, for a memory cap.
 
 For each candidate batch size a mixed-integer program (`placement.py`, `scipy.optimize.milp`, HiGHS) chooses where
-each prelude layer, coda layer and graph-building core step keeps what backward needs (keep, recompute, selective
-recomputation, offload to pinned host memory), minimising the predicted step time subject to the predicted peak
-reserved memory <= cap - margin and the host-memory bound (`estimator.py`'s calibrated terms, `placement.py`'s analytic
-ones; both linear in the choice at a fixed batch size). The batch size with the highest predicted tokens/s wins. A plain
+each prelude layer, coda layer and graph-building core step keeps what backward needs (keep or recompute; with
+`placements="all"` also selective recomputation and offload to pinned host memory), minimising the predicted step
+time subject to the predicted peak reserved memory <= cap - margin and the host-memory bound (`estimator.py`'s
+calibrated terms, `placement.py`'s analytic ones; both linear in the choice at a fixed batch size). The batch size
+with the highest predicted tokens/s wins. A plain
 Transformer's layers count as prelude layers, and its choice is all of them or none: what transformers' checkpointing
 flag carries out. On several processes (data parallel or FSDP2) it plans one rank, whose weights, optimizer state and
 buffers `processes.py` accounts; the batch is per device. The plan is fixed for the run: nothing adapts during training.
