@@ -256,15 +256,20 @@ def test_tokenization_bpe_training_and_evaluation_log_progress(progress_lines, t
                                  eval_samples=8))
     torch.manual_seed(0)
     model = RecurrentDepthForCausalLM(presets.get("debug", vocab_size=384))
-    forward = model.forward
+    decoder = model.base_model  # what evaluate_model runs (the LM head is applied in chunks after it)
+    forward = decoder.forward
+
+    calls = []
 
     def slow_forward(*args, **kwargs):  # a phase shorter than the interval logs nothing: make each batch last
+        calls.append(1)
         time.sleep(0.02)
         return forward(*args, **kwargs)
 
-    model.forward = slow_forward
+    decoder.forward = slow_forward
     eval_set = torch.utils.data.Subset(ShardedTokenDataset(tiny_data_dir, "eval"), range(6))
     evaluate_model(model, eval_set, num_steps=2, batch_size=2)
+    assert len(calls) == 3  # each of the 3 batches took at least 20 ms
     lines = progress_lines()
     for phase in (r"BPE training: [\d,]+/60 doc", r"Packing: \S+ tok", r"eval n=2: \d/3 batch \(\d+%\)"):
         assert any(re.match(phase, line) for line in lines), (phase, lines)
