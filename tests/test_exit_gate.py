@@ -19,7 +19,7 @@ from trainer_ext.training.depth_supervision import ExitGateLoss
 from trainer_ext.training.exit_gate import exit_distribution, expected_exit_loss, token_ce
 from trainer_ext.training.trainer import RecurrentTrainer
 
-from test_exits import left_padded
+from test_exits import decode, left_padded
 
 CLOSE = dict(atol=1e-5, rtol=1e-5)
 
@@ -35,18 +35,6 @@ def gated(seed=0, **overrides) -> RecurrentDepthForCausalLM:
     return model
 
 
-def decode(model, ids, mask, prefix_len, threshold):
-    out = model(ids[:, :prefix_len], attention_mask=mask[:, :prefix_len], num_steps=12, use_cache=True,
-                exit_threshold=threshold, exit_criterion="gate")
-    cache, used, logits = out.past_key_values, [out.num_steps_used], [out.logits]
-    for i in range(prefix_len, ids.shape[1]):
-        out = model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], num_steps=12, exit_threshold=threshold,
-                    exit_criterion="gate", past_key_values=cache)
-        logits.append(out.logits)
-        used.append(out.num_steps_used)
-    return torch.cat(logits, dim=1), torch.cat(used, dim=1), cache
-
-
 @pytest.mark.parametrize("mode", ["shared", "per_step"])
 def test_gate_exits_in_a_left_padded_batch_equal_the_masked_reference(mode, monkeypatch):
     model = gated(kv_cache_mode=mode)
@@ -56,7 +44,7 @@ def test_gate_exits_in_a_left_padded_batch_equal_the_masked_reference(mode, monk
         monkeypatch.setattr(adaptive_depth, "COMPACT_EXITED_STEPS", compact)
         monkeypatch.setattr(adaptive_depth, "SKIP_EXITED_STEPS", skip)
         with torch.no_grad():
-            runs.append(decode(model, ids, mask, 8, threshold=0.8))
+            runs.append(decode(model, ids, mask, 8, threshold=0.8, criterion="gate"))
     (logits, used, cache), (ref_logits, ref_used, ref_cache) = runs
     assert torch.equal(used, ref_used) and len(used[mask.bool()].unique()) > 2
     torch.testing.assert_close(logits, ref_logits, **CLOSE)

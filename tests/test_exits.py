@@ -83,14 +83,13 @@ def test_a_full_forward_runs_later_steps_on_the_rows_still_iterating_and_equals_
     assert compacted_tokens < 0.9 * masked_tokens
 
 
-def decode(model, ids, mask, prefix_len, threshold=MIXED):
+def decode(model, ids, mask, prefix_len, threshold=MIXED, criterion="state"):
     """Prefill `ids[:, :prefix_len]`, then one token per row at a time: (logits, steps used, cache)."""
-    out = model(ids[:, :prefix_len], attention_mask=mask[:, :prefix_len], num_steps=12, use_cache=True,
-                exit_threshold=threshold)
+    exits = dict(num_steps=12, exit_threshold=threshold, exit_criterion=criterion)
+    out = model(ids[:, :prefix_len], attention_mask=mask[:, :prefix_len], use_cache=True, **exits)
     cache, used, logits = getattr(out, CACHE_FIELD), [out.num_steps_used], [out.logits]
     for i in range(prefix_len, ids.shape[1]):
-        out = model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], num_steps=12, exit_threshold=threshold,
-                    **{CACHE_FIELD: cache})
+        out = model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], **exits, **{CACHE_FIELD: cache})
         logits.append(out.logits)
         used.append(out.num_steps_used)
     return torch.cat(logits, dim=1), torch.cat(used, dim=1), cache
