@@ -28,6 +28,8 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+MIN_OFFLOAD_BYTES = 1 << 20  # smaller saved tensors stay on the device: their copies cost more than they free
+
 # Ops whose outputs selective recomputation saves: the matrix products and attention (their FLOPs), not the cheap
 # elementwise ops around them.
 SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
@@ -52,7 +54,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """Saved tensors of at least `min_bytes` go to host memory while the forward runs and come back, prefetched, in
     backward (module docstring). One context per forward; it may be entered again for the next one."""
 
-    def __init__(self, min_bytes: int = 1 << 20, max_host_bytes: int | None = None):
+    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES, max_host_bytes: int | None = None):
         self.min_bytes, self.max_host_bytes = min_bytes, max_host_bytes
         self.host_bytes = 0  # held on the host now
         self.offloaded = 0  # tensors moved to the host, over the context's life
@@ -149,7 +151,7 @@ class OffloadedForward:
     context is entered eagerly and the layer's forward inside it stays compiled, so the compiled graph's saved
     tensors pass through the hooks (torchtune's pattern: hooks outside the compiled region)."""
 
-    def __init__(self, min_bytes: int = 1 << 20, max_host_bytes: int | None = None):
+    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES, max_host_bytes: int | None = None):
         self.min_bytes, self.max_host_bytes = min_bytes, max_host_bytes
         self.context: OffloadActivations | None = None
 

@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 
 from hf_recurrent.presets import is_recurrent
-from trainer_ext.memory.offload import OffloadedForward, selective_checkpoint
+from trainer_ext.memory.offload import MIN_OFFLOAD_BYTES, OffloadedForward, selective_checkpoint
 
 # Named sets the memory probes and the command line use, for a model with P prelude, C coda layers and G graph steps.
 NAMED_SETS = ("all", "none", "prelude_coda", "core", "half_core")
 KEEP, RECOMPUTE, SELECTIVE, OFFLOAD = "keep", "recompute", "selective", "offload"
 PLACEMENTS = (KEEP, RECOMPUTE, SELECTIVE, OFFLOAD)
 SECTIONS = ("prelude", "core_steps", "coda")
-DEFAULT_OFFLOAD_MIN_BYTES = 1 << 20  # smaller saved tensors stay on the device (`OffloadActivations.min_bytes`)
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,7 @@ class RecomputeSet:
         return "; ".join(parts) if parts else "nothing recomputed"
 
     def apply(self, model, max_host_bytes: int | None = None,
-              offload_min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES) -> None:
+              offload_min_bytes: int = MIN_OFFLOAD_BYTES) -> None:
         """Set the checkpointing flag and function of each layer of `model` (a RecurrentDepthForCausalLM, or a wrapper
         of one) and its `recompute_core_steps`. Checkpointing must have been enabled on the model first (the Trainer
         does it when `activation_checkpointing` is on), so that each layer has its checkpoint function. Offloaded
