@@ -1,12 +1,13 @@
 """Learned exit gate against the state criterion: steps saved per nat lost, and what the gate costs to train.
 
     python -m benchmarks.exit_comparison --seeds 0 1 2      # the debug preset on the embedded corpus, CPU
+    python -m benchmarks.exit_comparison --seeds 0 1 2 --config_overrides mean_recurrence=8,backprop_depth=4
 
 For each seed, the `debug` preset is trained twice with the Quickstart's schedule (240 steps of 8 x 256 tokens, lr
 3e-3, 30 warm-up steps, cosine), the same seed and data order: `plain` (today's loss at the sampled depth) and `gate`
-(`--config_overrides exit_gate=true`: Ouro's expected loss over every step with gradients, entropy weight
+(`--config_overrides exit_gate=true`: Ouro's expected loss over depths, trainer_ext/training/exit_gate.py; entropy weight
 `--entropy_weight`). Each model is then evaluated on the held-out split (full forward passes, CE in nats per token)
-at fixed depths 1..n_max (n_max: the preset's mean_recurrence) and with adaptive depth at n_max: the state criterion
+at fixed depths 1..n_max (n_max: the trained config's mean_recurrence) and with adaptive depth at n_max: the state criterion
 on both models, the gate criterion on the gate model, at several thresholds. Per row: mean core steps per token, CE,
 the CE cost against the same model at the fixed depth n_max, and steps saved per nat lost (n_max - mean steps) / CE
 cost (blank where the cost is <= 0: nothing lost). Training cost: seconds per optimizer step from the trainer's own
@@ -35,6 +36,7 @@ ARMS = {"plain": "", "gate": "exit_gate=true"}
 
 
 def train(arm: str, seed: int, args, out_dir: str) -> None:
+    overrides = ",".join(filter(None, [args.config_overrides, ARMS[arm]]))
     command = [
         sys.executable, "-m", "scripts.run_pretrain", "--preset", "debug", "--data_dir", args.data_dir,
         "--output_dir", out_dir, "--max_steps", str(args.steps), "--per_device_train_batch_size", str(args.batch_size),
@@ -42,7 +44,7 @@ def train(arm: str, seed: int, args, out_dir: str) -> None:
         "--lr_scheduler_type", "cosine", "--eval_strategy", "no", "--save_strategy", "no", "--logging_steps", "20",
         "--disable_tqdm", "true", "--seed", str(seed), "--report_to", "none", "--overwrite_output_dir", "true",
         "--exit_gate_entropy_weight", str(args.entropy_weight),
-        *(["--config_overrides", ARMS[arm]] if ARMS[arm] else []),
+        *(["--config_overrides", overrides] if overrides else []),
     ]
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "train.log"), "w") as log:
@@ -121,6 +123,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default=DEFAULT_OUTPUT_DIR, help="prepared shards (default: the embedded "
                                                                         "corpus, prepared there if missing)")
+    parser.add_argument("--config_overrides", default="", help="Config overrides of both models (k=v,...), e.g. "
+                        "mean_recurrence=8,backprop_depth=4 for recurrent-125m's depths (steps without gradients).")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=240)
     parser.add_argument("--batch_size", type=int, default=8)
