@@ -3,16 +3,15 @@
     python -m benchmarks.exit_comparison --seeds 0 1 2      # the debug preset on the embedded corpus, CPU
     python -m benchmarks.exit_comparison --seeds 0 1 2 --config_overrides mean_recurrence=8,backprop_depth=4
 
-For each seed, the `debug` preset is trained twice with the Quickstart's schedule (240 steps of 8 x 256 tokens, lr
-3e-3, 30 warm-up steps, cosine), the same seed and data order: `plain` (today's loss at the sampled depth) and `gate`
+For each seed, the `debug` preset is trained twice with the Quickstart's schedule (240 steps of 8 x 256 tokens, lr 3e-3,
+30 warm-up steps, cosine), the same seed and data order: `plain` (today's loss at the sampled depth) and `gate`
 (`--config_overrides exit_gate=true`: Ouro's expected loss over depths, trainer_ext/training/exit_gate.py; entropy
 weight `--entropy_weight`). Each model is then evaluated on the held-out split (full forward passes, CE in nats per
 token) at fixed depths 1..n_max (n_max: the trained config's mean_recurrence) and with adaptive depth at n_max: the
-state criterion on
-both models, the gate criterion on the gate model, at several thresholds. Per row: mean core steps per token, CE,
-the CE cost against the same model at the fixed depth n_max, and steps saved per nat lost (n_max - mean steps) / CE
-cost (blank where the cost is <= 0: nothing lost). Training cost: seconds per optimizer step from the trainer's own
-`train_seconds` between its first and last log (steps 20 to 240), gate over plain.
+state criterion on both models, the gate criterion on the gate model, at several thresholds. Per row: mean core steps
+per token, CE, the CE cost against the same model at the fixed depth n_max, and steps saved per nat lost (n_max - mean
+steps) / CE cost (blank where the cost is <= 0: nothing lost). Training cost: seconds per optimizer step from the
+trainer's own `train_seconds` between its first and last log (steps 20 to 240), gate over plain.
 
 Writes <output_dir>/results.jsonl (one row per seed, model and setting), training logs under <output_dir>/<arm>_seed<s>
 and a table per seed and a summary over seeds in results.md. Finished trainings are read back, not retrained.

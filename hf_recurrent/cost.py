@@ -47,14 +47,16 @@ def graph_steps(config, num_steps: int | None = None, backprop_depth: int | None
 
 
 def flops_per_token(config, num_steps: int | None = None, backprop_depth: int | None = None,
-                    seq_len: int = 2048, training: bool = True, supervised_depths: int = 1) -> float:
+                    seq_len: int = 2048, training: bool = True, supervised_depths: int = 1,
+                    readout_only_depths: int = 0) -> float:
     """FLOPs per token of one training step (forward + backward), or of inference if `training` is False.
 
     For a recurrent config: depth `num_steps` (default `mean_recurrence`), gradients through the last
     `backprop_depth` steps (default the config's; None = all). A plain Transformer config has neither.
     `supervised_depths` (training, deep supervision over depth): the loss is taken at that many depths, at most the
     graph-building steps; each depth but the last runs the coda, the final norm (not counted) and the LM head once
-    more, forward and backward.
+    more, forward and backward. `readout_only_depths`: depths read out once more without gradients (the coda and
+    the LM head forward only: an exit gate's steps that the loss does not train the model at).
     """
     layer = _layer_forward_flops(config, seq_len)
     head = 2 * config.hidden_size * config.vocab_size
@@ -71,7 +73,8 @@ def flops_per_token(config, num_steps: int | None = None, backprop_depth: int | 
         return unique + num_steps * step
     extra_readouts = min(max(supervised_depths, 1), backprop_depth) - 1
     readout = config.n_coda_layers * layer + head
-    return 3 * (unique + backprop_depth * step + extra_readouts * readout) + (num_steps - backprop_depth) * step
+    return (3 * (unique + backprop_depth * step + extra_readouts * readout) + (num_steps - backprop_depth) * step
+            + readout_only_depths * readout)
 
 
 @dataclass(frozen=True)

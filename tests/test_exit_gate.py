@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from hf_recurrent import RecurrentDepthConfig, RecurrentDepthForCausalLM, adaptive_depth, presets
+from hf_recurrent import RecurrentDepthConfig, RecurrentDepthForCausalLM, adaptive_depth, cost, flops_per_token, presets
 from trainer_ext.data.shards import ShardedTokenDataset
 from trainer_ext.distill.losses import chunked_lm_loss
 from trainer_ext.training.arguments import TARGETS, RecurrentTrainingArguments
@@ -134,6 +134,43 @@ def test_expected_loss_matches_a_hand_computed_value_and_its_gradient_reaches_th
     logs = objective.logs()
     assert sorted(k for k in logs if k.startswith("ce_depth_")) == [f"ce_depth_{i}" for i in range(1, 5)]
     assert 1 <= logs["exit_gate_mean_step"] <= 4 and logs["exit_gate_entropy"] == pytest.approx(math.log(4), abs=0.2)
+
+
+def test_the_gate_trains_on_every_step_it_is_read_at_the_model_on_the_steps_with_gradients():
+    """With gradients through the last 2 of 6 steps, the gate's objective still covers all 6 (inference reads the gate
+    after each): its value and the gate's gradient equal the expected loss over the 6 steps' CE (each from a forward
+    at that depth) and gates; the model's gradient comes from the last two; the 4 extra readouts count as FLOPs."""
+    model = gated().train()
+    ids = torch.randint(3, 500, (2, 8))
+    objective, depth = ExitGateLoss(1, 0.05), {"num_steps": 6, "backprop_depth": 2}
+    with objective.capture(model.model, depth) as captured:
+        hidden = model.model(ids, use_cache=False, **depth).last_hidden_state
+    assert captured.steps == [1, 2, 3, 4, 5, 6] and captured.gate_only == [1, 2, 3, 4]
+    lm_loss = functools.partial(chunked_lm_loss, lm_head_weight=model.lm_head.weight, labels=ids)
+    out = objective.loss(model.model, hidden, captured, lm_loss)
+    out.loss.backward()
+    gate = [model.model.exit_gate.weight, model.model.exit_gate.bias]
+
+    with torch.no_grad():
+        ce = torch.stack([token_ce(model.model(ids, num_steps=n, use_cache=False).last_hidden_state,
+                                   model.lm_head.weight, ids) for n in range(1, 7)])
+        states = model.model(ids, num_steps=6, use_cache=False, output_hidden_states=True).hidden_states
+    first = 1 + model.config.n_prelude_layers  # the state after step 1
+    lambdas = torch.stack([torch.sigmoid(model.model.exit_gate(s).squeeze(-1)) for s in states[first:first + 6]])
+    reference = expected_exit_loss(lambdas, ce, torch.ones_like(ids, dtype=torch.bool), 0.05)[0]
+    torch.testing.assert_close(out.loss, reference, **CLOSE)
+    for got, want in zip([p.grad for p in gate], torch.autograd.grad(reference, gate)):
+        torch.testing.assert_close(got, want, **CLOSE)
+    assert model.model.core[0].mlp.up_proj.weight.grad.abs().sum() > 0
+    assert sorted(objective.logs()) == sorted([f"ce_depth_{i}" for i in range(1, 7)]
+                                              + ["exit_gate_entropy", "exit_gate_mean_step"])
+
+    readouts = objective.flops_kwargs(model.config, depth)
+    assert readouts["readout_only_depths"] == 4
+    readout = model.config.n_coda_layers * cost._layer_forward_flops(model.config, 8) + 2 * model.config.hidden_size \
+        * model.config.vocab_size
+    assert flops_per_token(model.config, 6, 2, seq_len=8, **readouts) == pytest.approx(
+        flops_per_token(model.config, 6, 2, seq_len=8, supervised_depths=readouts["supervised_depths"]) + 4 * readout)
 
 
 def make_trainer(data_dir, out_dir, exit_gate: bool, **overrides):

@@ -22,8 +22,9 @@ The states and the coda's call arguments (causal mask, rotary phases) are taken 
 while the training forward runs (through whatever wraps the model: DDP, FSDP2), and removed after it, before backward
 (a recomputing checkpoint must not fire them again). Evaluation is unchanged: the loss at the evaluation depth.
 
-A model with a learned exit gate (`config.exit_gate`) trains on Ouro's expected loss over the same captured depths
-instead of fixed weights: `ExitGateLoss` (the objective's math in exit_gate.py), chosen by `supervision_for`.
+A model with a learned exit gate (`config.exit_gate`) trains on Ouro's expected loss over depths instead of fixed
+weights: `ExitGateLoss` (the objective's math in exit_gate.py), chosen by `supervision_for`; it captures the state
+after every step, the gate being read after each at inference, and trains the model at the same supervised depths.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class SupervisedStates:
     steps: list[int]
     states: dict[int, torch.Tensor] = field(default_factory=dict)
     coda_kwargs: list[dict] = field(default_factory=list)
+    # Steps read without gradients to the model (an exit gate's, before or between the supervised ones).
+    gate_only: list[int] = field(default_factory=list)
 
 
 class DepthSupervision:
@@ -104,14 +107,21 @@ class DepthSupervision:
         num_steps = depth["num_steps"]
         return supervised_steps(num_steps, graph_steps(config, num_steps, depth.get("backprop_depth")), self.count)
 
+    def flops_kwargs(self, config, depth: dict) -> dict:
+        """`hf_recurrent.flops_per_token`'s keywords for a training step at `depth`: the depths read out."""
+        return {"supervised_depths": self.count}
+
     def weights(self, steps: list[int]) -> list[float]:
         return [float(step) for step in steps] if self.weighting == "linear" else [1.0] * len(steps)
+
+    def states_for(self, config, depth: dict) -> SupervisedStates:
+        return SupervisedStates(self.steps_for(config, depth))
 
     @contextlib.contextmanager
     def capture(self, decoder, depth: dict) -> Iterator[SupervisedStates]:
         """Around the training forward of `decoder` (the `RecurrentDepthModel`) at `depth` ({"num_steps",
         "backprop_depth"}): yields the SupervisedStates it fills."""
-        captured = SupervisedStates(self.steps_for(decoder.config, depth))
+        captured = self.states_for(decoder.config, depth)
         wanted = set(captured.steps if self.keeps_last_state else captured.steps[:-1])
         calls = [0]
 
@@ -177,8 +187,9 @@ class DepthSupervision:
 
 
 class ExitGateLoss(DepthSupervision):
-    """`DepthSupervision`'s capture and readouts with Ouro's expected loss over the supervised depths
-    (exit_gate.py). `count`: `--depth_supervision` (1: every step with gradients); `entropy_weight`: beta."""
+    """`DepthSupervision`'s capture and readouts with Ouro's expected loss over depths (exit_gate.py), the gate read
+    after every step (as at inference), the model trained at the supervised steps. `count`: `--depth_supervision`
+    (1: every step with gradients); `entropy_weight`: beta."""
 
     keeps_last_state = True
 
@@ -187,6 +198,15 @@ class ExitGateLoss(DepthSupervision):
         self.entropy_weight = entropy_weight
         self._gate_window = [0.0, 0.0, 0]  # summed expected exit step, entropy (on the device), steps
 
+    def states_for(self, config, depth: dict) -> SupervisedStates:
+        trained = self.steps_for(config, depth)
+        every = list(range(1, depth["num_steps"] + 1))
+        return SupervisedStates(every, gate_only=[step for step in every if step not in trained])
+
+    def flops_kwargs(self, config, depth: dict) -> dict:
+        trained = self.steps_for(config, depth)
+        return {"supervised_depths": self.count, "readout_only_depths": depth["num_steps"] - len(trained)}
+
     def loss(self, decoder, final_hidden: torch.Tensor, captured: SupervisedStates,
              lm_loss: Callable[..., LossOutput]) -> LossOutput:
         """`lm_loss`: the trainer's `chunked_lm_loss` partial, read for its head weight, targets and chunk size."""
@@ -194,18 +214,28 @@ class ExitGateLoss(DepthSupervision):
         if bound.get("teacher") is not None:
             raise ValueError(EXIT_GATE_WITH_A_TEACHER)
         weight, labels = bound["lm_head_weight"], bound["labels"]
-        lambdas = torch.stack([torch.sigmoid(decoder.exit_gate(captured.states[step]).float().squeeze(-1))
-                               for step in captured.steps])  # (K, B, T)
-        ce = []
+        gate_only = set(captured.gate_only)
+        lambdas, ce = [], []
         for step in captured.steps:
-            hidden = self.readout(decoder, final_hidden, captured, step)
-            ce.append(token_ce(hidden, weight, labels, bound.get("chunk_size")))
+            state = captured.states[step]
+            lambdas.append(torch.sigmoid(decoder.exit_gate(state.detach() if step in gate_only else state)
+                                         .float().squeeze(-1)))
+            with torch.no_grad() if step in gate_only else contextlib.nullcontext():
+                hidden = self.readout(decoder, final_hidden, captured, step)
+                ce.append(token_ce(hidden, weight, labels, bound.get("chunk_size")))
             del hidden
-        ce = torch.stack(ce)  # (K, B, T)
+        lambdas, ce = torch.stack(lambdas), torch.stack(ce)  # (S, B, T): every step
         keep = labels != IGNORE_INDEX
-        loss, _, entropy = expected_exit_loss(lambdas, ce, keep, self.entropy_weight)
+        # Value and the gate's gradient: the expected CE over every step (CE as constants).
+        loss, _, entropy = expected_exit_loss(lambdas, ce.detach(), keep, self.entropy_weight)
+        # The model's gradient: each supervised step's CE weighted by the gate's exit probability there, normalised
+        # over those steps (with every step supervised, exactly the gradient of the expected loss).
+        trained = [j for j, step in enumerate(captured.steps) if step not in gate_only]
+        p = exit_distribution(lambdas.detach())[trained]
+        model_ce = torch.where(keep, (p / p.sum(0).clamp_min(1e-12) * ce[trained]).sum(0), 0.0).sum()
         count = keep.sum().clamp(min=1)
-        mean_ce = torch.where(keep, ce.detach(), 0.0).flatten(1).sum(-1) / count  # (K,)
+        loss = loss + (model_ce - model_ce.detach()) / count
+        mean_ce = torch.where(keep, ce.detach(), 0.0).flatten(1).sum(-1) / count  # (S,)
         for step, step_ce in zip(captured.steps, mean_ce):
             self.count_ce(step, step_ce)
         with torch.no_grad():

@@ -2,12 +2,12 @@
 is here; `ExitGateLoss` (depth_supervision.py) applies it to the states a training step captured.
 
 The gate reads the core state after each step, lambda_i = sigmoid(gate(s_i)) (the state the next step and the coda
-read, after `state_norm`). Over the supervised steps i_1 < ... < i_K of a training step, each token's exit
-distribution is
+read, after `state_norm`). Over the steps i_1 < ... < i_K a training step reads it at (which: below), each token's
+exit distribution is
 
     p_j = lambda_{i_j} * prod_{l<j} (1 - lambda_{i_l})      (j < K),     p_K = prod_{l<K} (1 - lambda_{i_l})
 
-(the last supervised step takes the remaining mass), and the loss, averaged over the positions with a target, is
+(the last step takes the remaining mass), and the loss, averaged over the positions with a target, is
 
     loss = sum_j p_j * CE_j  -  beta * H(p),       H(p) = -sum_j p_j log p_j
 
@@ -15,10 +15,21 @@ with CE_j the token's cross-entropy read out after step i_j (coda, final norm, L
 and beta `--exit_gate_entropy_weight` (Ouro uses about 0.05; the entropy keeps the gate from collapsing onto one
 depth early in training). Gradients reach the gate through p and the model through each CE_j, weighted by p_j.
 
-Which depths: those of deep supervision (depth_supervision.py, the same capture of the states): `--depth_supervision
-K` evenly spaced among the steps with gradients, the last included; with K = 1 (the default) every step with
-gradients, so the gate is trained at each step at which inference may read it. `--depth_supervision_weights` plays no
-part (the gate's p_j are the weights).
+Which depths: the gate over every step 1..n of the sampled depth n, since inference reads it after each; the model
+over those of deep supervision (depth_supervision.py, the same capture of the states): `--depth_supervision K`
+evenly spaced among the steps with gradients, the last included; with K = 1 (the default) every step with gradients.
+The other steps (before the last `backprop_depth`, or between the K) are read out without gradients: their CE enters
+the gate's objective as a constant, and the gate reads their state detached. So the loss is split by what it trains:
+
+    value and the gate's gradient:   sum_j p_j * sg(CE_j) - beta * H(p)                  (j over every step)
+    the model's gradient:            sum_{j supervised} sg(p_j / sum_{l supervised} p_l) * CE_j
+
+(sg: no gradient. At a supervised step the gate's input keeps its gradient, so the model also feels the gate's term
+there, as in Ouro's objective.) Where every step is
+supervised the two are exactly the gradient of the expected loss above; where some are not, the model keeps a full
+weight on the steps it can learn at. Cost: one coda + head forward per unsupervised step (counted in the training
+FLOPs, `flops_per_token(readout_only_depths=)`), and the state of every step kept until the loss (one (B, T, C)
+tensor each). `--depth_supervision_weights` plays no part (the gate's p_j are the weights).
 
 CE per token: a chunk of positions at a time, each chunk's logits recomputed in backward (`token_ce`), so neither full
 logits nor per-chunk logits stay alive until backward; that recompute is one more head forward per supervised depth,

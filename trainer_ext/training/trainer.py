@@ -321,9 +321,9 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         if training:
             num_steps = depth.get("num_steps")
             self._window["tokens"] += input_ids.numel()
+            readouts = {} if supervision is None else supervision.flops_kwargs(unwrapped.config, depth)
             step_flops = input_ids.numel() * flops_per_token(
-                unwrapped.config, num_steps, depth.get("backprop_depth"), seq_len=input_ids.shape[1],
-                supervised_depths=getattr(self.depth_supervision, "count", 1))
+                unwrapped.config, num_steps, depth.get("backprop_depth"), seq_len=input_ids.shape[1], **readouts)
             self._window["flops"] += step_flops
             self._step_flops += step_flops
             # Summed on the device and read at logging time: a float() here would wait for the GPU every step.
