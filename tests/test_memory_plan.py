@@ -39,8 +39,10 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 PROBES = REPO / "results" / "memory-probes" / "probes.jsonl"
 
 # A calibration with round numbers: 0.5 GiB constant, activation terms of a plausible size, a teacher's top-k, a V x H
-# transient, smaller kept activations and a larger transient when compiled; the same for a plain Transformer.
-_ROUND = FamilyFit(memory_coefficients=[0.5, 20.0, 4.0, 3.0, 6.0, 2.0, 12.0, 16.0, 14.0, 3.0, 9.0, 18.0],
+# transient, a weight matrix's worth, smaller kept activations and a larger transient when compiled; the same for a
+# plain Transformer. Memory coefficients in `estimator.MEMORY_FEATURES` order: the shared ones, then the compiled ones.
+_ROUND = FamilyFit(memory_coefficients=[0.5, 20.0, 4.0, 3.0, 6.0, 2.0, 12.0, 16.0, 4.0,
+                                        0.5, 14.0, 3.0, 3.0, 6.0, 9.0, 18.0],
                    theta=0.6, time_coefficients=[0.01, 0.002, 0.0015, 0.0005, 0.003, 0.02], compile_factor=0.8)
 SYNTHETIC = Calibration({"recurrent": _ROUND, "transformer": _ROUND}, info={})
 
@@ -142,7 +144,7 @@ def test_the_fit_recovers_known_coefficients_from_synthetic_probes():
 
 def test_each_family_is_fitted_to_its_own_probes_and_survives_a_round_trip(tmp_path):
     # Probes of a plain Transformer made with other coefficients: the fit keeps them apart from the recurrent ones.
-    other = FamilyFit([0.3, 9.0, 30.0, 2.0, 0.0, 40.0, 6.0, 5.0, 4.0, 20.0, 5.0, 2.0], 0.2,
+    other = FamilyFit([0.3, 9.0, 30.0, 2.0, 0.0, 40.0, 6.0, 5.0, 8.0, 0.4, 4.0, 20.0, 1.5, 0.0, 5.0, 2.0], 0.2,
                       [0.02, 0.001, 0.001, 0.0, 0.004, 0.01], 0.7)
     calibration = Calibration({"recurrent": _ROUND, "transformer": other}, info={})
     records = _synthetic_probes(calibration) + _synthetic_probes(calibration, transformer=True)
@@ -161,17 +163,37 @@ def test_each_family_is_fitted_to_its_own_probes_and_survives_a_round_trip(tmp_p
         shape, 8, 1024, 0, 0, True), rel=1e-6) and other_peak > 0
 
 
+def test_the_fit_bounds_noisy_probes_from_above():
+    # Peaks with an allocator's cache on top (0-1 GiB, varying from probe to probe): the fit predicts none of them
+    # under its measured peak, and over-predicts by less than that cache on average.
+    records = _synthetic_probes(SYNTHETIC)
+    cache = [GIB * ((7 * n) % 11) / 10 for n in range(len(records))]
+    for record, extra in zip(records, cache):
+        record["peak_reserved_bytes"] += extra
+    fitted = fit_calibration(records, leave_one_out=False)
+    found = fitted.info["residuals"]
+    assert found["peak_largest_under_prediction"] == 0.0
+    assert min(r["peak_error"] for r in found["per_probe"]) >= 0.0
+    over = [r["peak_error"] * r["measured_peak_gib"] for r in found["per_probe"]]
+    assert sum(over) / len(over) < sum(cache) / len(cache) / GIB
+
+
 def test_the_committed_calibration_reproduces_the_committed_probes():
-    # Within 5% where plans for a 24 GiB card land (compiled, as on CUDA by default, and 8 GiB or more), 2% on
-    # average; the residuals it records are the ones its coefficients give.
+    # No probe's peak predicted under its measured value (the allocator's cache included); within 5% where plans for a
+    # 24 GiB card land (compiled, as on CUDA by default, and 8 GiB or more), 3% on average; the residuals it records
+    # are the ones its coefficients give.
     calibration = load_calibration()
     probes = usable_probes(read_probes(str(PROBES)))
     assert len(probes) == calibration.info["probes"] and set(calibration.families) == {"recurrent", "transformer"}
     found = residuals(calibration, probes)
     stored = calibration.info["residuals"]
-    for key in ("peak_max_relative_error", "peak_mean_relative_error", "step_time_median_relative_error"):
+    for key in ("peak_max_relative_error", "peak_mean_relative_error", "peak_largest_under_prediction",
+                "step_time_median_relative_error"):
         assert found[key] == stored[key], key
-    assert found["peak_mean_relative_error"] <= 0.025
+    assert found["peak_mean_relative_error"] <= 0.03
+    assert min(r["peak_error"] for r in found["per_probe"]) >= 0.0  # never under (the least-squares fit: 48 of 103)
+    large = [r for r in found["per_probe"] if r["preset"].startswith("recurrent") and r["measured_peak_gib"] >= 8]
+    assert len(large) >= 50 and min(r["peak_error"] for r in large) >= 0.0
     planned = [r for r in found["per_probe"] if r["compile"] and r["measured_peak_gib"] >= 8]
     assert {r["preset"] for r in planned} >= {"recurrent-3.3b", "recurrent-7b"}
     assert max(abs(r["peak_error"]) for r in planned) <= 0.05
@@ -233,7 +255,7 @@ def test_cli_recalibrates_from_a_probe_file(tmp_path, capsys):
     old = {**json.loads(out.read_text()), "format_version": 1}
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert main(["--preset", "recurrent-3.3b", "--calibration", str(tmp_path / "old.json")]) != 0
-    assert re.search(r"format_version 1, expected 3.*hf-recurrent-plan-memory --calibrate", capsys.readouterr().err)
+    assert re.search(r"format_version 1, expected 4.*hf-recurrent-plan-memory --calibrate", capsys.readouterr().err)
 
 
 def test_defaults_resolve_to_no_plan_and_no_compile_on_cpu(tmp_path):

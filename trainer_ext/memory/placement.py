@@ -8,7 +8,8 @@ Per layer application of N tokens (K, R, S bytes per token):
 
     keep:       K N on the device, where K = the calibrated kept-activation coefficients (kept_intermediate x I +
                 kept_hidden x H, the compiled ones with torch.compile); nothing added to the step time.
-    recompute:  R N (R = recomputed_hidden x H, the layer's input); one more forward: the calibrated recompute terms.
+    recompute:  R N (R = recomputed_hidden x H, the layer's input; the compiled one with torch.compile); one more
+                forward: the calibrated recompute terms.
     selective:  min(K, R + S) N, where S = 2 bytes x (q + k + v + attention output + o_proj + gate + up + down
                 outputs) = 2 (2 q_dim + 2 kv_dim + 2 H + 2 I): what `offload.selective_checkpoint` saves. Its time is
                 SELECTIVE_TIME_FRACTION of a full recompute: norms, SiLU x up, rotary and residual adds run again,
@@ -106,7 +107,7 @@ def bytes_per_token(shape: ModelShape, calibration: Calibration, compiled: bool)
     prefix = "compiled_" if compiled else ""
     h, i = shape.hidden_size, shape.intermediate_size
     keep = c[f"{prefix}kept_intermediate"] * i + c[f"{prefix}kept_hidden"] * h
-    recompute = c["recomputed_hidden"] * h
+    recompute = c[f"{prefix}recomputed_hidden"] * h
     q_dim, kv_dim = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
     saved = BF16_BYTES * (2 * q_dim + 2 * kv_dim + 2 * h + 2 * i)
     return {"keep": keep, RECOMPUTE: recompute, SELECTIVE: min(keep, recompute + saved)}
