@@ -114,18 +114,24 @@ class DepthExit:
         self.block = None
 
     def _stops(self, old: torch.Tensor, new: torch.Tensor, index) -> torch.Tensor:
-        """Which tokens of `index` (the whole batch or a block of it) stop after the step that took `old` to `new`."""
+        """Which tokens of `index` (a block of the batch, None: all) stop after the step that took `old` to `new`."""
         if self.gate is None:
             change = (new - old).float().norm(dim=-1) / new.float().norm(dim=-1).clamp_min(1e-12)
             return change < self.threshold
-        survival = self.survival[index] * (1 - torch.sigmoid(self.gate(new).float().squeeze(-1)))
-        self.survival[index] = survival  # an exited token's value is never read again
+        survival = (self.survival if index is None else self.survival[index]) * (
+            1 - torch.sigmoid(self.gate(new).float().squeeze(-1)))
+        if index is None:  # out of place, as `step`'s updates
+            self.survival = survival
+        else:
+            self.survival[index] = survival  # an exited token's value is never read again
         return 1 - survival >= self.threshold
 
     def step(self, state: torch.Tensor, new_state: torch.Tensor) -> torch.Tensor:
-        """The state after one more step: `new_state` for active tokens, `state` (frozen) for exited ones."""
-        self.steps_used += self.active
-        stops = self._stops(state, new_state, (slice(None), slice(None)))
+        """The state after one more step: `new_state` for active tokens, `state` (frozen) for exited ones. Out of
+        place, so that a compiled segment (module docstring) mutates none of its inputs (inductor keeps a graph that
+        mutates an input it does not own out of CUDA graphs)."""
+        self.steps_used = self.steps_used + self.active
+        stops = self._stops(state, new_state, None)
         state = torch.where(self.active[..., None], new_state, state)
         self.active = self.active & ~stops
         return state
