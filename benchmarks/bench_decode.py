@@ -11,9 +11,12 @@ Random init (speed does not depend on the weights), `--dtype` (bf16 on CUDA), SD
 batch size: tokens/s of `generate` with the dynamic cache (eager), with `cache_implementation="static"` and a compiled
 decode step (`CompileConfig(fullgraph=True, dynamic=False)`, inductor + CUDA graphs by default), and the same two for
 `LlamaForCausalLM` with prelude + n x core + coda layers of the same width, heads, MLP and vocabulary.
-`--exit_thresholds` adds eager runs with adaptive depth (at most n steps) in each of `--exit_kv_cache_modes` (default
-`shared`, the mode where exited rows skip the core steps before the last), each next to the fixed-depth eager
-figure of the same cache mode, with the mean core steps used and core passes run per decoded token.
+`--exit_thresholds` adds runs with adaptive depth (at most n steps) on each path in each of `--exit_kv_cache_modes`
+(default `shared`, the mode where exited rows skip the core steps before the last), each next to the fixed-depth
+figure of the same path and cache mode; eager ones with the mean core steps used and core passes run per decoded
+token. A compiled decode step with exits in shared mode runs its steps in segments of `--exit_check_every` with a
+host check between them (hf_recurrent.adaptive_depth; graph breaks, so those rows compile with fullgraph=False;
+0: masked exits in one graph).
 Each figure: the median of `--repeats` timed calls after `--warmup` untimed ones (which compile), with the spread
 (max - min) / median; `--rounds R` runs the whole list R times in turn, each figure then the median of its R x repeats
 calls, spread over the run. `--paths eager` leaves out the compiled path (on a CPU, where the eager comparison at
@@ -60,7 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile_backend", default="inductor")
     parser.add_argument("--compile_mode", default="reduce-overhead", help="'none' for the backend's default.")
     parser.add_argument("--exit_thresholds", type=float, nargs="*", default=[],
-                        help="Adaptive depth thresholds (state criterion) timed on the eager path.")
+                        help="Adaptive depth thresholds (state criterion) timed on each path of --paths.")
+    parser.add_argument("--exit_check_every", type=int, default=None,
+                        help="Compiled exit rows: core steps per segment between host checks (default: the "
+                             "model's, hf_recurrent.adaptive_depth.EXIT_CHECK_EVERY; 0: masked, one graph).")
     parser.add_argument("--exit_kv_cache_modes", nargs="+", choices=KV_CACHE_MODES, default=["shared"],
                         help="kv_cache_mode(s) of the adaptive depth runs; a mode other than the preset's also gets "
                              "a fixed-depth eager run. Exits skip core steps in 'shared' only (per_step caches "
@@ -166,11 +172,13 @@ def measurements(args, preset_mode: str):
                 for path, kwargs in reversed(paths):
                     yield path, "llama", None, num_steps, batch, kwargs
             for mode in exit_modes:
-                if mode != preset_mode:  # the fixed-depth figure the exits compare with
-                    yield "eager", "recurrent", mode, num_steps, batch, {"num_steps": num_steps}
-                for threshold in args.exit_thresholds:
-                    yield f"eager exit<{threshold:g}", "recurrent", mode, num_steps, batch, {
-                        "num_steps": num_steps, "exit_threshold": threshold}
+                for path, kwargs in paths:
+                    if mode != preset_mode:  # the fixed-depth figure the exits compare with
+                        yield path, "recurrent", mode, num_steps, batch, {"num_steps": num_steps, **kwargs}
+                    exits = {} if path == "eager" else {"exit_check_every": args.exit_check_every}
+                    for threshold in args.exit_thresholds:
+                        yield f"{path} exit<{threshold:g}", "recurrent", mode, num_steps, batch, {
+                            "num_steps": num_steps, "exit_threshold": threshold, **kwargs, **exits}
 
 
 def run(args) -> dict:
@@ -178,6 +186,9 @@ def run(args) -> dict:
                                                            else torch.float32)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    # Every depth, batch size, cache mode and exit setting compiles the decode step anew: more than dynamo's default
+    # 8 per function, past which it would run the rest uncompiled.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     config = presets.get(args.preset)
     torch.manual_seed(0)
     ours = build(RecurrentDepthForCausalLM, config, args.device, dtype)
@@ -205,8 +216,9 @@ def run(args) -> dict:
             llama, llama_steps = build(LlamaForCausalLM, llama_peer(config, num_steps), args.device, dtype), num_steps
         model = ours if kind == "recurrent" else llama
         if kind == "recurrent":
-            ours.config.kv_cache_mode = mode  # read at every forward call; only eager runs change it
-        recorder = StepsRecorder(model) if "exit_threshold" in kwargs else None
+            ours.config.kv_cache_mode = mode  # read at every forward call; only exit runs change it
+        # Hooks would run inside a compiled decode step: compiled exit rows report the tokens/s only.
+        recorder = StepsRecorder(model) if "exit_threshold" in kwargs and path.startswith("eager") else None
         rates = record["tokens_per_s_runs"] = record["tokens_per_s_runs"] + time_generate(
             model, prompts[batch], args, **kwargs)
         median = statistics.median(rates)
@@ -221,7 +233,8 @@ def run(args) -> dict:
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "clock": args.clock, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "repeats": args.repeats, "rounds": args.rounds, "warmup": args.warmup,
-        "compile": {"backend": args.compile_backend, "mode": args.compile_mode, "fullgraph": True},
+        "compile": {"backend": args.compile_backend, "mode": args.compile_mode, "fullgraph": True,
+                    "exit_check_every": args.exit_check_every},
         "results": list(results.values()), "ratios": ratios(list(results.values()), preset_mode),
         "adaptive_depth": adaptive(list(results.values())), "skipped": list(skipped.values()),
     }
@@ -245,17 +258,19 @@ def ratios(results: list[dict], mode: str) -> list[dict]:
 
 
 def adaptive(results: list[dict]) -> list[dict]:
-    """Per adaptive-depth run: its tokens/s over the fixed-depth eager run of the same depth, batch and cache mode."""
-    fixed = {(r["kv_cache_mode"], r["num_steps"], r["batch"]): r["tokens_per_s"] for r in results
-             if r["model"] == "recurrent" and r["path"] == "eager"}
+    """Per adaptive-depth run: its tokens/s over the fixed-depth run of the same path, depth, batch and cache mode."""
+    fixed = {(r["path"], r["kv_cache_mode"], r["num_steps"], r["batch"]): r["tokens_per_s"] for r in results
+             if r["model"] == "recurrent" and r["exit_threshold"] is None}
     rows = []
     for r in results:
         if r["exit_threshold"] is None:
             continue
-        base = fixed.get((r["kv_cache_mode"], r["num_steps"], r["batch"]))
-        rows.append({key: r[key] for key in ("num_steps", "batch", "kv_cache_mode", "exit_threshold",
-                                             "mean_steps_used", "mean_core_passes", "tokens_per_s")}
-                    | {"fixed_depth_tokens_per_s": base, "speedup": r["tokens_per_s"] / base if base else None})
+        path = r["path"].split(" exit<")[0]
+        base = fixed.get((path, r["kv_cache_mode"], r["num_steps"], r["batch"]))
+        rows.append({key: r.get(key) for key in ("num_steps", "batch", "kv_cache_mode", "exit_threshold",
+                                                 "mean_steps_used", "mean_core_passes", "tokens_per_s")}
+                    | {"path": path, "fixed_depth_tokens_per_s": base,
+                       "speedup": r["tokens_per_s"] / base if base else None})
     return rows
 
 
@@ -275,12 +290,13 @@ def render(report: dict) -> str:
         lines.append(f"| {r['num_steps']} | {r['batch']} | {fmt(r['compiled_over_eager'])} | "
                      f"{fmt(r['compiled_over_llama_compiled'])} | {fmt(r['eager_over_llama_eager'])} |")
     if report["adaptive_depth"]:
-        lines += ["", "Adaptive depth (eager; per decoded token: mean core steps used, core passes run)",
-                  "| n | batch | cache | threshold | steps used | core passes | tokens/s | fixed depth | gain |",
-                  "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "Adaptive depth (per decoded token: mean core steps used, core passes run; eager only)",
+                  "| path | n | batch | cache | threshold | steps used | core passes | tokens/s | fixed depth | gain |",
+                  "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in report["adaptive_depth"]:
             base = r["fixed_depth_tokens_per_s"]
-            lines.append(f"| {r['num_steps']} | {r['batch']} | {r['kv_cache_mode']} | {r['exit_threshold']:g} | "
+            lines.append(f"| {r['path']} | {r['num_steps']} | {r['batch']} | {r['kv_cache_mode']} | "
+                         f"{r['exit_threshold']:g} | "
                          f"{num(r['mean_steps_used'])} | {num(r['mean_core_passes'])} | {r['tokens_per_s']:.1f} | "
                          f"{'-' if base is None else f'{base:.1f}'} | {fmt(r['speedup'])} |")
     if report["skipped"]:

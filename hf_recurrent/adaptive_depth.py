@@ -31,19 +31,34 @@ exact. What no later computation reads is left out (`DepthExit.steps`, then `Dep
 - `kv_cache_mode="per_step"`: every later step's slot needs the token's keys and values at that step, so nothing
   is left out (masked: exited tokens are computed and their new state discarded).
 
-With a static cache (compiled decoding) a step is not compacted; it is left out only once every token of the call
-has exited (shared mode), as with a dynamic cache. Skipped steps record the frozen state in `hidden_states` (as the
-masked steps do: same values, length 1 + P + n + C). Deciding what to run syncs with the host once per step, so it
-is made only without autograd (`generate`, evaluation under `no_grad` / `inference_mode`), outside `torch.compile` (a
-compiled decode step stays one graph, masked) and without `output_attentions` (left-out steps would leave out their
-attention weights). Outputs, the cache and `num_steps_used` equal the masked path's: exactly where whole steps are
-left out, up to the kernels' rounding where a step runs on a smaller block (matrix products and attention round
-differently for another number of rows or keys). `COMPACT_EXITED_STEPS = False` runs every step on the whole batch
-while some token iterates; `SKIP_EXITED_STEPS = False` forces the masked path throughout.
+With a static cache a step is not compacted; it is left out only once every token of the call has exited (shared
+mode), as with a dynamic cache. Skipped steps record the frozen state in `hidden_states` (as the masked steps do:
+same values, length 1 + P + n + C). Deciding what to run syncs with the host once per step, so it is made only
+without autograd (`generate`, evaluation under `no_grad` / `inference_mode`) and without `output_attentions`
+(left-out steps would leave out their attention weights). Outputs, the cache and `num_steps_used` equal the masked
+path's: exactly where whole steps are left out, up to the kernels' rounding where a step runs on a smaller block
+(matrix products and attention round differently for another number of rows or keys). `COMPACT_EXITED_STEPS =
+False` runs every step on the whole batch while some token iterates; `SKIP_EXITED_STEPS = False` forces the masked
+path throughout.
+
+Under `torch.compile` (a compiled decode step) the check runs every `exit_check_every` steps (a `forward` /
+`generate` keyword, default `EXIT_CHECK_EVERY`), in shared mode or without a cache: the steps before the last
+skippable one (L = n - 1 shared, n without a cache) split into a first part of 1..k steps, traced with the prelude,
+and segments of k steps, each preceded by a host check (`run_segments`, not compiled) that leaves out the segments
+left once every token of the call has exited; the last step, the coda and the head follow. Those steps compute
+alike (same slot, read only), so every segment is the same graph, called 0 to (L - 1) // k times: at n = 12, k = 4 a
+call runs 3, 7 or 11 steps before the last (depth buckets 4, 8, 12), as graphs of the prelude and first part, of a
+segment, of the rest (and of the head: transformers' forward wraps the model's). No step runs on a smaller block, so
+outputs, the cache and `num_steps_used` equal the masked compiled path's exactly under the same kernels (inductor
+may fuse across the graph boundaries differently and round differently). The graph breaks need `fullgraph=False`:
+`generate` turns a `fullgraph=True` compile config off for such a call (`compile_in_segments`); with
+`torch.compile(model, fullgraph=True)` pass `exit_check_every=0`, which keeps the masked path in one graph (so do a
+per_step cache, `output_attentions` and autograd). A fixed depth is unchanged: one graph, no host sync.
 
 Shipped next to the weights with the modeling file (`trust_remote_code` loads it as a flat module).
 """
 
+import copy
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -57,10 +72,14 @@ except ImportError:  # loaded as a flat module by `trust_remote_code`
 
 SKIP_EXITED_STEPS = True  # False: run every step masked, even once all tokens have exited (for comparisons)
 COMPACT_EXITED_STEPS = True  # False: while some token iterates, a step runs on the whole batch (masked)
+EXIT_CHECK_EVERY = 4  # under torch.compile: core steps per compiled segment between two host checks (0: masked)
 
 
-def check_exit(threshold, criterion: str, has_gate: bool = False) -> None:
-    """Raise ValueError for a threshold or criterion a call cannot use; `has_gate`: the model's `config.exit_gate`."""
+def check_exit(threshold, criterion: str, has_gate: bool = False, check_every: int | None = None) -> None:
+    """Raise ValueError for a threshold, criterion or `exit_check_every` a call cannot use; `has_gate`: the model's
+    `config.exit_gate`."""
+    if check_every is not None and not (isinstance(check_every, int) and check_every >= 0):
+        raise ValueError(f"exit_check_every={check_every!r} must be an integer >= 0 (0: compiled calls check never).")
     if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 0):
         raise ValueError(f"exit_threshold={threshold!r} must be a number >= 0 (or None for a fixed depth).")
     if criterion not in EXIT_CRITERIA:
@@ -95,18 +114,24 @@ class DepthExit:
         self.block = None
 
     def _stops(self, old: torch.Tensor, new: torch.Tensor, index) -> torch.Tensor:
-        """Which tokens of `index` (the whole batch or a block of it) stop after the step that took `old` to `new`."""
+        """Which tokens of `index` (a block of the batch, None: all) stop after the step that took `old` to `new`."""
         if self.gate is None:
             change = (new - old).float().norm(dim=-1) / new.float().norm(dim=-1).clamp_min(1e-12)
             return change < self.threshold
-        survival = self.survival[index] * (1 - torch.sigmoid(self.gate(new).float().squeeze(-1)))
-        self.survival[index] = survival  # an exited token's value is never read again
+        survival = (self.survival if index is None else self.survival[index]) * (
+            1 - torch.sigmoid(self.gate(new).float().squeeze(-1)))
+        if index is None:  # out of place, as `step`'s updates
+            self.survival = survival
+        else:
+            self.survival[index] = survival  # an exited token's value is never read again
         return 1 - survival >= self.threshold
 
     def step(self, state: torch.Tensor, new_state: torch.Tensor) -> torch.Tensor:
-        """The state after one more step: `new_state` for active tokens, `state` (frozen) for exited ones."""
-        self.steps_used += self.active
-        stops = self._stops(state, new_state, (slice(None), slice(None)))
+        """The state after one more step: `new_state` for active tokens, `state` (frozen) for exited ones. Out of
+        place, so that a compiled segment (module docstring) mutates none of its inputs (inductor keeps a graph that
+        mutates an input it does not own out of CUDA graphs)."""
+        self.steps_used = self.steps_used + self.active
+        stops = self._stops(state, new_state, None)
         state = torch.where(self.active[..., None], new_state, state)
         self.active = self.active & ~stops
         return state
@@ -138,6 +163,19 @@ class DepthExit:
                 and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
         return self._skipping_steps(num_steps, hidden_states) if skip else range(num_steps)
 
+    def segments(self, num_steps: int, attentions: list | None, every: int | None) -> tuple[range, range, int] | None:
+        """Under `torch.compile` where exited steps may be left out: the first steps, the steps of one segment and
+        how many segments follow, the steps before the last skippable one (module docstring); None: every step in
+        one graph. `every`: steps per segment (None: `EXIT_CHECK_EVERY`)."""
+        every = EXIT_CHECK_EVERY if every is None else every
+        last = num_steps if self.cache_mode is None else num_steps - 1  # the shared cache's writing step runs whole
+        if not (SKIP_EXITED_STEPS and 0 < every < last and self.cache_mode != "per_step" and attentions is None
+                and not torch.is_grad_enabled() and torch.compiler.is_compiling()):
+            return None
+        first = (last - 1) % every + 1
+        # The steps before `last` compute alike (same cache slot, read only): every segment runs the same steps.
+        return range(first), range(last - every, last), (last - first) // every
+
     def _skipping_steps(self, num_steps: int, hidden_states: list | None) -> Iterator[int]:
         last = num_steps if self.cache_mode is None else num_steps - 1  # the shared cache's writing step runs whole
         step = 0
@@ -166,6 +204,34 @@ class DepthExit:
             return None
         index = None if len(rows) == batch else torch.tensor(rows, device=self.active.device)
         return index, max(ends)
+
+
+@torch.compiler.disable(recursive=False)
+def run_segments(depth_exit: DepthExit, run: Callable, segment: range, count: int, state: torch.Tensor,
+                 hidden_states: list | None) -> torch.Tensor:
+    """The state after up to `count` calls `run(segment, state)`, none once every token has exited (a host sync
+    before each). Not compiled itself, so that the check can run in Python; `run` is compiled as a frame of its own,
+    the same graph for every segment."""
+    for done in range(count):
+        if not bool(depth_exit.active.any()):
+            if hidden_states is not None:  # the steps left out record the frozen state
+                hidden_states += [hidden_states[-1]] * ((count - done) * len(segment))
+            break
+        state = run(segment, state)
+    return state
+
+
+def compile_in_segments(generation_config, config, model_kwargs: dict) -> None:
+    """`generate` with a compiled decode step and exits in `kv_cache_mode="shared"`: the call's segments break the
+    graph, which a `fullgraph=True` compile config refuses, so the call compiles with a copy set to fullgraph=False
+    (as transformers does for flash attention); exit_check_every=0 keeps one graph."""
+    compile_config = generation_config.compile_config
+    threshold, every = model_kwargs.get("exit_threshold"), model_kwargs.get("exit_check_every")
+    if (compile_config is not None and compile_config.fullgraph and config.kv_cache_mode == "shared"
+            and (threshold if threshold is not None else config.exit_threshold) is not None
+            and (EXIT_CHECK_EVERY if every is None else every) > 0):
+        generation_config.compile_config = copy.copy(compile_config)
+        generation_config.compile_config.fullgraph = False
 
 
 def take_block(tensor: torch.Tensor, rows: torch.Tensor | None, length: int) -> torch.Tensor:

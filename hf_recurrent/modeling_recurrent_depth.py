@@ -10,14 +10,15 @@ generation config (`generate(generation_config=GenerationConfig(num_steps=n))`, 
 generation_config.json); the config's `num_steps` (`from_pretrained(path, num_steps=n)`); `config.mean_recurrence`.
 
 This file holds the layers and the forward passes. Beside it, imported relatively: the configuration,
-`init_recurrent_depth` (the embedding, weight init, positions, the initial state), `cache_recurrent_depth` (the KV
-cache slots, static caches), `adaptive_depth` (per-token early exit, the output classes) and `loading_recurrent_depth`
-(save / load / generate glue). They import nothing else of this package on purpose: `save_pretrained` copies them
-next to the weights, so a checkpoint loads with `trust_remote_code=True` where this package is not installed.
+`init_recurrent_depth` (the embedding, weight init, positions, rotary phases, the initial state),
+`cache_recurrent_depth` (the KV cache slots, static caches), `adaptive_depth` (per-token early exit, the output
+classes) and `loading_recurrent_depth` (save / load / generate glue). They import nothing else of this package on
+purpose: `save_pretrained` copies them next to the weights, so a checkpoint loads with `trust_remote_code=True` where
+this package is not installed.
 """
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from functools import partial
 
@@ -39,20 +40,22 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils import can_return_tuple, logging
 
 try:
-    from .adaptive_depth import DepthExit, RecurrentDepthCausalLMOutput, RecurrentDepthModelOutput, check_exit
+    from .adaptive_depth import (DepthExit, RecurrentDepthCausalLMOutput, RecurrentDepthModelOutput, check_exit,
+                                 compile_in_segments, run_segments)
     from .cache_recurrent_depth import (attend_cache, cache_for_call, cache_slot, core_slots, grow_static_cache,
                                         is_static)
     from .configuration_recurrent_depth import RecurrentDepthConfig
     from .init_recurrent_depth import (InitialStates, ScaledEmbedding, call_positions, init_scaled,  # noqa: F401
-                                       initial_state)
+                                       initial_state, rotary_phases)
     from .loading_recurrent_depth import forget_compiled_prefix, keep_num_steps, map_compiled_prefix, pass_num_steps
 except ImportError:  # loaded as flat modules by `trust_remote_code`
-    from adaptive_depth import DepthExit, RecurrentDepthCausalLMOutput, RecurrentDepthModelOutput, check_exit
+    from adaptive_depth import (DepthExit, RecurrentDepthCausalLMOutput, RecurrentDepthModelOutput, check_exit,
+                                compile_in_segments, run_segments)
     from cache_recurrent_depth import (attend_cache, cache_for_call, cache_slot, core_slots, grow_static_cache,
                                        is_static)
     from configuration_recurrent_depth import RecurrentDepthConfig
     from init_recurrent_depth import (InitialStates, ScaledEmbedding, call_positions, init_scaled,  # noqa: F401
-                                      initial_state)
+                                      initial_state, rotary_phases)
     from loading_recurrent_depth import forget_compiled_prefix, keep_num_steps, map_compiled_prefix, pass_num_steps
 
 logger = logging.get_logger(__name__)
@@ -72,14 +75,6 @@ class RecurrentDepthRMSNorm(LlamaRMSNorm):
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance.add_(self.variance_epsilon))
         return self.weight * (hidden_states if input_dtype == torch.float32 else hidden_states.to(input_dtype))
-
-
-def rotary_phases(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama's rotary (cos, sin) (B, T, hd) as the attention layers take them, once per call: (B, T, 1, hd), the
-    first half of sin negated. Then rotate_half(x) * sin == x.roll(hd / 2) * sin_signed exactly (a negation is exact),
-    which is Llama's rotary in 4 ops instead of 8."""
-    half = sin.shape[-1] // 2
-    return cos.unsqueeze(2), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(2)
 
 
 class RecurrentDepthAttention(nn.Module):
@@ -283,6 +278,31 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
             hidden = layer(hidden, cache_slot=slot, read_only_cache=read_only, **layer_kwargs)
         return self.state_norm(hidden)
 
+    def core_steps(self, steps: Iterable[int], state: torch.Tensor, embedded: torch.Tensor, layer_kwargs: dict,
+                   depth_exit: DepthExit | None, record: Callable, num_steps: int, no_grad_steps: int) -> torch.Tensor:
+        """The state after core `steps` (0-based, of a call at depth `num_steps`), each recorded by `record`."""
+        # `recompute_core_steps` (None: each core layer's own flag decides): the steps, counted from the first one
+        # that builds a graph, whose core layers are checkpointed; it sets the core layers' flag at every step. A
+        # mapping also gives each such step the function its core layers run under (`_gradient_checkpointing_func`:
+        # full or selective recomputation, activation offload; trainer_ext's memory plan sets it).
+        recompute = getattr(self, "recompute_core_steps", None)
+        slots, shared = core_slots(self.config, num_steps), self.config.kv_cache_mode == "shared"
+        for step in steps:
+            if recompute is not None:
+                placed = step - no_grad_steps in recompute
+                for layer in self.core:
+                    layer.gradient_checkpointing = placed
+                    if placed and isinstance(recompute, dict):
+                        layer._gradient_checkpointing_func = recompute[step - no_grad_steps]
+            core_step = partial(self.core_step, slots=slots[step], read_only=shared and step < num_steps - 1)
+            with torch.no_grad() if step < no_grad_steps else nullcontext():
+                if depth_exit is None:
+                    state = core_step(state, embedded, layer_kwargs)
+                else:
+                    state = depth_exit.run(core_step, state, embedded, layer_kwargs)
+            record(state)
+        return state
+
     @can_return_tuple
     def forward(
         self,
@@ -299,12 +319,14 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         cache: Cache | None = None,
         exit_threshold: float | None = None,
         exit_criterion: str | None = None,
+        exit_check_every: int | None = None,
         **kwargs,
     ) -> RecurrentDepthModelOutput:
         """`num_steps`: depth n (default `config.default_num_steps`). `backprop_depth` k: in training, only the last
         k steps build a graph; the first n - k run under `no_grad` (default `config.backprop_depth`, None = all).
         `exit_threshold` / `exit_criterion` (default: the config's): adaptive depth, at most n steps per token, the
         steps used returned as `num_steps_used` (B, T) (`adaptive_depth`); None: every token runs n steps.
+        `exit_check_every`: compiled, the core steps between two checks for all exited (`adaptive_depth`; 0: none).
         `return_dict=False` gives a tuple (None fields left out)."""
         config = self.config
         if (input_ids is None) == (inputs_embeds is None):
@@ -314,7 +336,7 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
             raise ValueError(f"num_steps={num_steps} must be >= 1.")
         exit_threshold = config.exit_threshold if exit_threshold is None else exit_threshold
         exit_criterion = exit_criterion or config.exit_criterion
-        check_exit(exit_threshold, exit_criterion, config.exit_gate)
+        check_exit(exit_threshold, exit_criterion, config.exit_gate, exit_check_every)
         backprop_depth = config.backprop_depth if backprop_depth is None else int(backprop_depth)
         if backprop_depth is not None and backprop_depth < 1:
             raise ValueError(f"backprop_depth={backprop_depth} must be >= 1 (or None for all steps).")
@@ -373,26 +395,15 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
             depth_exit = DepthExit(exit_threshold, state.shape[:2], state.device,
                                    config.kv_cache_mode if cache is not None else None, compact,
                                    self.exit_gate if exit_criterion == "gate" else None)
-        # `recompute_core_steps` (None: each core layer's own flag decides): the steps, counted from the first one
-        # that builds a graph, whose core layers are checkpointed; it sets the core layers' flag at every step. A
-        # mapping also gives each such step the function its core layers run under (`_gradient_checkpointing_func`:
-        # full or selective recomputation, activation offload; trainer_ext's memory plan sets it).
-        recompute = getattr(self, "recompute_core_steps", None)
-        slots, shared = core_slots(config, num_steps), config.kv_cache_mode == "shared"
-        for step in range(num_steps) if depth_exit is None else depth_exit.steps(num_steps, hidden_states, attentions):
-            if recompute is not None:
-                placed = step - no_grad_steps in recompute
-                for layer in self.core:
-                    layer.gradient_checkpointing = placed
-                    if placed and isinstance(recompute, dict):
-                        layer._gradient_checkpointing_func = recompute[step - no_grad_steps]
-            core_step = partial(self.core_step, slots=slots[step], read_only=shared and step < num_steps - 1)
-            with torch.no_grad() if step < no_grad_steps else nullcontext():
-                if depth_exit is None:
-                    state = core_step(state, embedded, layer_kwargs)
-                else:
-                    state = depth_exit.run(core_step, state, embedded, layer_kwargs)
-            record(state)
+        run = partial(self.core_steps, embedded=embedded, layer_kwargs=layer_kwargs, depth_exit=depth_exit,
+                      record=record, num_steps=num_steps, no_grad_steps=no_grad_steps)
+        steps = range(num_steps) if depth_exit is None else depth_exit.steps(num_steps, hidden_states, attentions)
+        if plan := depth_exit and depth_exit.segments(num_steps, attentions, exit_check_every):
+            # Compiled: the first steps, then segments of equal steps with a host check before each (`adaptive_depth`)
+            first, segment, count = plan
+            state = run_segments(depth_exit, run, segment, count, run(first, state), hidden_states)
+            steps = range(segment.stop, num_steps)
+        state = run(steps, state)
 
         hidden = state
         for i, layer in enumerate(self.coda):
@@ -446,6 +457,11 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
         grow_static_cache(cache, self.config, (kwargs.get("model_kwargs") or {}).get("num_steps"))
         return cache
 
+    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config: GenerationConfig) -> bool:
+        """As transformers'; a compiled decode step with exits may need `fullgraph=False` (`compile_in_segments`)."""
+        compile_in_segments(generation_config, self.config, model_kwargs)
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
     def save_pretrained(self, *args, **kwargs):
         """Also keeps a `num_steps` set on `model.generation_config` across save and load (`keep_num_steps`)."""
         keep_num_steps(self.generation_config)
@@ -459,7 +475,7 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0, num_steps: int | None = None,
         backprop_depth: int | None = None, output_attentions: bool | None = None,
         output_hidden_states: bool | None = None, cache: Cache | None = None, exit_threshold: float | None = None,
-        exit_criterion: str | None = None, **kwargs,
+        exit_criterion: str | None = None, exit_check_every: int | None = None, **kwargs,
     ) -> RecurrentDepthCausalLMOutput:
         """As `RecurrentDepthModel.forward` (outputs laid out as its docstring says), plus the LM head and, given
         `labels`, the loss. `return_dict=False` gives a tuple: (loss, logits, cache, hidden_states, attentions,
@@ -469,7 +485,7 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
             cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
             num_steps=num_steps, backprop_depth=backprop_depth, output_attentions=output_attentions,
             output_hidden_states=output_hidden_states, exit_threshold=exit_threshold, exit_criterion=exit_criterion,
-            return_dict=True, **kwargs,
+            exit_check_every=exit_check_every, return_dict=True, **kwargs,
         )
         hidden = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
