@@ -14,9 +14,9 @@ decode step (`CompileConfig(fullgraph=True, dynamic=False)`, inductor + CUDA gra
 `--exit_thresholds` adds runs with adaptive depth (at most n steps) on each path in each of `--exit_kv_cache_modes`
 (default `shared`, the mode where exited rows skip the core steps before the last), each next to the fixed-depth
 figure of the same path and cache mode; eager ones with the mean core steps used and core passes run per decoded
-token. A compiled decode step with exits in shared mode runs its steps in segments of `--exit_check_every` with a
-host check between them (hf_recurrent.adaptive_depth; graph breaks, so those rows compile with fullgraph=False;
-0: masked exits in one graph).
+token. Compiled exit rows come once per `--exit_check_every` value k (default 0 and 4, labelled `k=`): 0 masks the
+exits in one graph (the model's default), k > 0 runs the steps in segments of k with a host check between them in
+shared mode (hf_recurrent.adaptive_depth; graph breaks, so those rows compile with fullgraph=False).
 Each figure: the median of `--repeats` timed calls after `--warmup` untimed ones (which compile), with the spread
 (max - min) / median; `--rounds R` runs the whole list R times in turn, each figure then the median of its R x repeats
 calls, spread over the run. `--paths eager` leaves out the compiled path (on a CPU, where the eager comparison at
@@ -64,9 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile_mode", default="reduce-overhead", help="'none' for the backend's default.")
     parser.add_argument("--exit_thresholds", type=float, nargs="*", default=[],
                         help="Adaptive depth thresholds (state criterion) timed on each path of --paths.")
-    parser.add_argument("--exit_check_every", type=int, default=None,
-                        help="Compiled exit rows: core steps per segment between host checks (default: the "
-                             "model's, hf_recurrent.adaptive_depth.EXIT_CHECK_EVERY; 0: masked, one graph).")
+    parser.add_argument("--exit_check_every", type=int, nargs="+", default=[0, 4],
+                        help="Compiled exit rows, one set per value: core steps per segment between host checks "
+                             "(0: masked exits in one graph, the model's default; hf_recurrent.adaptive_depth).")
     parser.add_argument("--exit_kv_cache_modes", nargs="+", choices=KV_CACHE_MODES, default=["shared"],
                         help="kv_cache_mode(s) of the adaptive depth runs; a mode other than the preset's also gets "
                              "a fixed-depth eager run. Exits skip core steps in 'shared' only (per_step caches "
@@ -175,10 +175,11 @@ def measurements(args, preset_mode: str):
                 for path, kwargs in paths:
                     if mode != preset_mode:  # the fixed-depth figure the exits compare with
                         yield path, "recurrent", mode, num_steps, batch, {"num_steps": num_steps, **kwargs}
-                    exits = {} if path == "eager" else {"exit_check_every": args.exit_check_every}
-                    for threshold in args.exit_thresholds:
-                        yield f"{path} exit<{threshold:g}", "recurrent", mode, num_steps, batch, {
-                            "num_steps": num_steps, "exit_threshold": threshold, **kwargs, **exits}
+                    for every in [None] if path == "eager" else args.exit_check_every:
+                        exits, label = ({}, "") if every is None else ({"exit_check_every": every}, f" k={every}")
+                        for threshold in args.exit_thresholds:
+                            yield f"{path} exit<{threshold:g}{label}", "recurrent", mode, num_steps, batch, {
+                                "num_steps": num_steps, "exit_threshold": threshold, **kwargs, **exits}
 
 
 def run(args) -> dict:
@@ -204,6 +205,7 @@ def run(args) -> dict:
         record = results.get(key) or {
             "model": kind, "path": path, "kv_cache_mode": mode, "num_steps": num_steps, "batch": batch,
             "layers": unrolled_layers(config, num_steps), "exit_threshold": kwargs.get("exit_threshold"),
+            "exit_check_every": kwargs.get("exit_check_every"),
             "tokens_per_s_runs": []}
         if time.perf_counter() - started > args.time_budget_s:
             if key not in results:
@@ -268,7 +270,8 @@ def adaptive(results: list[dict]) -> list[dict]:
         path = r["path"].split(" exit<")[0]
         base = fixed.get((path, r["kv_cache_mode"], r["num_steps"], r["batch"]))
         rows.append({key: r.get(key) for key in ("num_steps", "batch", "kv_cache_mode", "exit_threshold",
-                                                 "mean_steps_used", "mean_core_passes", "tokens_per_s")}
+                                                 "exit_check_every", "mean_steps_used", "mean_core_passes",
+                                                 "tokens_per_s")}
                     | {"path": path, "fixed_depth_tokens_per_s": base,
                        "speedup": r["tokens_per_s"] / base if base else None})
     return rows
@@ -290,12 +293,14 @@ def render(report: dict) -> str:
         lines.append(f"| {r['num_steps']} | {r['batch']} | {fmt(r['compiled_over_eager'])} | "
                      f"{fmt(r['compiled_over_llama_compiled'])} | {fmt(r['eager_over_llama_eager'])} |")
     if report["adaptive_depth"]:
-        lines += ["", "Adaptive depth (per decoded token: mean core steps used, core passes run; eager only)",
-                  "| path | n | batch | cache | threshold | steps used | core passes | tokens/s | fixed depth | gain |",
-                  "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "Adaptive depth (per decoded token: mean core steps used, core passes run, eager only; k: "
+                  "--exit_check_every)",
+                  "| path | k | n | batch | cache | threshold | steps used | core passes | tokens/s | fixed depth | gain |",
+                  "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in report["adaptive_depth"]:
             base = r["fixed_depth_tokens_per_s"]
-            lines.append(f"| {r['path']} | {r['num_steps']} | {r['batch']} | {r['kv_cache_mode']} | "
+            every = "-" if r["exit_check_every"] is None else r["exit_check_every"]
+            lines.append(f"| {r['path']} | {every} | {r['num_steps']} | {r['batch']} | {r['kv_cache_mode']} | "
                          f"{r['exit_threshold']:g} | "
                          f"{num(r['mean_steps_used'])} | {num(r['mean_core_passes'])} | {r['tokens_per_s']:.1f} | "
                          f"{'-' if base is None else f'{base:.1f}'} | {fmt(r['speedup'])} |")

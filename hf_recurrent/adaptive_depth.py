@@ -41,8 +41,9 @@ path's: exactly where whole steps are left out, up to the kernels' rounding wher
 False` runs every step on the whole batch while some token iterates; `SKIP_EXITED_STEPS = False` forces the masked
 path throughout.
 
-Under `torch.compile` (a compiled decode step) the check runs every `exit_check_every` steps (a `forward` /
-`generate` keyword, default `EXIT_CHECK_EVERY`), in shared mode or without a cache: the steps before the last
+Under `torch.compile` (a compiled decode step) exits are masked by default: one graph that runs every step. With
+`exit_check_every=k` (a `forward` / `generate` keyword; default `EXIT_CHECK_EVERY`, 0) the check runs every k steps
+instead, in shared mode or without a cache: the steps before the last
 skippable one (L = n - 1 shared, n without a cache) split into a first part of 1..k steps, traced with the prelude,
 and segments of k steps, each preceded by a host check (`run_segments`, not compiled) that leaves out the segments
 left once every token of the call has exited; the last step, the coda and the head follow. Those steps compute
@@ -53,7 +54,10 @@ outputs, the cache and `num_steps_used` equal the masked compiled path's exactly
 may fuse across the graph boundaries differently and round differently). The graph breaks need `fullgraph=False`:
 `generate` turns a `fullgraph=True` compile config off for such a call (`compile_in_segments`); with
 `torch.compile(model, fullgraph=True)` pass `exit_check_every=0`, which keeps the masked path in one graph (so do a
-per_step cache, `output_attentions` and autograd). A fixed depth is unchanged: one graph, no host sync.
+per_step cache, `output_attentions` and autograd). A fixed depth is unchanged: one graph, no host sync. Not the
+default: on a CPU (the `debug` preset, inductor, n = 12, k = 4) the segments decoded at 0.72-0.95x the compiled
+fixed depth, their extra graphs costing more than the steps they leave out at that width; whether they pay where a
+core step is heavy (recurrent-3.3b, CUDA graphs) is for `benchmarks/bench_decode.py --exit_check_every 4` to show.
 
 Shipped next to the weights with the modeling file (`trust_remote_code` loads it as a flat module).
 """
@@ -72,7 +76,7 @@ except ImportError:  # loaded as a flat module by `trust_remote_code`
 
 SKIP_EXITED_STEPS = True  # False: run every step masked, even once all tokens have exited (for comparisons)
 COMPACT_EXITED_STEPS = True  # False: while some token iterates, a step runs on the whole batch (masked)
-EXIT_CHECK_EVERY = 4  # under torch.compile: core steps per compiled segment between two host checks (0: masked)
+EXIT_CHECK_EVERY = 0  # under torch.compile: core steps per compiled segment between two host checks (0: masked)
 
 
 def check_exit(threshold, criterion: str, has_gate: bool = False, check_every: int | None = None) -> None:

@@ -67,9 +67,9 @@ def compiled_generate(model, ids, mask, **kwargs):
 def test_compiled_generate_leaves_out_exited_segments_with_the_masked_tokens_and_logits():
     model = tiny(kv_cache_mode="shared")
     ids, mask = left_padded()
-    masked, masked_backend = compiled_generate(model, ids, mask, exit_threshold=EARLY, exit_check_every=0)
-    segmented, backend = compiled_generate(model, ids, mask, exit_threshold=EARLY)
-    assert masked_backend.graphs == 1  # exit_check_every=0: one graph, fullgraph as asked
+    masked, masked_backend = compiled_generate(model, ids, mask, exit_threshold=EARLY)
+    segmented, backend = compiled_generate(model, ids, mask, exit_threshold=EARLY, exit_check_every=4)
+    assert masked_backend.graphs == 1  # the default (exit_check_every=0): one graph, fullgraph as asked
     assert backend.graphs > 1  # the segments and the parts around them
     assert torch.equal(segmented.sequences, masked.sequences)
     assert all(torch.equal(a, b) for a, b in zip(segmented.logits, masked.logits, strict=True))
@@ -83,7 +83,7 @@ def test_exits_with_a_per_step_cache_stay_one_graph_without_graph_breaks():
     """Every step writes its own slot: nothing to leave out, the exits stay masked (fixed depths: test_static_cache)."""
     model = tiny(kv_cache_mode="per_step")
     counters.clear()
-    _, backend = compiled_generate(model, *left_padded(), exit_threshold=EARLY)
+    _, backend = compiled_generate(model, *left_padded(), exit_threshold=EARLY, exit_check_every=4)
     assert backend.graphs == 1 and not counters["graph_break"]
 
 
@@ -139,15 +139,15 @@ def test_segments_are_planned_only_under_compile_without_autograd_attentions_or_
 def test_generate_turns_fullgraph_off_only_for_exits_in_segments():
     config = presets.get("debug", kv_cache_mode="shared")
     asked = CompileConfig(fullgraph=True)
-    for model_kwargs, fullgraph in (({"exit_threshold": 0.5}, False), ({"exit_threshold": 0.5, "exit_check_every": 0},
-                                    True), ({}, True)):
+    for model_kwargs, fullgraph in (({"exit_threshold": 0.5, "exit_check_every": 4}, False),
+                                    ({"exit_threshold": 0.5}, True), ({}, True)):  # the default: masked, one graph
         generation_config = mock.Mock(compile_config=asked)
         adaptive_depth.compile_in_segments(generation_config, config, model_kwargs)
         assert generation_config.compile_config.fullgraph is fullgraph
     assert asked.fullgraph  # the caller's config is left as it was
     config.kv_cache_mode = "per_step"
     generation_config = mock.Mock(compile_config=asked)
-    adaptive_depth.compile_in_segments(generation_config, config, {"exit_threshold": 0.5})
+    adaptive_depth.compile_in_segments(generation_config, config, {"exit_threshold": 0.5, "exit_check_every": 4})
     assert generation_config.compile_config.fullgraph
 
 
