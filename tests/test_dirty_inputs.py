@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoTokenizer, TrainerCallback
 
 from trainer_ext.cli import run_pretrain
+from trainer_ext.comparison.arguments import CompareDataArguments
 from trainer_ext.data import prepare as prepare_module
 from trainer_ext.data.prepare import PrepareDataArguments, prepare
 from trainer_ext.data.shards import read_manifest
@@ -95,6 +96,18 @@ def test_on_bad_lines_error_refuses_the_file_and_line_before_any_work(tmp_path, 
     assert sorted(os.listdir(tmp_path / "data")) == before
     with pytest.raises(ValueError, match="--on_bad_lines must be one of"):
         PrepareDataArguments(files=[good], output_dir=str(tmp_path / "x"), on_bad_lines="ignore")
+
+
+def test_the_comparison_passes_on_bad_lines_to_its_data_preparation(tmp_path):
+    lines = _lines(50)
+    lines[44] = lines[44][:-3]
+    bad = _write(tmp_path / "b.jsonl", lines)
+    data = CompareDataArguments(files=[bad], on_bad_lines="error", eval_tokens=2000, seq_len=64)
+    with pytest.raises(ValueError, match=rf"{bad}:45: not valid JSON .*--on_bad_lines skip"):
+        prepare(data.prepare_args(str(tmp_path / "data")))
+    assert CompareDataArguments(files=[bad]).prepare_args(str(tmp_path / "d")).on_bad_lines == "skip"
+    with pytest.raises(ValueError, match="--on_bad_lines must be one of"):
+        CompareDataArguments(files=[bad], on_bad_lines="ignore")
 
 
 def test_empty_files_are_named_and_skipped_and_only_empty_files_are_refused(tmp_path, caplog):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser
 
 from hf_recurrent import presets
+from trainer_ext.data.json_records import ON_BAD_LINES
 from trainer_ext.data.prepare import PrepareDataArguments
 from trainer_ext.distill.teacher import QUANTIZATIONS
 from trainer_ext.training.arguments import (
@@ -68,9 +69,11 @@ CYCLE_FIELDS = {
     "hub_strategy": "--push_to_hub (the pipeline pushes once per cycle)",
 }
 # Options that neither change data, models nor results: a rerun that differs only in these continues the run
-# (--trust_remote_code included: a run stopped because a teacher needs its own code continues once it is given).
+# (--trust_remote_code included: a run stopped because a teacher needs its own code continues once it is given;
+# --on_bad_lines only decides whether bad JSON lines are refused, the data written is the same).
 NON_IDENTITY_ARGS = ("output_dir", "num_cycles", "overwrite", "push_to_hub", "hub_model_id", "hub_baseline_model_id",
-                     "hub_private_repo", "hub_token", "map_batch_size", "cache_dir", "trust_remote_code")
+                     "hub_private_repo", "hub_token", "map_batch_size", "cache_dir", "trust_remote_code",
+                     "on_bad_lines")
 # Training options that shape the whole run (steps per cycle, data order): recorded with the comparison's own,
 # where state files have always held them.
 RUN_TRAINING_ARGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "seed")
@@ -164,6 +167,9 @@ class CompareDataArguments:
     split: str = field(default="train", metadata={"help": "Split of --dataset."})
     text_column: str = field(default="text", metadata={"help": "Column holding document text."})
     text_sample_by: str = field(default="document", metadata={"help": "document, paragraph or line (.txt files)."})
+    on_bad_lines: str = field(default="skip", metadata={
+        "help": "A JSON line that holds no document: 'skip' (left out, counted, named) or 'error' (refused, naming the "
+                "file and line, before any work)."})
     max_documents: int | None = field(default=None, metadata={"help": "Read at most this many documents."})
     tokenizer: str | None = field(
         default=None, metadata={"help": "Tokenizer path or hub id; default: a BPE trained once, before cycle 1."})
@@ -177,6 +183,8 @@ class CompareDataArguments:
     cache_dir: str | None = field(default=None, metadata={"help": "datasets cache dir."})
 
     def __post_init__(self):
+        if self.on_bad_lines not in ON_BAD_LINES:
+            raise ValueError(f"--on_bad_lines must be one of {list(ON_BAD_LINES)}, got '{self.on_bad_lines}'.")
         if self.eval_tokens < self.seq_len + 1:
             raise ValueError(f"--eval_tokens={self.eval_tokens} is less than one sample (seq_len + 1 = "
                              f"{self.seq_len + 1} tokens); raise it.")
