@@ -55,9 +55,10 @@ may fuse across the graph boundaries differently and round differently). The gra
 `generate` turns a `fullgraph=True` compile config off for such a call (`compile_in_segments`); with
 `torch.compile(model, fullgraph=True)` pass `exit_check_every=0`, which keeps the masked path in one graph (so do a
 per_step cache, `output_attentions` and autograd). A fixed depth is unchanged: one graph, no host sync. Not the
-default: on a CPU (the `debug` preset, inductor, n = 12, k = 4) the segments decoded at 0.72-0.95x the compiled
-fixed depth, their extra graphs costing more than the steps they leave out at that width; whether they pay where a
-core step is heavy (recurrent-3.3b, CUDA graphs) is for `benchmarks/bench_decode.py --exit_check_every 4` to show.
+default: on a shared 2-core CPU (the `debug` preset, inductor, n = 12, k = 4) the segments were no faster than the
+masked graph (0.5-1.2x in two runs, wide spreads): at that width their extra graphs cost about what the steps they
+leave out save; whether they pay where a core step is heavy (recurrent-3.3b, CUDA graphs) is for
+`benchmarks/bench_decode.py --exit_thresholds ...` (k = 0 and 4 by default) to show.
 
 Shipped next to the weights with the modeling file (`trust_remote_code` loads it as a flat module).
 """
