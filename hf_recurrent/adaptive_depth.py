@@ -43,21 +43,20 @@ path throughout.
 
 Under `torch.compile` (a compiled decode step) exits are masked by default: one graph that runs every step. With
 `exit_check_every=k` (a `forward` / `generate` keyword; default `EXIT_CHECK_EVERY`, 0) the check runs every k steps
-instead, in shared mode or without a cache: the steps before the last
-skippable one (L = n - 1 shared, n without a cache) split into a first part of 1..k steps, traced with the prelude,
-and segments of k steps, each preceded by a host check (`run_segments`, not compiled) that leaves out the segments
-left once every token of the call has exited; the last step, the coda and the head follow. Those steps compute
-alike (same slot, read only), so every segment is the same graph, called 0 to (L - 1) // k times: at n = 12, k = 4 a
-call runs 3, 7 or 11 steps before the last (depth buckets 4, 8, 12), as graphs of the prelude and first part, of a
-segment, of the rest (and of the head: transformers' forward wraps the model's). No step runs on a smaller block, so
-outputs, the cache and `num_steps_used` equal the masked compiled path's exactly under the same kernels (inductor
-may fuse across the graph boundaries differently and round differently). The graph breaks need `fullgraph=False`:
-`generate` turns a `fullgraph=True` compile config off for such a call (`compile_in_segments`); with
-`torch.compile(model, fullgraph=True)` pass `exit_check_every=0`, which keeps the masked path in one graph (so do a
-per_step cache, `output_attentions` and autograd). A fixed depth is unchanged: one graph, no host sync. Not the
-default: on a shared 2-core CPU (the `debug` preset, inductor, n = 12, k = 4) the segments were no faster than the
-masked graph (0.5-1.2x in two runs, wide spreads): at that width their extra graphs cost about what the steps they
-leave out save; whether they pay where a core step is heavy (recurrent-3.3b, CUDA graphs) is for
+instead, in shared mode or without a cache: the steps before the last skippable one (L = n - 1 shared, n without a
+cache) split into a first part of 1..k steps, traced with the prelude, and segments of k steps, each preceded by a host
+check (`run_segments`, not compiled) that leaves out the segments left once every token of the call has exited; the last
+step, the coda and the head follow. Those steps compute alike (same slot, read only), so every segment is the same
+graph, called 0 to (L - 1) // k times: at n = 12, k = 4 a call runs 3, 7 or 11 steps before the last (depth buckets 4,
+8, 12), as graphs of the prelude and first part, of a segment, of the rest (and of the head: transformers' forward wraps
+the model's). No step runs on a smaller block, so outputs, the cache and `num_steps_used` equal the masked compiled
+path's exactly under the same kernels (inductor may fuse across the graph boundaries differently and round differently).
+The graph breaks need `fullgraph=False`: `generate` turns a `fullgraph=True` compile config off for such a call
+(`compile_in_segments`); with `torch.compile(model, fullgraph=True)` pass `exit_check_every=0`, which keeps the masked
+path in one graph (so do a per_step cache, `output_attentions` and autograd). A fixed depth is unchanged: one graph, no
+host sync. Not the default: on a shared 2-core CPU (the `debug` preset, inductor, n = 12, k = 4) the segments were no
+faster than the masked graph (0.5-1.2x in two runs, wide spreads): at that width their extra graphs cost about what the
+steps they leave out save; whether they pay where a core step is heavy (recurrent-3.3b, CUDA graphs) is for
 `benchmarks/bench_decode.py --exit_thresholds ...` (k = 0 and 4 by default) to show.
 
 Shipped next to the weights with the modeling file (`trust_remote_code` loads it as a flat module).
@@ -164,25 +163,32 @@ class DepthExit:
         of the batch that is needed (module docstring), set as `block` before the step is yielded. `hidden_states`
         (the forward's list, or None) gets the frozen state once per skipped step; collected `attentions` keep every
         step."""
-        skip = (SKIP_EXITED_STEPS and self.cache_mode != "per_step" and attentions is None
-                and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+        skip = self._may_skip(attentions) and not torch.compiler.is_compiling()
         return self._skipping_steps(num_steps, hidden_states) if skip else range(num_steps)
+
+    def _may_skip(self, attentions: list | None) -> bool:
+        """Whether steps may be left out at all: not in per_step mode, without attention weights or autograd."""
+        return (SKIP_EXITED_STEPS and self.cache_mode != "per_step" and attentions is None
+                and not torch.is_grad_enabled())
+
+    def _last_skippable(self, num_steps: int) -> int:
+        """The steps before this one may be left out: all without a cache; the shared cache's writing step runs."""
+        return num_steps if self.cache_mode is None else num_steps - 1
 
     def segments(self, num_steps: int, attentions: list | None, every: int | None) -> tuple[range, range, int] | None:
         """Under `torch.compile` where exited steps may be left out: the first steps, the steps of one segment and
         how many segments follow, the steps before the last skippable one (module docstring); None: every step in
         one graph. `every`: steps per segment (None: `EXIT_CHECK_EVERY`)."""
         every = EXIT_CHECK_EVERY if every is None else every
-        last = num_steps if self.cache_mode is None else num_steps - 1  # the shared cache's writing step runs whole
-        if not (SKIP_EXITED_STEPS and 0 < every < last and self.cache_mode != "per_step" and attentions is None
-                and not torch.is_grad_enabled() and torch.compiler.is_compiling()):
+        last = self._last_skippable(num_steps)
+        if not (0 < every < last and self._may_skip(attentions) and torch.compiler.is_compiling()):
             return None
         first = (last - 1) % every + 1
         # The steps before `last` compute alike (same cache slot, read only): every segment runs the same steps.
         return range(first), range(last - every, last), (last - first) // every
 
     def _skipping_steps(self, num_steps: int, hidden_states: list | None) -> Iterator[int]:
-        last = num_steps if self.cache_mode is None else num_steps - 1  # the shared cache's writing step runs whole
+        last = self._last_skippable(num_steps)
         step = 0
         while step < num_steps:
             yield step
