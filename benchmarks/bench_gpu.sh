@@ -13,7 +13,7 @@
 #       125M presets' data (seq 1024); the comparison's settings: -- --per_device_train_batch_size 32 --learning_rate 1e-3
 #   bash benchmarks/bench_gpu.sh distill [-- run_pretrain args]   PRESETS (default recurrent-3.3b) with and without an
 #       offline teacher cache (a transformer-125m teacher trained TEACHER_STEPS, default 150); VOCAB=99520: the
-#       students' head at llm-jp's vocabulary size
+#       students' head at llm-jp's vocabulary size; ARMS=cache: the cached runs only (default "none cache")
 #   bash benchmarks/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M):
 #       each --runs config x --learning_rates x --seeds (default 0 1 2); results.jsonl + summary.md in $OUT/quality
 #   bash benchmarks/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
@@ -112,7 +112,8 @@ case $STAGE in
       > "$OUT/cache_teacher.log" 2>&1; tail -3 "$OUT/cache_teacher.log"; du -sh $CACHE
     # VOCAB: the students' head (e.g. 99520, llm-jp's vocabulary; the cache's ids stay those of the data's tokenizer)
     VARGS=(); [ -n "${VOCAB:-}" ] && VARGS=(--config_overrides "vocab_size=$VOCAB")
-    bench distill_none ${PRESETS:-recurrent-3.3b} -- "${VARGS[@]}" "$@"
+    # ARMS: default "none cache" (without a teacher, then with the cache); "cache" alone where time is short
+    [[ " ${ARMS:-none cache} " == *" none "* ]] && bench distill_none ${PRESETS:-recurrent-3.3b} -- "${VARGS[@]}" "$@"
     bench distill_cache ${PRESETS:-recurrent-3.3b} -- --teacher_cache_dir $CACHE "${VARGS[@]}" "$@" ;;
   quality)
     prepare_1024

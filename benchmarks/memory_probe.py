@@ -483,7 +483,7 @@ def _verify(args) -> int:
     with open(args.output) as f:
         records = [json.loads(line) for line in f if line.strip()][done_before:]
     for plan, record in zip(plans, records):  # both in the order of the presets' specs
-        measured_peak = record.get("peak_reserved_bytes")
+        measured_peak = record.get("peak_reserved_bytes") if record["status"] == "ok" else None  # else: the baseline
         steps = record.get("step_seconds", [])[2 if record.get("compile") else 1:]
         steady = sorted(steps)[len(steps) // 2] if steps else None
         row = {

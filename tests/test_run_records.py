@@ -1,0 +1,74 @@
+"""A training run's logged peak as a calibration record (benchmarks/run_records.py), and the fit holding above it."""
+
+import json
+import os
+
+import pytest
+
+from benchmarks.run_records import main
+from trainer_ext.memory.estimator import CALIBRATION_FILE, ModelShape, fit_calibration, probe_recomputed, read_probes
+from trainer_ext.memory.plan import plan_for_preset
+
+PROBES = os.path.join(os.path.dirname(__file__), os.pardir, "results", "memory-probes", "probes.jsonl")
+
+
+def _log_entries(peaks, tokens_per_second):
+    return [{"loss": "5.0", "step": step + 1, "peak_reserved_gib": f"{peak:.4g}", "peak_allocated_gib": f"{peak - 1:.4g}",
+             "tokens_per_second": f"{tps:.4g}"} for step, (peak, tps) in enumerate(zip(peaks, tokens_per_second))]
+
+
+def _record(tmp_path, log_path, *extra):
+    output = tmp_path / "runs.jsonl"
+    assert main(["--preset", "recurrent-3.3b", "--vocab_size", "99520", "--distill_topk", "64", "--calibration",
+                 CALIBRATION_FILE, "--log", str(log_path), "--output", str(output), *extra]) == 0
+    return [json.loads(line) for line in output.read_text().splitlines()]
+
+
+def test_a_run_record_carries_the_runs_plan_and_its_largest_logged_peak(tmp_path):
+    plan = plan_for_preset("recurrent-3.3b", 2048, 24.0, None, distill_topk=64, vocab_size=99520)
+    entries = _log_entries([18.4, 22.68, 22.5], [6017.0, 13890.0, 14000.0])
+    history = tmp_path / "log_history.json"
+    history.write_text(json.dumps(entries + [{"train_runtime": "31.0", "step": 3}]))
+    console = tmp_path / "console.log"  # the trainer's console lines: one Python dict per line
+    console.write_text("Memory plan: ...\n" + "\n".join(repr(e) for e in entries) + "\n")
+    batch = plan.per_device_train_batch_size
+    (record,) = _record(tmp_path, history, "--batch_size", str(batch))
+    assert record["batch_size"] == batch and record["recompute_set"] == plan.recompute.to_dict()
+    assert record["distill_topk"] == 64 and record["config"]["vocab_size"] == 99520 and record["status"] == "ok"
+    assert record["peak_reserved_bytes"] == int((22.68 + 0.005) * 2**30)  # the largest, rounded up
+    assert record["step_seconds"] == [round(batch * 2048 / tps, 5) for tps in (6017.0, 13890.0, 14000.0)]
+    assert ModelShape.from_record(record).vocab_size == 99520 and probe_recomputed(record) >= 1
+    again = _record(tmp_path, console)[-1]
+    assert {k: v for k, v in again.items() if k != "log"} == {k: v for k, v in record.items() if k != "log"}
+
+
+def test_a_run_planned_with_another_calibration_is_refused(tmp_path):
+    history = tmp_path / "log_history.json"
+    history.write_text(json.dumps(_log_entries([20.0, 20.0], [1000.0, 1000.0])))
+    with pytest.raises(SystemExit, match="--calibration .* plans batch .* --batch_size 64"):
+        _record(tmp_path, history, "--batch_size", "64")
+    history.write_text(json.dumps(_log_entries([20.0], [1000.0])))
+    with pytest.raises(SystemExit, match="2 steps"):
+        _record(tmp_path, history)
+    history.write_text(json.dumps([{"loss": "5.0", "step": 1}]))
+    with pytest.raises(SystemExit, match="no peak_reserved_gib"):
+        _record(tmp_path, history)
+
+
+def test_the_fit_bounds_a_training_run_above_its_probes(tmp_path):
+    """A run that peaks 0.3 GiB above what the fit without it predicts for its plan: with its record in the fit, its
+    plan is predicted at or above the run's peak (the plans hold in training, not only on probes)."""
+    probes = read_probes(PROBES)
+    probes = [p for p in probes if p.get("source") != "training run"]
+    without = fit_calibration(probes, leave_one_out=False)
+    plan = plan_for_preset("recurrent-3.3b", 2048, 24.0, None, distill_topk=64, vocab_size=99520)
+    history = tmp_path / "log_history.json"
+    history.write_text(json.dumps(_log_entries([1.0, 1.0, 1.0], [1000.0, 1000.0, 1000.0])))
+    (record,) = _record(tmp_path, history)
+    shape = ModelShape.from_record(record)
+    args = (shape, record["batch_size"], 2048, probe_recomputed(record), 64, True)
+    record["peak_reserved_bytes"] = int(without.peak_bytes(*args) + 0.3 * 2**30)
+    assert record["batch_size"] == plan.per_device_train_batch_size
+    with_run = fit_calibration(probes + [record], leave_one_out=False)
+    assert with_run.peak_bytes(*args) >= record["peak_reserved_bytes"]
+    assert without.peak_bytes(*args) < record["peak_reserved_bytes"]
