@@ -58,6 +58,9 @@ PIP_NAMES = {"galore_torch": "galore-torch", "bitsandbytes": "bitsandbytes", "li
 SHARES = {"peak": 0.08, "peer-a": 0.14, "peer-b": 0.14}
 PRESET_SHARE = 0.28
 PEER_A_FIRST_STEP_SECONDS = 270.0  # the SVD step and the 6.74B model's start on an H200, with 20 s to spare
+# The matmul peak's own budget (about 15 s on an H200): as a share alone, a call shorter than 540 s left it under the
+# 20 s a run needs once peer A's first step was set aside, and the call measured no peak (2026-12-05, 470 s).
+PEAK_SECONDS = 30.0
 BAR = 1.05
 
 
@@ -373,7 +376,8 @@ def main(argv=None) -> list[dict]:
     # on CPU peer A checks its optimizer wiring only: no Liger (it needs a GPU)
     skips = {run: missing_package(PEERS[run]["requires"][:None if cuda else 2]) for run in runs if run in PEERS}
     first_step = args.peer_a_first_step_seconds
-    first_step = {"peer-a": (PEER_A_FIRST_STEP_SECONDS if cuda else 0.0) if first_step is None else first_step}
+    first_step = {"peer-a": (PEER_A_FIRST_STEP_SECONDS if cuda else 0.0) if first_step is None else first_step,
+                  "peak": PEAK_SECONDS if cuda else 0.0}
     first_step = {run: seconds for run, seconds in first_step.items() if run in runs and not skips.get(run)}
     records = []
     for i, run in enumerate(runs):

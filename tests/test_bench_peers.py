@@ -109,6 +109,10 @@ def test_peer_as_first_step_has_a_budget_of_its_own_so_one_call_measures_every_r
     # A run that finishes early leaves its time to the runs after it; none is left with a negative budget.
     assert bench.run_timeout(runs, 2, 100.0, first_step) == pytest.approx(100 * 0.28 / 0.70)  # 3.3b of 3.3b, 7b, B
     assert bench.run_timeout(runs, 1, 100.0, first_step) == bench.PEER_A_FIRST_STEP_SECONDS
+    # A shorter call still measures the peak: with a budget of its own it is not left under the 20 s a run needs.
+    assert bench.run_timeout(runs, 0, 470.0, first_step) < 20
+    with_peak = {**first_step, "peak": bench.PEAK_SECONDS}
+    assert bench.run_timeout(runs, 0, 470.0, with_peak) >= max(20, needed["peak"])
 
 
 def test_the_first_step_is_recorded_apart_and_the_peak_is_the_profiles_matmul_rate(bench, tmp_path):
