@@ -66,21 +66,32 @@ def positions_from_mask(attention_mask: torch.Tensor | None, inputs_embeds: torc
 
 def call_positions(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, inputs_embeds: torch.Tensor,
                    past_seen: int | torch.Tensor) -> tuple[torch.Tensor, int | None]:
-    """The call's positions (given, or `positions_from_mask`) and the largest of them where the host knows it without
-    waiting for the device (what `InitialStates` needs), else None."""
+    """The call's positions (given, or `positions_from_mask`) and the largest of them where the host may know it
+    (what `InitialStates` needs), else None.
+
+    Given positions on an accelerator are read back (one host sync) only without autograd: `generate` passes its
+    positions at every step and waits for the device once per step anyway, and the read lets s_0 come from the
+    table (one gather) instead of the hash (~76 ops per decode step). A training step does not wait for the device.
+    """
     if torch.compiler.is_compiling():  # a compiled step computes s_0: no table state in the graph
         return (position_ids if position_ids is not None else
                 positions_from_mask(attention_mask, inputs_embeds, past_seen)), None
     if position_ids is not None:
-        if position_ids.device.type != "cpu":
+        if not host_reads_positions(position_ids):
             return position_ids, None
-        low, high = torch.aminmax(position_ids)
-        return position_ids, int(high) if int(low) >= 0 else None
+        low, high = torch.stack(torch.aminmax(position_ids)).tolist()
+        return position_ids, high if low >= 0 else None
     position_ids = positions_from_mask(attention_mask, inputs_embeds, past_seen)
     if not isinstance(past_seen, int):
         return position_ids, None
     two_d = attention_mask is not None and attention_mask.dim() == 2
     return position_ids, (attention_mask.shape[-1] if two_d else past_seen + inputs_embeds.shape[1]) - 1
+
+
+def host_reads_positions(position_ids: torch.Tensor) -> bool:
+    """Whether `call_positions` reads given positions back to the host: on the CPU always, on an accelerator only
+    without autograd (why: `call_positions`)."""
+    return position_ids.device.type == "cpu" or not torch.is_grad_enabled()
 
 
 def rotary_phases(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,66 @@
+"""The ops one eager decode step issues (batch-1 decoding on a GPU is bound by the host issuing them), counted on the
+CPU in bf16 with `benchmarks.count_ops` against the Llama peer of the same unrolled layers, and the shortcuts that
+keep the count down equal to Llama's arithmetic bit for bit."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+from benchmarks.count_ops import decode_step_ops, models
+from hf_recurrent import presets
+from hf_recurrent.init_recurrent_depth import host_reads_positions, rotary_phases
+from hf_recurrent.modeling_recurrent_depth import RecurrentDepthAttention
+
+NUM_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def counts():
+    ours, llama = models("debug", NUM_STEPS, torch.bfloat16)
+    prompt = torch.randint(3, ours.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    return ours.config, decode_step_ops(ours, prompt, num_steps=NUM_STEPS), decode_step_ops(llama, prompt)
+
+
+def test_a_decode_step_adds_only_its_extra_norms_and_injection_to_llamas_ops(counts):
+    config, ours, llama = counts
+    ours, llama = ours["forward"], llama["forward"]
+    calls = config.n_prelude_layers + NUM_STEPS * config.n_core_layers + config.n_coda_layers
+    # Rotary on queries and keys at once: 5 ops per layer call, plus the phases once per forward.
+    assert ours["rotary"] <= 5 * calls + 12
+    # Our norms cost what Llama's do, each: 4 per layer call (sandwich) and the prelude, state and final norms.
+    norms = 4 * calls + 1 + NUM_STEPS + 1
+    assert ours["norm"] / norms <= llama["norm"] / (2 * calls + 1)
+    # Anything else (masks, positions, s_0, cache, rotary phases) is no more per token than Llama's: no per-call
+    # work repeated at every core step.
+    rest = sum(ours.values()) - ours["norm"] - ours.get("injection", 0)
+    assert rest <= sum(llama.values()) - llama["norm"]
+    assert ours.get("injection", 0) <= 3 * NUM_STEPS  # concat, adapter product, its reshape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_both_rotaries_at_once_equals_llamas_bit_for_bit(dtype):
+    config = presets.get("debug")
+    llama_config = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                               num_key_value_heads=config.num_key_value_heads, intermediate_size=176,
+                               max_position_embeddings=config.max_position_embeddings)
+    llama_config._attn_implementation = config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    ours, llama = RecurrentDepthAttention(config, 0).to(dtype), LlamaAttention(llama_config, 0).to(dtype)
+    llama.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 7, config.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    cos, sin = LlamaRotaryEmbedding(llama_config)(x, torch.arange(7)[None] + 5)
+    with torch.no_grad():
+        got = ours(x, rotary_phases(cos, sin), None)
+        want, _ = llama(x, (cos, sin), None)
+    assert torch.equal(got, want)
+
+
+def test_positions_on_an_accelerator_are_read_back_only_without_autograd():
+    on_gpu = SimpleNamespace(device=torch.device("cuda"))
+    with torch.no_grad():  # decoding: s_0 from the table, not ~76 ops of the hash per step
+        assert host_reads_positions(on_gpu)
+    assert not host_reads_positions(on_gpu)  # a training step does not wait for the device
+    assert host_reads_positions(torch.zeros(1, 3, dtype=torch.long))
