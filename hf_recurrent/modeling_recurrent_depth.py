@@ -127,12 +127,10 @@ class RecurrentDepthAttention(nn.Module):
         key = self.k_proj(hidden_states).view(hidden_shape)  # (B, T, nkv, hd)
         if self.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
-        # Rotary on queries and keys at once: the same elementwise ops, 5 instead of 8 per layer call.
-        cos, sin = position_embeddings
+        cos, sin = position_embeddings  # rotary on queries and keys at once: 5 ops per layer call instead of 8
         rotated = torch.cat([query, key], dim=2)  # (B, T, nh + nkv, hd)
         rotated = rotated * cos + rotated.roll(self.head_dim // 2, -1) * sin
-        query, key = rotated.split([query.shape[2], key.shape[2]], dim=2)
-        query, key = query.transpose(1, 2), key.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
+        query, key = (x.transpose(1, 2) for x in rotated.split([query.shape[2], key.shape[2]], dim=2))  # (B, n, T, hd)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         if cache is not None:

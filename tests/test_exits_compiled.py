@@ -91,10 +91,13 @@ def decode(forward, model, ids, mask, **exits):
     """Prefill 5 tokens eagerly, then decode the rest one per row with `forward`: the per-step outputs, the cache."""
     cache = hf_recurrent.static_cache(model.config, max_cache_len=16, num_steps=12)
     exits = dict(num_steps=12, output_hidden_states=True, **exits)
+    outs = []
     with torch.no_grad():
         model(ids[:, :5], attention_mask=mask[:, :5], **exits, **{CACHE_FIELD: cache})
-        outs = [forward(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], **exits, **{CACHE_FIELD: cache})
-                for i in range(5, ids.shape[1])]
+        for i in range(5, ids.shape[1]):
+            step_mask = mask[:, :i + 1]
+            torch._dynamo.mark_dynamic(step_mask, 1)  # one trace for the growing mask, not a second on its growth
+            outs.append(forward(ids[:, i:i + 1], attention_mask=step_mask, **exits, **{CACHE_FIELD: cache}))
     return outs, cache
 
 
