@@ -95,7 +95,7 @@ def decode(forward, model, ids, mask, **exits):
     with torch.no_grad():
         model(ids[:, :5], attention_mask=mask[:, :5], **exits, **{CACHE_FIELD: cache})
         for i in range(5, ids.shape[1]):
-            step_mask = mask[:, :i + 1]
+            step_mask = mask[:, :i + 1].contiguous()  # a slice's strides would fail the first trace's guards
             torch._dynamo.mark_dynamic(step_mask, 1)  # one trace for the growing mask, not a second on its growth
             outs.append(forward(ids[:, i:i + 1], attention_mask=step_mask, **exits, **{CACHE_FIELD: cache}))
     return outs, cache
