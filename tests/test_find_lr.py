@@ -553,7 +553,7 @@ def test_a_sweep_stopped_midway_resumes_with_its_start_and_finished_trials(tiny_
     monkeypatch.setattr(find_lr_module, "train_sweep_start", counted_start)
     monkeypatch.setattr(lr_trials, "run_trial", stop_at_second_trial)
     argv = ["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path), "--learning_rates", "1e-3", "2e-3", "3e-3",
-            "--sweep_start_steps", "8", *SWEEP]
+            "--sweep_start_steps", "8", *SWEEP, "--sweep_steps", "8"]  # short trials: this test runs seven
     with pytest.raises(KeyboardInterrupt):
         find_lr.main(argv)
     progress = json.loads((tmp_path / "lr_sweep.progress.json").read_text())
