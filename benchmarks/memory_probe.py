@@ -460,7 +460,7 @@ def _verify(args) -> int:
     """Plan each preset (at each of --seq_lens, and with --only_distill_probes a cached top-k at each of
     --vocab_sizes) for --cap_gib, train with the plan, print predicted against measured figures (JSON lines)."""
     from trainer_ext.memory.estimator import ModelShape, probe_recomputed, time_features
-    from trainer_ext.memory.plan import plan_for_preset
+    from trainer_ext.memory.plan import NoPlanError, plan_for_preset
 
     if not args.cap_gib:
         raise SystemExit("--verify needs --cap_gib: the memory the plans are made for and the probes may use.")
@@ -470,8 +470,13 @@ def _verify(args) -> int:
     for preset in args.presets:
         for vocab in vocabs:
             for seq_len in args.seq_lens or [args.seq_len]:
-                plan = plan_for_preset(preset, seq_len, args.cap_gib, args.calibration, distill_topk=topk,
-                                       max_batch_size=args.max_batch_size, vocab_size=vocab)
+                try:
+                    plan = plan_for_preset(preset, seq_len, args.cap_gib, args.calibration, distill_topk=topk,
+                                           max_batch_size=args.max_batch_size, vocab_size=vocab)
+                except NoPlanError as error:  # a shape no batch fits: said, and the other shapes still verified
+                    print(json.dumps({"preset": preset, "vocab_size": vocab, "seq_len": seq_len, "distill_topk": topk,
+                                      "status": "no plan", "error": str(error), "cap_gib": args.cap_gib}), flush=True)
+                    continue
                 plans.append(plan)
                 specs.setdefault(preset, []).append({
                     "preset": preset, "seq_len": seq_len, "batch_size": plan.per_device_train_batch_size,
