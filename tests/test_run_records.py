@@ -13,8 +13,9 @@ PROBES = os.path.join(os.path.dirname(__file__), os.pardir, "results", "memory-p
 
 
 def _log_entries(peaks, tokens_per_second):
-    return [{"loss": "5.0", "step": step + 1, "peak_reserved_gib": f"{peak:.4g}", "peak_allocated_gib": f"{peak - 1:.4g}",
-             "tokens_per_second": f"{tps:.4g}"} for step, (peak, tps) in enumerate(zip(peaks, tokens_per_second))]
+    return [{"loss": "5.0", "step": step + 1, "peak_reserved_gib": f"{peak:.4g}",
+             "peak_allocated_gib": f"{peak - 1:.4g}", "tokens_per_second": f"{tps:.4g}"}
+            for step, (peak, tps) in enumerate(zip(peaks, tokens_per_second))]
 
 
 def _record(tmp_path, log_path, *extra):
