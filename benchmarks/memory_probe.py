@@ -283,7 +283,7 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
               "num_steps": config.mean_recurrence if recurrent else 0, "params": params,
               "loss_chunk_size": args.loss_chunk_size or default_chunk_size(
                   config.vocab_size, chunk_logit_bytes(model.dtype, torch.device(device), online_teacher=False)),
-              "distill_topk": TOPK if spec["distill"] else 0, "config": _shape(config)}
+              "distill_topk": TOPK if spec["distill"] else 0, "config": config_fields(config)}
     _reset_model(model)
     _free(device)
     if cuda:
@@ -324,7 +324,7 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
     return record
 
 
-def _shape(config) -> dict:
+def config_fields(config) -> dict:
     """The config fields the estimator reads back (`ModelShape.from_record`)."""
     from hf_recurrent.presets import is_recurrent
 

@@ -19,13 +19,11 @@ import json
 import os
 import sys
 
+from benchmarks.memory_probe import config_fields
 from hf_recurrent import presets
 from trainer_ext.memory.plan import plan_for_preset, training_shape
 
 ROUNDING_GIB = 0.005
-CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "vocab_size", "n_prelude_layers", "n_core_layers", "n_coda_layers", "mean_recurrence",
-               "backprop_depth", "injection", "block_norm")
 
 
 def read_log(path: str) -> list[dict]:
@@ -58,7 +56,7 @@ def run_record(args) -> dict:
         "compile": plan.torch_compile, "distill": bool(args.distill_topk), "distill_topk": args.distill_topk,
         "vocab_size": config.vocab_size, "params": shape.params, "optimizer_state_bytes": shape.optimizer_state_bytes,
         "graph_steps": shape.graph_steps, "num_steps": shape.num_steps,
-        "config": {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)},
+        "config": config_fields(config),
         "status": "ok", "peak_reserved_bytes": int((max(float(e["peak_reserved_gib"]) for e in entries)
                                                     + ROUNDING_GIB) * 2**30),
         "peak_allocated_bytes": int((max(float(e["peak_allocated_gib"]) for e in entries) + ROUNDING_GIB) * 2**30),
