@@ -42,30 +42,34 @@ def single(tiny_data_dir, tmp_path_factory):
     return train(tiny_data_dir, tmp_path_factory.mktemp("ddp-1"), 1)
 
 
-@pytest.mark.parametrize("processes", [2, 4])
-def test_replicas_stay_identical_and_match_one_process_on_the_global_batch(tiny_data_dir, tmp_path, single,
-                                                                          processes):
-    logged, replicas = train(tiny_data_dir, tmp_path, processes)
+def assert_matches_one_process(logged: list[dict], replicas: list[dict], single) -> None:
+    """Identical replicas whose losses and weights are one process's on the same global batch."""
     reference_logged, (reference,) = single
-    assert len(logged) == STEPS
     assert_identical(replicas)
     assert [e["loss"] for e in logged] == pytest.approx([e["loss"] for e in reference_logged], abs=1e-5)
     moved = max((replicas[0][name] - reference[name]).abs().max().item() for name in reference)
     assert moved < 1e-5
 
 
+def test_replicas_stay_identical_and_match_one_process_on_the_global_batch(tiny_data_dir, tmp_path, single):
+    """4 processes (2 processes: the next test, a run stopped and resumed)."""
+    logged, replicas = train(tiny_data_dir, tmp_path, 4)
+    assert len(logged) == STEPS
+    assert_matches_one_process(logged, replicas, single)
+
+
 def test_a_run_stopped_at_a_checkpoint_resumes_the_losses_on_every_process(tiny_data_dir, tmp_path, single):
     """2 processes stopped after step 2 (its checkpoint: weights, the optimizer's state and counters, each process's
-    RNG) and rerun to step 4: the rerun resumes there, logs the losses of one process on the global batch, and the
-    replicas stay identical."""
+    RNG) and rerun to step 4: both runs log the losses of one process on the global batch, the rerun resumes at the
+    checkpoint, and the replicas stay identical and end with the one process's weights."""
     save = ["--save_strategy", "steps", "--save_steps", "2"]
-    stopped, _ = train(tiny_data_dir, tmp_path, 2, *save, "--max_steps", "2")
+    stopped, stopped_replicas = train(tiny_data_dir, tmp_path, 2, *save, "--max_steps", "2")
     assert [e["step"] for e in stopped] == [1, 2] and (tmp_path / "checkpoint-2").is_dir()
+    assert [e["loss"] for e in stopped] == pytest.approx([e["loss"] for e in single[0][:2]], abs=1e-5)
+    assert_identical(stopped_replicas)
     logged, replicas = train(tiny_data_dir, tmp_path, 2, *save)
-    reference_logged, _ = single
     assert [e["step"] for e in logged] == [1, 2, 3, 4]  # the checkpoint's history, then the resumed steps
-    assert [e["loss"] for e in logged] == pytest.approx([e["loss"] for e in reference_logged], abs=1e-5)
-    assert_identical(replicas)
+    assert_matches_one_process(logged, replicas, single)
 
 
 def assert_identical(replicas: list[dict]) -> None:

@@ -552,8 +552,8 @@ def test_a_sweep_stopped_midway_resumes_with_its_start_and_finished_trials(tiny_
 
     monkeypatch.setattr(find_lr_module, "train_sweep_start", counted_start)
     monkeypatch.setattr(lr_trials, "run_trial", stop_at_second_trial)
-    argv = ["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path), "--learning_rates", "1e-3", "2e-3", "3e-3",
-            "--sweep_start_steps", "8", *SWEEP, "--sweep_steps", "8"]  # short trials: this test runs seven
+    argv = ["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path), "--learning_rates", "1e-3", "2e-3",
+            "--sweep_start_steps", "8", *SWEEP, "--sweep_steps", "8"]  # short trials: this test runs five
     with pytest.raises(KeyboardInterrupt):
         find_lr.main(argv)
     progress = json.loads((tmp_path / "lr_sweep.progress.json").read_text())
@@ -562,9 +562,9 @@ def test_a_sweep_stopped_midway_resumes_with_its_start_and_finished_trials(tiny_
 
     calls["trials"] = -100  # no more stops
     assert find_lr.main(argv) == 0
-    assert calls == {"trials": -98, "starts": 1}  # the start and the first trial are not run again
+    assert calls == {"trials": -99, "starts": 1}  # the start and the first trial are not run again
     result = json.loads((tmp_path / "lr_sweep.json").read_text())
-    assert [trial["learning_rate"] for trial in result["trials"]] == [1e-3, 2e-3, 3e-3]
+    assert [trial["learning_rate"] for trial in result["trials"]] == [1e-3, 2e-3]
     assert result["trials"][0]["curve"] == progress["trials"][0]["curve"]
     assert result["start_held_out_loss"] == progress["start_held_out_loss"]
     assert not (tmp_path / "lr_sweep.progress.json").exists()  # removed once the sweep's files are written
@@ -575,7 +575,7 @@ def test_a_sweep_stopped_midway_resumes_with_its_start_and_finished_trials(tiny_
         find_lr.main(argv)
     shutil.rmtree(tmp_path / "sweep_start")
     calls["trials"] = -100
-    assert find_lr.main(argv) == 0 and calls == {"trials": -97, "starts": 2}
+    assert find_lr.main(argv) == 0 and calls == {"trials": -98, "starts": 2}
 
 
 def test_a_sweep_left_with_other_settings_is_refused_naming_them(tiny_data_dir, tmp_path):
