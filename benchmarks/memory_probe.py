@@ -379,8 +379,10 @@ def _machine(device: str, cap_gib: float | None) -> dict:
     import torch
     import transformers
 
+    from trainer_ext.devices import allocator_settings
+
     info = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-            "cap_gib": cap_gib, "host": platform.node()}
+            "cap_gib": cap_gib, "host": platform.node(), "allocator": allocator_settings()}
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         info.update(device_name=props.name, device_total_bytes=props.total_memory)

@@ -61,7 +61,7 @@ def run_record(args) -> dict:
                                                     + ROUNDING_GIB) * 2**30),
         "peak_allocated_bytes": int((max(float(e["peak_allocated_gib"]) for e in entries) + ROUNDING_GIB) * 2**30),
         "step_seconds": [round(tokens / float(e["tokens_per_second"]), 5) for e in timed],
-        "device_name": args.device_name, "cap_gib": args.cap_gib}
+        "device_name": args.device_name, "cap_gib": args.cap_gib, "allocator": args.allocator}
 
 
 def main(argv=None) -> int:
@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch_size", type=int, default=None, help="The run's batch size (checked).")
     parser.add_argument("--log", required=True, help="log_history.json or the console log of the run.")
     parser.add_argument("--device_name", default="NVIDIA H200")
+    parser.add_argument("--allocator", default="", help="The run's PYTORCH_ALLOC_CONF (default: the defaults).")
     parser.add_argument("--output", required=True, help="JSON lines to append the record to.")
     args = parser.parse_args(argv)
     for name in ("calibration", "log"):

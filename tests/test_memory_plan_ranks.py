@@ -227,3 +227,25 @@ def test_deepspeed_and_fsdp1_are_not_planned_and_say_why(tmp_path, monkeypatch, 
         assert apply_memory_plan(args, presets.get("recurrent-3.3b"), 2048, 2) == []
     assert args.per_device_train_batch_size == 3
     assert any("not applied" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+
+
+def test_allocator_settings_other_than_the_calibrations_are_said_and_their_records_not_fitted(tmp_path, monkeypatch,
+                                                                                               caplog):
+    from trainer_ext.devices import allocator_settings
+    from trainer_ext.memory.estimator import usable_probes
+
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    config, default_args, expandable_args = presets.get("recurrent-3.3b"), _auto_args(tmp_path), _auto_args(tmp_path)
+    fake_24gb_cuda_on(monkeypatch, 1)
+    with caplog.at_level("INFO", logger="trainer_ext.memory.plan"):
+        apply_memory_plan(default_args, config, 2048, 2)
+    assert allocator_settings() == "" and not any("allocator" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="trainer_ext.memory.plan"):
+        apply_memory_plan(expandable_args, config, 2048, 2)
+    assert any("allocator's defaults, not 'expandable_segments:True'" in r.getMessage() for r in caplog.records)
+    record = {"status": "ok", "peak_reserved_bytes": 10 * GIB, "step_seconds": [1.0, 1.0], "recompute_set": {}}
+    settings = ["", "max_split_size_mb:512", "expandable_segments:False", "expandable_segments: True"]
+    assert [bool(usable_probes([{**record, "allocator": s}])) for s in settings] == [True, True, True, False]

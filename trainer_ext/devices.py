@@ -1,8 +1,10 @@
 """The one reading of `--device auto` and `--dtype auto` shared by every entry point, whether Triton (the fused
-kernels' compiler, on Linux x86-64 installs) is there, and how much memory a CUDA device has for this process."""
+kernels' compiler, on Linux x86-64 installs) is there, how much memory a CUDA device has for this process, and how
+its caching allocator is set."""
 
 import functools
 import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 @functools.cache
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def allocator_settings() -> str:
+    """The CUDA caching allocator's settings from the environment (`PYTORCH_ALLOC_CONF`, formerly
+    `PYTORCH_CUDA_ALLOC_CONF`), "" for the defaults. The memory calibration is fitted on the defaults: with
+    `expandable_segments:True` the allocator holds less above its tensors (it fails on some WSL2 drivers)."""
+    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
 
 
 @dataclass(frozen=True)

@@ -268,14 +268,21 @@ def read_probes(path: str) -> list[dict]:
     return records
 
 
+def default_allocator(settings: str) -> bool:
+    """Whether allocator `settings` (`trainer_ext.devices.allocator_settings`) keep the blocks the fit measured."""
+    return "expandable_segments:true" not in settings.replace(" ", "").lower()
+
+
 def usable_probes(records: list[dict]) -> list[dict]:
     """Records that ran (status ok) and carry memory figures (a CUDA probe), of placements the features carry (keep
-    and recompute: selective recomputation and offload have no terms yet)."""
+    and recompute: selective recomputation and offload have no terms yet), under the allocator's default settings
+    (`trainer_ext.devices.allocator_settings`: expandable segments hold other peaks)."""
     def fitted(placement: dict) -> bool:
         return not (placement.get("selective") or placement.get("selective_recompute") or placement.get("offload"))
 
     return [r for r in records if r.get("status") == "ok" and r.get("peak_reserved_bytes")
-            and len(r.get("step_seconds", ())) >= 2 and fitted(r.get("recompute_set", {}))]
+            and len(r.get("step_seconds", ())) >= 2 and fitted(r.get("recompute_set", {}))
+            and default_allocator(r.get("allocator", ""))]
 
 
 def probe_recomputed(record: dict) -> int:

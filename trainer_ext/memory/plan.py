@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 
 from trainer_ext.memory.device_profile import DeviceProfile, for_device
-from trainer_ext.memory.estimator import GIB, Calibration, ModelShape, load_calibration
+from trainer_ext.memory.estimator import GIB, Calibration, ModelShape, default_allocator, load_calibration
 from trainer_ext.memory.placement import DEFAULT_PLACEMENTS, Program, application_counts, describe_table, \
     host_bytes_for, placement_table
 from trainer_ext.memory.processes import FP32_BYTES, layout_of, per_rank_shape, resolve_sharding
@@ -283,6 +283,7 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
 
     from hf_recurrent.presets import is_recurrent
     from trainer_ext.compat import CHECKPOINTING_FLAG
+    from trainer_ext.devices import allocator_settings
 
     if training_args.memory_plan != "auto":
         return []
@@ -342,6 +343,9 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
         if not plan.recompute.empty and is_recurrent(config):  # a Transformer's checkpointing is all or nothing
             callbacks.insert(0, RecomputeCallback(plan.recompute, int(plan.host_cap_gib * GIB)))
     logger.info("Memory plan (cap %.2f GiB: %s): %s", cap, cap_source, plan.describe())
+    if not default_allocator(allocator_settings()):
+        logger.info("--memory_plan auto: the calibration was measured with the CUDA allocator's defaults, not %r: "
+                    "the peaks logged may differ from the plan's.", allocator_settings())
     return callbacks
 
 
