@@ -21,6 +21,15 @@ def test_ids_round_trip_exactly(vocab_size):
     assert torch.equal(codec.unpack_ids(packed), ids)
 
 
+@pytest.mark.parametrize("bits", [1, 7, 8, 9, 16, 17, 25, 26, 33, 57])
+def test_bit_packed_values_of_every_width_read_back_exactly(bits):
+    from trainer_ext.distill.cache_codec import pack_bits, unpack_bits
+
+    values = torch.randint(0, 2**bits, (2, 5, 13), generator=torch.Generator().manual_seed(bits))
+    values[0, 0, -1] = 2**bits - 1  # every bit of the row's last value, up to the packed row's end
+    assert torch.equal(unpack_bits(pack_bits(values, bits), 13, bits), values)
+
+
 def test_bytes_per_token_meet_the_budget_at_the_users_vocabulary():
     """148 bytes at k = 64 and V = 99,520 (<= 150, against 384 in fp16 with uint32 ids); 119 at k = 50 (<= 120)."""
     assert CompactCodec(64, 99520).bytes_per_token == 148 <= 150
