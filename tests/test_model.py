@@ -441,6 +441,25 @@ def test_rms_norm_and_rotary_shortcuts_equal_llamas_bit_for_bit(dtype):
         assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused rms_norm kernel is CUDA's")
+def test_the_fused_cuda_norm_of_decoding_rounds_as_the_training_norm():
+    """On CUDA, eager without autograd the norm is one fused kernel: its sum of squares runs in another order than
+    the ops' (mean), so a bf16 output may differ from the training path's by one unit in the last place, no more."""
+    from hf_recurrent.modeling_recurrent_depth import RecurrentDepthRMSNorm
+
+    norm = RecurrentDepthRMSNorm(4096).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(8, 128, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 3)
+    x = x.to(torch.bfloat16)
+    with torch.no_grad():
+        fused = norm(x)
+    ops = norm(x).detach()
+    largest = torch.maximum(fused.float().abs(), ops.float().abs())
+    ulp = torch.finfo(torch.bfloat16).eps * largest.clamp(min=torch.finfo(torch.bfloat16).tiny)
+    assert ((fused.float() - ops.float()).abs() <= ulp * 2).all()  # the weight's product rounds once more
+
+
 def test_initial_states_come_from_a_table_built_once_and_equal_the_hash(monkeypatch):
     from hf_recurrent import init_recurrent_depth
 
