@@ -65,14 +65,14 @@ CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__
 
 
 class RecurrentDepthRMSNorm(LlamaRMSNorm):
-    """Llama's RMSNorm, same arithmetic and weights. A decode step is bound by its count of ops (4 norms per layer
-    call): no casts when the input is fp32, and eager without autograd `torch.rms_norm` (the same ops on a CPU,
-    bit-equal; one fused kernel on CUDA)."""
+    """Llama's RMSNorm in fewer ops (a decode step runs 4 per layer call): no casts for fp32 input; eager without
+    autograd `torch.rms_norm` (the same ops on a CPU, bit-equal; one fused kernel on CUDA, fp32 under autocast)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            return self.weight * torch.rms_norm(hidden_states, hidden_states.shape[-1:], None, self.variance_epsilon)
         input_dtype = hidden_states.dtype
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            normed = torch.rms_norm(hidden_states, hidden_states.shape[-1:], None, self.variance_epsilon)
+            return self.weight * normed.to(input_dtype)
         if input_dtype != torch.float32:
             hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)

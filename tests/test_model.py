@@ -454,10 +454,14 @@ def test_the_fused_cuda_norm_of_decoding_rounds_as_the_training_norm():
     x = x.to(torch.bfloat16)
     with torch.no_grad():
         fused = norm(x)
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # autocast runs rms_norm in fp32: cast back, as the ops do
+            autocast = norm(x)
     ops = norm(x).detach()
-    largest = torch.maximum(fused.float().abs(), ops.float().abs())
-    ulp = torch.finfo(torch.bfloat16).eps * largest.clamp(min=torch.finfo(torch.bfloat16).tiny)
-    assert ((fused.float() - ops.float()).abs() <= ulp * 2).all()  # the weight's product rounds once more
+    assert fused.dtype == autocast.dtype == ops.dtype == torch.bfloat16
+    for got in (fused, autocast):
+        largest = torch.maximum(got.float().abs(), ops.float().abs())
+        ulp = torch.finfo(torch.bfloat16).eps * largest.clamp(min=torch.finfo(torch.bfloat16).tiny)
+        assert ((got.float() - ops.float()).abs() <= ulp * 2).all()  # the weight's product rounds once more
 
 
 def test_initial_states_come_from_a_table_built_once_and_equal_the_hash(monkeypatch):
