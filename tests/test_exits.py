@@ -145,3 +145,19 @@ def test_the_block_of_a_step_covers_the_rows_still_iterating_up_to_their_last_ac
     with torch.no_grad():  # the step after every token has exited: left out (no cache), no block
         steps = depth_exit.steps(4, None, None)
         assert list(steps) == [0] and depth_exit.block is None
+
+
+def test_the_exit_compute_benchmark_counts_what_the_core_runs():
+    from benchmarks.exit_compute import shares
+
+    # By hand: 2 rows of 2 tokens at n = 3 (fixed: 12 token-steps). Step 1 runs all 4 (windows 2 + 2); step 2 the
+    # second token of row 0 and the first of row 1 (both rows, cut after position 1: 4; windows 1 + 1); step 3 row
+    # 0's second token (one row of 2; window 1).
+    assert shares(torch.tensor([[1, 3], [2, 1]]), 3) == {"token": 7 / 12, "window": 7 / 12, "run": 10 / 12}
+    model = tiny()
+    ids, _ = left_padded((10, 10, 10, 10))
+    with CoreTokens(model) as counter, torch.no_grad():
+        out = model(ids, num_steps=12, use_cache=False, exit_threshold=MIXED)
+    found = shares(out.num_steps_used, 12)
+    assert counter.tokens == round(found["run"] * ids.numel() * 12)
+    assert found["token"] <= found["window"] <= found["run"] < 1

@@ -1,0 +1,97 @@
+"""How much core compute early exits leave out of a batched forward without a cache (evaluation, lm-eval's
+loglikelihood), counted per token and step, against what each token's own exit would allow.
+
+    python3 -m benchmarks.exit_compute --checkpoints outputs/depth_abl_cpu_0/scaled_init_seed0/final \
+        --data_dir outputs/data/kjv --num_steps 12 --thresholds 0.5 0.3 0.1 --batch_size 8 --samples 32
+
+A token that exits after j steps keeps its state, but later steps still read its keys and values: in a causal
+forward its computation at step i > j changes as long as a token before it iterates, so what can be left out
+exactly is, per row and step, the tokens after the row's last iterating token and the tokens before its first (the
+latter only where their keys and values from an earlier step are kept). Per threshold, core layer-token products of
+the call as a share of fixed depth n (so 1 / share bounds the speed-up of the core):
+
+- `token`: each token its own steps (sum of `num_steps_used`): what exits save if nothing else had to run;
+- `window`: each row, each step, from its first to its last iterating token: exactly computable, ragged;
+- `run`: what `adaptive_depth` runs now (the rows with an iterating token, cut after the last such token of any of
+  them), counted by hooks on the core layers and checked against the same count from `num_steps_used`.
+
+Held-out CE and its cost against fixed n come with each row. JSON lines on stdout.
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_recurrent  # noqa: F401
+from trainer_ext.data.shards import ShardedTokenDataset
+
+
+def shares(steps_used: torch.Tensor, num_steps: int) -> dict:
+    """Core token-steps of each count over fixed depth's (batch x seq x n), from steps used (B, T)."""
+    batch, seq = steps_used.shape
+    positions = torch.arange(seq)
+    token = window = run = 0
+    for step in range(1, num_steps + 1):
+        iterating = steps_used >= step  # (B, T): the tokens step `step` computes a new state for
+        token += int(iterating.sum())
+        active = iterating.any(1)
+        if not active.any():
+            break
+        last = torch.where(iterating, positions, -1).amax(1)
+        first = torch.where(iterating, positions, seq).amin(1)
+        window += int((last - first + 1)[active].sum())
+        run += int(active.sum()) * (int(last.max()) + 1)
+    fixed = batch * seq * num_steps
+    return {"token": token / fixed, "window": window / fixed, "run": run / fixed}
+
+
+def evaluate(model, batches, num_steps: int, threshold: float | None, counted: list) -> dict:
+    nll = tokens = 0.0
+    totals = {"token": 0.0, "window": 0.0, "run": 0.0}
+    counted.clear()
+    for batch in batches:
+        with torch.no_grad():
+            out = model(batch["input_ids"], num_steps=num_steps, exit_threshold=threshold)
+        logits = out.logits.float()
+        nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten(),
+                                                       reduction="sum"))
+        tokens += batch["shift_labels"].numel()
+        steps_used = out.num_steps_used if threshold is not None else torch.full(batch["input_ids"].shape, num_steps)
+        for key, value in shares(steps_used.cpu(), num_steps).items():
+            totals[key] += value / len(batches)
+    fixed = sum(b["input_ids"].numel() for b in batches) * num_steps * len(model.model.core)
+    return {"ce": nll / tokens, **{k: round(v, 4) for k, v in totals.items()},
+            "run_counted": round(sum(counted) / fixed, 4)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoints", nargs="+", required=True)
+    parser.add_argument("--data_dir", required=True)
+    parser.add_argument("--num_steps", type=int, default=12)
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.3, 0.1])
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=32)
+    args = parser.parse_args(argv)
+    data = ShardedTokenDataset(args.data_dir, split="eval")
+    rows = [data[i] for i in range(min(args.samples, len(data)))]
+    batches = [{k: torch.stack([r[k] for r in rows[i:i + args.batch_size]]) for k in rows[0]}
+               for i in range(0, len(rows), args.batch_size)]
+    for path in args.checkpoints:
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        counted = []
+        for layer in model.model.core:
+            layer.register_forward_hook(lambda module, inputs, output: counted.append(inputs[0].shape[:2].numel()))
+        fixed = evaluate(model, batches, args.num_steps, None, counted)
+        for threshold in [None, *args.thresholds]:
+            row = fixed if threshold is None else evaluate(model, batches, args.num_steps, threshold, counted)
+            print(json.dumps({"checkpoint": path, "num_steps": args.num_steps, "threshold": threshold,
+                              "ce_cost": round(row["ce"] - fixed["ce"], 5), **row}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
