@@ -224,7 +224,7 @@ def test_evaluate_reports_steps_used_and_ce_difference(tiny_data_dir, tmp_path):
     out = tmp_path / "eval"
     evaluate_checkpoints(evaluate_script.parse_args([
         "--checkpoints", str(checkpoint), "--data_dir", tiny_data_dir, "--depths", "1", "6", "--max_samples", "4",
-        "--speed_batch_size", "1", "--prompt_len", "4", "--new_tokens", "2", "--speed_repeats", "1",
+        "--speed_batch_size", "3", "--prompt_len", "4", "--new_tokens", "2", "--speed_repeats", "1",
         "--cache_cost_samples", "0", "--exit_thresholds", "0", "1e9", "--output_dir", str(out), "--plots", "false"]))
     report = read_report(str(out / "results.json"))
     zero, huge = report["adaptive_depth"]
@@ -235,9 +235,13 @@ def test_evaluate_reports_steps_used_and_ce_difference(tiny_data_dir, tmp_path):
     for row in (zero, huge):  # batch-1 decoding with the shared cache, against the fixed depth 6
         assert row["decode_tokens_per_s"] > 0 and row["decode_tokens_per_s_fixed_depth"] > 0
         assert row["decode_speedup"] == pytest.approx(row["decode_tokens_per_s"] / row["decode_tokens_per_s_fixed_depth"])
+        # the evaluation's forward passes timed against depth 6 fixed; decoding 3 held-out prompts at once
+        assert row["eval_speedup"] == pytest.approx(row["eval_seconds_fixed_depth"] / row["eval_seconds"])
+        assert row["decode_batch"] == 3 and row["decode_tokens_per_s_batch"] > 0 and row["decode_speedup_batch"] > 0
     assert zero["decode_tokens_per_s_fixed_depth"] == huge["decode_tokens_per_s_fixed_depth"]
+    assert zero["eval_seconds_fixed_depth"] == huge["eval_seconds_fixed_depth"]
     table = (out / "results.md").read_text()
-    assert "## Adaptive depth" in table and "| ours / 1e+09 | 6 | 1.00 |" in table and "speed-up" in table
+    assert "## Adaptive depth" in table and "| ours / 1e+09 | 6 | 1.00 |" in table and "(batch 3) |" in table
     with pytest.raises(ValueError, match="--exit_thresholds"):
         evaluate_script.parse_args(["--checkpoints", str(checkpoint), "--data_dir", tiny_data_dir,
                                     "--exit_thresholds", "-1"])

@@ -161,6 +161,22 @@ def test_generation_speed_is_positive_per_batch_size():
         generation_speed(model, prompt_len=500, new_tokens=100)
 
 
+def test_generation_speed_gives_each_row_its_own_prompt_when_given_one_per_row(monkeypatch):
+    model = _recurrent()
+    prompts = torch.randint(4, 200, (3, 10), generator=torch.Generator().manual_seed(0))
+    seen = []
+    real_generate = type(model).generate
+
+    def recorded(self, ids, **kwargs):
+        seen.append(ids)
+        return real_generate(self, ids, **kwargs)
+    monkeypatch.setattr(type(model), "generate", recorded)
+    generation_speed(model, prompt_len=8, new_tokens=2, batch_sizes=(3,), prompt_ids=prompts, repeats=1)
+    assert all(torch.equal(ids, prompts[:, :8]) for ids in seen)  # warm-up and timed call: the rows as given
+    with pytest.raises(ValueError, match="3 rows; give one, or one per row of the batch \\(2\\)"):
+        generation_speed(model, prompt_len=8, new_tokens=2, batch_sizes=(2,), prompt_ids=prompts)
+
+
 def test_cache_mode_cost_per_step_equals_full_forward(eval_set):
     model = _recurrent()
     cost = cache_mode_cost(model, eval_set, num_steps=4, max_samples=3, prefix_len=20, progress=False)

@@ -27,7 +27,7 @@ from hf_recurrent.presets import is_recurrent
 from trainer_ext.checkpoints import check_model_dir
 from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.devices import resolve_device, resolve_dtype
-from trainer_ext.evaluation.generation import cache_mode_cost, generation_speed, kv_cache_mode
+from trainer_ext.evaluation.generation import cache_mode_cost, generation_speed, kv_cache_mode, synchronize
 from trainer_ext.evaluation.metrics import evaluate_model, learning_warnings, unigram_cross_entropy
 from trainer_ext.evaluation.plots import plot_depth_curves
 from trainer_ext.evaluation.report import write_report
@@ -124,6 +124,15 @@ def _eval_data(args: EvaluateArguments, checkpoint: str, model):
     return dataset
 
 
+def _speed_prompts(dataset, prompt_len: int, rows: int) -> torch.Tensor:
+    """(rows, prompt_len): the first tokens of the first `rows` held-out samples, one prompt per row."""
+    if rows > len(dataset) or dataset[0]["input_ids"].numel() < prompt_len:
+        raise ValueError(f"--speed_batch_size={rows} with --prompt_len={prompt_len} needs {rows} held-out samples of "
+                         f"at least {prompt_len} tokens; the --split split has {len(dataset)} of "
+                         f"{dataset[0]['input_ids'].numel()}. Lower --speed_batch_size or --prompt_len.")
+    return torch.stack([dataset[i]["input_ids"][:prompt_len] for i in range(rows)])
+
+
 def _speed_prompt(dataset, prompt_len: int) -> torch.Tensor:
     """The first held-out tokens: a real text prompt, the same for every model and depth."""
     ids, index = [], 0
@@ -193,28 +202,43 @@ def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, de
 
 def adaptive_depth_records(args: EvaluateArguments, model, dataset, records: list[dict], prompt) -> list[dict]:
     """Per exit threshold, at the deepest evaluated depth n_max as the cap: mean core steps per token and CE, against
-    the fixed-depth CE at n_max (from `records`); and batch-1 greedy decoding of `prompt` with the `shared` KV cache,
-    tokens/s with exits against n_max fixed."""
-    n_max = max(args.depths)
+    the fixed-depth CE at n_max (from `records`); the wall time of that evaluation (full forward passes without a
+    cache, batches of --batch_size) against n_max fixed; greedy decoding with the `shared` KV cache at batch 1
+    (`prompt`) and at --speed_batch_size (that many held-out prompts: rows that differ exit apart), tokens/s against
+    n_max fixed."""
+    n_max, batch = max(args.depths), args.speed_batch_size
     fixed = next(r for r in records if r["num_steps"] == n_max)
-    speed = dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, batch_sizes=[1], num_steps=n_max,
-                 prompt_ids=prompt, repeats=args.speed_repeats)
-    with kv_cache_mode(model, "shared"):
-        fixed_speed = generation_speed(model, **speed)[1]
+    prompts = {1: prompt, batch: _speed_prompts(dataset, args.prompt_len, batch)}
+
+    def timed_quality(**exits) -> tuple[dict, float]:
+        synchronize(model.device)
+        start = time.perf_counter()
+        quality = evaluate_model(model, dataset, num_steps=n_max, batch_size=args.batch_size, **exits)
+        synchronize(model.device)
+        return quality, time.perf_counter() - start
+
+    def decode_speeds(**exits) -> dict[int, float]:
+        with kv_cache_mode(model, "shared"):
+            return {size: generation_speed(model, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                           batch_sizes=[size], num_steps=n_max, prompt_ids=ids,
+                                           repeats=args.speed_repeats, **exits)[size] for size, ids in prompts.items()}
+
+    fixed_seconds, fixed_speed = timed_quality()[1], decode_speeds()
     rows = []
     for threshold in args.exit_thresholds:
         logger.info("adaptive depth: exit threshold %g, at most %d steps", threshold, n_max)
-        quality = evaluate_model(model, dataset, num_steps=n_max, batch_size=args.batch_size,
-                                 exit_threshold=threshold, exit_criterion=args.exit_criterion)
-        with kv_cache_mode(model, "shared"):
-            exit_speed = generation_speed(model, exit_threshold=threshold, exit_criterion=args.exit_criterion,
-                                          **speed)[1]
+        exits = dict(exit_threshold=threshold, exit_criterion=args.exit_criterion)
+        (quality, seconds), speed = timed_quality(**exits), decode_speeds(**exits)
         rows.append({"num_steps": n_max, "exit_threshold": threshold, "exit_criterion": args.exit_criterion,
                      "mean_steps_used": quality["mean_steps_used"],
                      "ce": quality["ce"], "top1": quality["top1"], "ce_fixed_depth": fixed["ce"],
                      "ce_increase": quality["ce"] - fixed["ce"], "tokens": quality["tokens"],
-                     "decode_tokens_per_s": exit_speed, "decode_tokens_per_s_fixed_depth": fixed_speed,
-                     "decode_speedup": exit_speed / fixed_speed})
+                     "eval_seconds": seconds, "eval_seconds_fixed_depth": fixed_seconds,
+                     "eval_speedup": fixed_seconds / seconds,
+                     "decode_tokens_per_s": speed[1], "decode_tokens_per_s_fixed_depth": fixed_speed[1],
+                     "decode_speedup": speed[1] / fixed_speed[1], "decode_batch": batch,
+                     "decode_tokens_per_s_batch": speed[batch],
+                     "decode_speedup_batch": speed[batch] / fixed_speed[batch]})
     return rows
 
 

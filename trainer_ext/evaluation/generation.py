@@ -50,9 +50,10 @@ def generation_speed(
 
     The wall time covers the whole `generate` call (prefill of the prompt included). Every row is the same
     fixed prompt: `prompt_ids` (first `prompt_len` ids) or a seeded pseudo-random one, so numbers are comparable
-    across models and depths. EOS is suppressed (`min_new_tokens`) so every call generates `new_tokens`. One
-    untimed warm-up call per batch size keeps kernel selection and allocator growth out of the timing; the
-    figure is the median of `repeats` timed calls, which damps a noisy neighbour on a shared machine.
+    across models and depths; `prompt_ids` of shape (B, >= prompt_len) gives each row of batch B its own (rows that
+    differ exit apart under adaptive depth). EOS is suppressed (`min_new_tokens`) so every call generates
+    `new_tokens`. One untimed warm-up call per batch size keeps kernel selection and allocator growth out of the
+    timing; the figure is the median of `repeats` timed calls, which damps a noisy neighbour on a shared machine.
     `generate_kwargs` go to every `generate` call (e.g. `exit_threshold` for adaptive depth).
     """
     batch_sizes = list(batch_sizes)
@@ -66,7 +67,7 @@ def generation_speed(
         raise ValueError(
             f"generation_speed: prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the model's "
             f"max_position_embeddings={limit}; lower prompt_len or new_tokens.")
-    prompt = _fixed_prompt(prompt_ids, prompt_len, config.vocab_size).to(device)
+    prompt = _fixed_prompt(prompt_ids, prompt_len, config.vocab_size).to(device)  # (1 or B, prompt_len)
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
                   pad_token_id=pad, **depth_kwargs(model, num_steps), **generate_kwargs)
@@ -74,6 +75,9 @@ def generation_speed(
     speeds = {}
     with eval_mode(model), torch.inference_mode():
         for batch in batch_sizes:
+            if prompt.shape[0] not in (1, batch):
+                raise ValueError(f"generation_speed: prompt_ids has {prompt.shape[0]} rows; give one, or one per row "
+                                 f"of the batch ({batch}).")
             input_ids = prompt.expand(batch, -1).contiguous()  # (B, prompt_len)
             attention_mask = torch.ones_like(input_ids)
             if warmup:
@@ -81,10 +85,10 @@ def generation_speed(
                                                                                "min_new_tokens": 2})
             seconds = []
             for _ in range(repeats):
-                _synchronize(device)
+                synchronize(device)
                 start = time.perf_counter()
                 output = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
-                _synchronize(device)
+                synchronize(device)
                 seconds.append(time.perf_counter() - start)
                 assert output.shape[1] - prompt_len == new_tokens, (output.shape, prompt_len, new_tokens)
             speeds[batch] = batch * new_tokens / statistics.median(seconds)
@@ -96,10 +100,12 @@ def _fixed_prompt(prompt_ids, prompt_len: int, vocab_size: int) -> torch.Tensor:
         # Avoid the low ids, where tokenizers keep their special tokens.
         low = min(4, vocab_size - 1)
         return torch.randint(low, vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
-    if prompt.numel() < prompt_len:
-        raise ValueError(f"generation_speed: prompt_ids has {prompt.numel()} ids, fewer than prompt_len={prompt_len}.")
-    return prompt[:prompt_len].unsqueeze(0)
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
+    prompt = prompt.reshape(-1, prompt.shape[-1]) if prompt.dim() == 2 else prompt.reshape(1, -1)
+    if prompt.shape[1] < prompt_len:
+        raise ValueError(f"generation_speed: prompt_ids has {prompt.shape[1]} ids a row, fewer than "
+                         f"prompt_len={prompt_len}.")
+    return prompt[:, :prompt_len]
 
 
 # ----------------------------------------------------------------------------- KV cache modes
@@ -188,6 +194,6 @@ def _teacher_forced_decode(model, input_ids: torch.Tensor, prefix_len: int, num_
         yield position, out.logits
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -57,13 +57,18 @@ def cache_cost_table(costs: list[dict]) -> str:
 
 
 def adaptive_depth_table(rows: list[dict]) -> str:
-    """Quality from full forward passes; decoding: batch 1, greedy, `shared` KV cache, tokens/s."""
+    """Quality and wall time of full forward passes (no cache); decoding: greedy, `shared` KV cache, tokens/s at
+    batch 1 and at the larger speed batch (its own prompt per row). Reports from before the timed evaluation and the
+    larger batch leave those cells blank."""
     return _table(["model / threshold", "max steps", "mean steps used", "CE", "CE at max steps", "difference",
-                   "decode tok/s", "at max steps", "speed-up"],
+                   "forward speed-up", "decode tok/s", "at max steps", "speed-up", "speed-up, larger batch"],
                   ([f"{r['model']} / {r['exit_threshold']:g}", str(r["num_steps"]), f"{r['mean_steps_used']:.2f}",
                     f"{r['ce']:.4f}", f"{r['ce_fixed_depth']:.4f}", f"{r['ce_increase']:+.4f}",
+                    _format(r.get("eval_speedup"), "{:.2f}x"),
                     f"{r['decode_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s_fixed_depth']:.1f}",
-                    f"{r['decode_speedup']:.2f}x"] for r in rows))
+                    f"{r['decode_speedup']:.2f}x",
+                    f"{r['decode_speedup_batch']:.2f}x (batch {r['decode_batch']})" if "decode_batch" in r else "-"]
+                   for r in rows))
 
 
 def _format(value, fmt: str) -> str:
