@@ -32,7 +32,8 @@
 #       24 GiB cap: MFU table and ratio to the GaLore peer; $OUT/peers.jsonl (STEPS default 12, SECONDS_LIMIT 540)
 #   bash benchmarks/bench_gpu.sh adaptive [evaluate args]   recurrent-125m trained on ~12M tokens of Python sources
 #       (STEPS default 360 of 32 x 1024), then evaluated at n = 1 / 4 / 12 and with exit thresholds at n_max = 12:
-#       mean core steps, CE cost, batch-1 decoding tokens/s with the shared cache; $OUT/adaptive/results.md (GATE=1:
+#       mean core steps, CE cost, the evaluation's and batch-1 / batch-8 decoding's speed-ups with the shared cache,
+#       the core compute the exits left out (benchmarks/exit_compute.py); $OUT/adaptive/results.md (GATE=1:
 #       trained with exit_gate=true, evaluated by the state criterion and by the gate; $OUT/adaptive_gate/results.md)
 #   bash benchmarks/bench_gpu.sh ablation [depth_ablation args]   recurrent-125m arms, held-out CE at n = 1 / 4 / 12
 #   bash benchmarks/bench_gpu.sh optimizer   the fused optimizer kernels: their GPU tests, single-tensor updates of the
@@ -175,6 +176,9 @@ case $STAGE in
       --depths 1 4 12 --cache_cost_depths 12 --exit_thresholds 0.3 0.1 0.05 0.03 0.01 0.003 --new_tokens 64 \
       --output_dir "$OUT/adaptive" --plots false "$@" > "$OUT/adaptive_eval.log" 2>&1
     echo "evaluate exit code $?"; cat "$OUT/adaptive/results.md"
+    python3 -m benchmarks.exit_compute --checkpoints $RUN/final --data_dir $DATA_PY --num_steps 12 \
+      --thresholds 0.3 0.1 0.05 0.03 0.01 --batch_size 8 --samples 64 2>/dev/null \
+      | tee "$OUT/adaptive_exit_compute.jsonl"
     [ -z "${GATE:-}" ] || python3 -m scripts.evaluate_checkpoints --checkpoints $RUN/final --labels gate \
       --data_dir $DATA_PY --depths 12 --cache_cost_samples 0 --exit_criterion gate --exit_thresholds 0.5 0.7 0.9 0.95 \
       --new_tokens 64 --output_dir "$OUT/adaptive_gate" --plots false > "$OUT/adaptive_gate_eval.log" 2>&1 \

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_recurrent  # noqa: F401
 from trainer_ext.data.shards import ShardedTokenDataset
+from trainer_ext.devices import resolve_device, resolve_dtype
 
 
 def shares(steps_used: torch.Tensor, num_steps: int) -> dict:
@@ -54,13 +55,15 @@ def evaluate(model, batches, num_steps: int, threshold: float | None, counted: l
     counted.clear()
     for batch in batches:
         with torch.no_grad():
-            out = model(batch["input_ids"], num_steps=num_steps, exit_threshold=threshold)
+            out = model(batch["input_ids"].to(model.device), num_steps=num_steps, exit_threshold=threshold)
         logits = out.logits.float()
-        nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten(),
+        nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                       batch["shift_labels"].to(model.device).flatten(),
                                                        reduction="sum"))
         tokens += batch["shift_labels"].numel()
-        steps_used = out.num_steps_used if threshold is not None else torch.full(batch["input_ids"].shape, num_steps)
-        for key, value in shares(steps_used.cpu(), num_steps).items():
+        steps_used = out.num_steps_used.cpu() if threshold is not None else torch.full(batch["input_ids"].shape,
+                                                                                        num_steps)
+        for key, value in shares(steps_used, num_steps).items():
             totals[key] += value / len(batches)
     fixed = sum(b["input_ids"].numel() for b in batches) * num_steps * len(model.model.core)
     return {"ce": nll / tokens, **{k: round(v, 4) for k, v in totals.items()},
@@ -75,13 +78,16 @@ def main(argv=None) -> int:
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.3, 0.1])
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--device", default="auto", help="auto: CUDA when available, else the CPU.")
+    parser.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, fp32 elsewhere.")
     args = parser.parse_args(argv)
+    device = resolve_device(args.device)
     data = ShardedTokenDataset(args.data_dir, split="eval")
     rows = [data[i] for i in range(min(args.samples, len(data)))]
     batches = [{k: torch.stack([r[k] for r in rows[i:i + args.batch_size]]) for k in rows[0]}
                for i in range(0, len(rows), args.batch_size)]
     for path in args.checkpoints:
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(args.dtype, device)).to(device).eval()
         counted = []
         for layer in model.model.core:
             layer.register_forward_hook(lambda module, inputs, output: counted.append(inputs[0].shape[:2].numel()))
