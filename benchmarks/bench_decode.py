@@ -14,9 +14,10 @@ decode step (`CompileConfig(fullgraph=True, dynamic=False)`, inductor + CUDA gra
 `--exit_thresholds` adds runs with adaptive depth (at most n steps) on each path in each of `--exit_kv_cache_modes`
 (default `shared`, the mode where exited rows skip the core steps before the last), each next to the fixed-depth
 figure of the same path and cache mode; eager ones with the mean core steps used and core passes run per decoded
-token. Compiled exit rows come once per `--exit_check_every` value k (default 0 and 4, labelled `k=`): 0 masks the
-exits in one graph (the model's default), k > 0 runs the steps in segments of k with a host check between them in
-shared mode (hf_recurrent.adaptive_depth; graph breaks, so those rows compile with fullgraph=False).
+token (`--exit_compaction rows masked`: both ways of running a step while some rows iterate). Compiled exit rows
+come once per `--exit_check_every` value k (default 0 and 4, labelled `k=`): 0 masks the exits in one graph (the
+model's default), k > 0 runs the steps in segments of k with a host check between them in shared mode
+(hf_recurrent.adaptive_depth; graph breaks, so those rows compile with fullgraph=False).
 Each figure: the median of `--repeats` timed calls after `--warmup` untimed ones (which compile), with the spread
 (max - min) / median; `--rounds R` runs the whole list R times in turn, each figure then the median of its R x repeats
 calls, spread over the run. `--paths eager` leaves out the compiled path (on a CPU, where the eager comparison at
@@ -35,7 +36,7 @@ import torch
 import transformers
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
-from hf_recurrent import RecurrentDepthForCausalLM, presets
+from hf_recurrent import RecurrentDepthForCausalLM, adaptive_depth, presets
 from hf_recurrent.configuration_recurrent_depth import KV_CACHE_MODES
 from hf_recurrent.cost import unrolled_layers
 
@@ -71,6 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="kv_cache_mode(s) of the adaptive depth runs; a mode other than the preset's also gets "
                              "a fixed-depth eager run. Exits skip core steps in 'shared' only (per_step caches "
                              "need every step's keys and values).")
+    parser.add_argument("--exit_compaction", nargs="+", choices=["rows", "masked"], default=["rows"],
+                        help="Eager exit rows: 'rows' runs a step on the rows still iterating (the model's default), "
+                             "'masked' on the whole batch until every row has exited (labelled masked): which is "
+                             "faster where a step is bound by issuing its ops rather than by its arithmetic.")
     parser.add_argument("--no_llama", action="store_true", help="Skip the Llama peer.")
     parser.add_argument("--time_budget_s", type=float, default=270.0,
                         help="Stop starting new measurements after this many seconds.")
@@ -175,8 +180,11 @@ def measurements(args, preset_mode: str):
                 for path, kwargs in paths:
                     if mode != preset_mode:  # the fixed-depth figure the exits compare with
                         yield path, "recurrent", mode, num_steps, batch, {"num_steps": num_steps, **kwargs}
-                    for every in [None] if path == "eager" else args.exit_check_every:
-                        exits, label = ({}, "") if every is None else ({"exit_check_every": every}, f" k={every}")
+                    if path == "eager":  # each way of running a step while some rows iterate
+                        variants = [({}, "" if how == "rows" else " masked") for how in args.exit_compaction]
+                    else:
+                        variants = [({"exit_check_every": k}, f" k={k}") for k in args.exit_check_every]
+                    for exits, label in variants:
                         for threshold in args.exit_thresholds:
                             yield f"{path} exit<{threshold:g}{label}", "recurrent", mode, num_steps, batch, {
                                 "num_steps": num_steps, "exit_threshold": threshold, **kwargs, **exits}
@@ -221,6 +229,7 @@ def run(args) -> dict:
             ours.config.kv_cache_mode = mode  # read at every forward call; only exit runs change it
         # Hooks would run inside a compiled decode step: compiled exit rows report the tokens/s only.
         recorder = StepsRecorder(model) if "exit_threshold" in kwargs and path.startswith("eager") else None
+        adaptive_depth.COMPACT_EXITED_STEPS = not path.endswith(" masked")
         rates = record["tokens_per_s_runs"] = record["tokens_per_s_runs"] + time_generate(
             model, prompts[batch], args, **kwargs)
         median = statistics.median(rates)
@@ -269,6 +278,7 @@ def adaptive(results: list[dict]) -> list[dict]:
             continue
         path = r["path"].split(" exit<")[0]
         base = fixed.get((path, r["kv_cache_mode"], r["num_steps"], r["batch"]))
+        path += " masked" if r["path"].endswith(" masked") else ""
         rows.append({key: r.get(key) for key in ("num_steps", "batch", "kv_cache_mode", "exit_threshold",
                                                  "exit_check_every", "mean_steps_used", "mean_core_passes",
                                                  "tokens_per_s")}
