@@ -51,10 +51,10 @@ def assert_same_run(sharded, reference):
         torch.testing.assert_close(weights[name], ref_weights[name], rtol=0, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("nproc,momenta", [(2, MOMENTA), (4, ("subspace",))])
-def test_sharded_update_equals_unsharded(tmp_path, single, nproc, momenta):
-    sharded = run_worker(tmp_path, nproc, momenta)
-    for momentum in momenta:
+def test_sharded_update_equals_unsharded(tmp_path, single):
+    """2 processes, every momentum mode (4 processes: the run stopped and resumed on 2, below)."""
+    sharded = run_worker(tmp_path, 2, MOMENTA)
+    for momentum in MOMENTA:
         reference = single["worker"][momentum]
         assert reference[0][-1]["loss"] < reference[0][0]["loss"] + 0.1  # it trains, not diverges
         assert_same_run(sharded[momentum], reference)
@@ -78,18 +78,22 @@ def test_uneven_shards_are_exercised():
     assert any(name.endswith("gate_proj.weight") for name in uneven)
 
 
-@pytest.mark.parametrize("resume_nproc,flags", [(4, ()), (2, ("--full_state", "--trainer_path"))],
-                         ids=["sharded-checkpoint-on-4", "gathered-checkpoint-trainer-order"])
-def test_resume_after_stop_reproduces_the_run(tmp_path, single, resume_nproc, flags):
-    """Stopped after step 2 of 4 on 2 processes, resumed: a distributed checkpoint (each process its shards) on
-    another process count, or one gathered on rank 0 (accelerate's FULL_STATE_DICT) in the Trainer's order."""
+@pytest.mark.parametrize("stop_nproc,flags", [(4, ()), (2, ("--full_state", "--trainer_path"))],
+                         ids=["sharded-checkpoint-from-4-to-2", "gathered-checkpoint-trainer-order"])
+def test_resume_after_stop_reproduces_the_run(tmp_path, single, stop_nproc, flags):
+    """Stopped after step 2 of 4 on `stop_nproc` processes and resumed on 2: a distributed checkpoint (each process
+    its shards) on another process count, or one gathered on rank 0 (accelerate's FULL_STATE_DICT) in the Trainer's
+    order. The first two steps' losses and the resumed run's losses and weights are the one process's, so on 4
+    processes every update, the first with its fresh state included, equals the unsharded one."""
     mode = ("subspace",)
-    stopped = run_worker(tmp_path / "stopped", 2, mode, "--stop_after", "2", *flags)["subspace"][0]
-    assert [h["step"] for h in stopped] == [1, 2]
-    assert os.listdir(tmp_path / "stopped" / "checkpoint")
-    resumed = run_worker(tmp_path / "resumed", resume_nproc, mode,
-                         "--resume", str(tmp_path / "stopped" / "checkpoint"), *flags)["subspace"]
     losses, weights = single["trainer" if "--trainer_path" in flags else "worker"]["subspace"]
+    stopped = run_worker(tmp_path / "stopped", stop_nproc, mode, "--stop_after", "2", *flags)["subspace"][0]
+    assert [h["step"] for h in stopped] == [1, 2]
+    torch.testing.assert_close(torch.tensor([h["loss"] for h in stopped]),
+                               torch.tensor([h["loss"] for h in losses[:2]]), rtol=1e-5, atol=1e-6)
+    assert os.listdir(tmp_path / "stopped" / "checkpoint")
+    resumed = run_worker(tmp_path / "resumed", 2, mode, "--resume", str(tmp_path / "stopped" / "checkpoint"),
+                         *flags)["subspace"]
     assert_same_run(resumed, (losses[2:], weights))
 
 
