@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fsdp_worker import shard  # noqa: E402
+from launcher import leave_without_teardown  # noqa: E402
 from hf_recurrent import presets  # noqa: E402
 from hf_recurrent.modeling_recurrent_depth import RecurrentDepthForCausalLM  # noqa: E402
 from trainer_ext.distill.losses import chunked_lm_loss  # noqa: E402
@@ -64,12 +65,7 @@ def main(argv=None) -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
-        # Everything is written: leave without the interpreter's teardown, where a rank of a loaded machine was seen
-        # to abort ("terminate called without an active exception", a C++ thread destroyed while joinable), which
-        # made torchrun end the other rank before it had written its results.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave_without_teardown()
 
 
 def run(args, momentum: str, world: int, rank: int) -> None:

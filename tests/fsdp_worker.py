@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import hf_recurrent  # noqa: E402,F401  (registers the model with the Auto classes)
 from hf_recurrent import presets  # noqa: E402
+from launcher import leave_without_teardown  # noqa: E402
 from trainer_ext.training.distributed import check_optimizer_supports, saved_as_pretrained_class, sharding_backend  # noqa: E402
 
 SEED = 0
@@ -145,12 +146,7 @@ def main(argv=None) -> None:
         run(args.output_dir, args.train_steps)
     finally:
         dist.destroy_process_group()
-    # Everything is written (rank 0's report before the last barrier): leave without the interpreter's teardown, where
-    # a rank was seen to abort after a successful run ("terminate called without an active exception", a C++ thread
-    # destroyed while joinable), which made torchrun fail the launch (as tests/fsdp_optimizer_worker.py does).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()  # everything is written: rank 0's report came before the last barrier
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Launching a test worker as one process or under torch.distributed.run on CPU (gloo), shared by the tests of
-several processes (test_ddp, test_fsdp, test_fsdp_optimizer)."""
+several processes (test_ddp, test_fsdp, test_fsdp_optimizer), and how a worker leaves."""
 
 import os
 import signal
@@ -27,3 +27,13 @@ def launch(script, processes: int, *args, cwd=REPO, timeout: float = TIMEOUT_S) 
         output, _ = proc.communicate()
         output += f"\n(timed out after {timeout} s)"
     return subprocess.CompletedProcess(command, proc.returncode, output)
+
+
+def leave_without_teardown() -> None:
+    """Exit 0 now, for a worker whose results are written and whose process group is destroyed: in the interpreter's
+    teardown a rank was seen to abort after a successful run ("terminate called without an active exception", a C++
+    thread destroyed while joinable), which made torchrun fail the launch or end another rank before it had written
+    its results."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -63,4 +63,3 @@ def test_verify_plans_a_cached_teacher_at_each_vocabulary_and_length_and_breaks_
     assert all(r["kernel_breakdown"]["steps"] >= 1 for r in rows)
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["config"]["vocab_size"] for r in records] == [512, 512, 1024, 1024]
-
