@@ -39,6 +39,7 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 from hf_recurrent import RecurrentDepthForCausalLM, adaptive_depth, presets
 from hf_recurrent.configuration_recurrent_depth import KV_CACHE_MODES
 from hf_recurrent.cost import unrolled_layers
+from trainer_ext.devices import synchronize
 
 PATHS = ("eager", "static+compile")
 
@@ -102,11 +103,6 @@ def build(model_class, config, device, dtype):
     with torch.device(device):
         model = model_class._from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def time_generate(model, prompt, args, **kwargs) -> list[float]:

@@ -23,6 +23,8 @@ import time
 import torch
 from transformers import TrainerCallback
 
+from trainer_ext.devices import synchronize
+
 # (category, pattern of the kernel's name), first match wins.
 CATEGORIES = (
     ("loss_kernels", r"^_(ce|lse|grad)_kernel"),
@@ -80,16 +82,12 @@ class KernelProfile(TrainerCallback):
         self.start_step, self.result = start_step, None
         self._profiler, self._started, self._steps = None, None, 0
 
-    def _sync(self):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == self.start_step and self._profiler is None:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
-            self._sync()
+            synchronize()
             self._profiler = profile(activities=activities)
             self._profiler.__enter__()
             self._started = time.perf_counter()
@@ -101,7 +99,7 @@ class KernelProfile(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self._profiler is None:
             return
-        self._sync()
+        synchronize()
         wall = time.perf_counter() - self._started
         self._profiler.__exit__(None, None, None)
         with tempfile.TemporaryDirectory() as folder:

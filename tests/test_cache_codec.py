@@ -58,7 +58,7 @@ def test_log_probs_keep_the_head_and_the_tail_and_lose_little():
     tail, decoded_tail = (1 - lp.exp().sum(-1) for lp in (logprobs, decoded))
     torch.testing.assert_close(decoded_tail, tail, rtol=2e-3, atol=1e-4)
     # what distillation sees: the KL of the k + 1 buckets from the stored to the decoded distribution
-    p, q = logprobs.exp(), decoded.exp()
+    p = logprobs.exp()
     kl = (p * (logprobs - decoded)).sum(-1) + tail * (tail.log() - decoded_tail.log())
     assert kl.mean() < 0.01 and kl.max() < 0.05
     # a worse codec (no exact head, a constant fit) loses clearly more: the test can fail

@@ -16,7 +16,6 @@ from trainer_ext.cli import run_pretrain
 from trainer_ext.comparison.arguments import CompareDataArguments
 from trainer_ext.data import prepare as prepare_module
 from trainer_ext.data.prepare import PrepareDataArguments, prepare
-from trainer_ext.data.shards import read_manifest
 from trainer_ext.optim.in_backward import check_gradient_accumulation
 from trainer_ext.run.pretrain import parse_pretrain_args, parse_pretrain_job, pretrain
 

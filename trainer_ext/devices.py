@@ -1,6 +1,6 @@
 """The one reading of `--device auto` and `--dtype auto` shared by every entry point, whether Triton (the fused
-kernels' compiler, on Linux x86-64 installs) is there, how much memory a CUDA device has for this process, and how
-its caching allocator is set."""
+kernels' compiler, on Linux x86-64 installs) is there, how much memory a CUDA device has for this process, how
+its caching allocator is set, and waiting for it."""
 
 import functools
 import importlib.util
@@ -34,6 +34,16 @@ def allocator_settings() -> str:
     `PYTORCH_CUDA_ALLOC_CONF`), "" for the defaults. The memory calibration is fitted on the defaults: with
     `expandable_segments:True` the allocator holds less above its tensors (it fails on some WSL2 drivers)."""
     return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for the work queued on a CUDA `device` (default: the current one, where CUDA is there), as a timer
+    must; nothing to wait for elsewhere."""
+    if device is None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    elif torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass(frozen=True)

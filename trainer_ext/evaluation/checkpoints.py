@@ -26,8 +26,8 @@ from hf_recurrent.cost import unrolled_layers
 from hf_recurrent.presets import is_recurrent
 from trainer_ext.checkpoints import check_model_dir
 from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
-from trainer_ext.devices import resolve_device, resolve_dtype
-from trainer_ext.evaluation.generation import cache_mode_cost, generation_speed, kv_cache_mode, synchronize
+from trainer_ext.devices import resolve_device, resolve_dtype, synchronize
+from trainer_ext.evaluation.generation import cache_mode_cost, generation_speed, kv_cache_mode
 from trainer_ext.evaluation.metrics import evaluate_model, learning_warnings, unigram_cross_entropy
 from trainer_ext.evaluation.plots import plot_depth_curves
 from trainer_ext.evaluation.report import write_report

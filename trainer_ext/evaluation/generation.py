@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import DynamicCache
 
 from hf_recurrent.presets import is_recurrent
+from trainer_ext.devices import synchronize
 from trainer_ext.evaluation.metrics import (
     add_logits,
     depth_kwargs,
@@ -192,8 +193,3 @@ def _teacher_forced_decode(model, input_ids: torch.Tensor, prefix_len: int, num_
     for position in range(prefix_len, input_ids.shape[1]):
         out = model(input_ids[:, position : position + 1], past_key_values=cache, use_cache=True, num_steps=num_steps)
         yield position, out.logits
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

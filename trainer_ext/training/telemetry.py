@@ -6,6 +6,8 @@ from contextlib import contextmanager
 
 import torch
 
+from trainer_ext.devices import synchronize
+
 # Dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s. Measured peaks are lower (an H200 gives
 # about 780 TFLOP/s on a large matmul); pass `peak_flops` to use a measured figure instead.
 _PEAK_BF16_FLOPS = {
@@ -48,11 +50,6 @@ def reset_memory_peaks() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 class PhaseProfiler:
     """Times named phases with device synchronization for the first `num_steps` steps, then turns itself off,
     so the steady state runs without the synchronizations that the timing needs."""
@@ -72,24 +69,24 @@ class PhaseProfiler:
         if not self.active:
             yield
             return
-        _synchronize()
+        synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
-            _synchronize()
+            synchronize()
             self.seconds[name] += time.perf_counter() - start
 
     def mark_step_start(self) -> None:
         """Time since the previous step ended is the wait for data (plus the loop's own bookkeeping)."""
         if self.active and self._last_mark is not None:
-            _synchronize()
+            synchronize()
             self.seconds["data_wait"] += time.perf_counter() - self._last_mark
 
     def mark_step_end(self) -> None:
         if not self.active:
             return
-        _synchronize()
+        synchronize()
         self._last_mark = time.perf_counter()
         self.steps_seen += 1
 
