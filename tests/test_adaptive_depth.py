@@ -213,6 +213,26 @@ def test_invalid_exit_settings_name_the_argument():
         RecurrentDepthConfig(exit_criterion="kl")
 
 
+def test_batched_exit_prompts_are_distinct_windows_checked_before_any_work(tiny_data_dir, tmp_path):
+    from trainer_ext.evaluation.checkpoints import _speed_prompts
+
+    samples = [{"input_ids": torch.arange(start, start + 10)} for start in (0, 100)]
+    # first the first window of every sample, then the next window of each: 2 samples of 10 give 4 windows of 4
+    rows = _speed_prompts(samples, prompt_len=4, rows=3, split="eval")
+    assert rows.tolist() == [[0, 1, 2, 3], [100, 101, 102, 103], [4, 5, 6, 7]]
+    assert _speed_prompts(samples, 4, 4, "eval")[3].tolist() == [104, 105, 106, 107]
+    with pytest.raises(ValueError, match="--speed_batch_size=5 with --prompt_len=4 needs 5 held-out prompts; "
+                                         "--split eval holds 4 windows"):
+        _speed_prompts(samples, 4, 5, "eval")
+    # through the command: refused before a checkpoint is read (this one does not exist)
+    with pytest.raises(ValueError, match="--speed_batch_size=64 with --prompt_len=8"):
+        evaluate_checkpoints(evaluate_script.parse_args([
+            "--checkpoints", str(tmp_path / "missing"), "--data_dir", tiny_data_dir, "--max_samples", "4",
+            "--speed_batch_size", "64", "--prompt_len", "8", "--exit_thresholds", "0.1", "--output_dir",
+            str(tmp_path / "eval")]))
+    assert not (tmp_path / "eval").exists()
+
+
 def test_evaluate_reports_steps_used_and_ce_difference(tiny_data_dir, tmp_path):
     from transformers import AutoTokenizer
 

@@ -6,10 +6,11 @@
 A recurrent-depth checkpoint is evaluated at every `depths` value, a fixed-depth baseline (e.g.
 LlamaForCausalLM) at its one depth. For recurrent checkpoints it also measures what decoding with the `shared`
 KV cache costs against the exact `per_step` cache (`cache_cost_samples=0` skips it), and with `exit_thresholds`
-what adaptive depth saves: mean core steps per token against the deepest of `depths`, the CE it costs there, and
-batch-1 greedy decoding tokens/s with exits against the same fixed depth, both with the `shared` cache (the mode in
-which a token that has exited skips its remaining steps). Writes the report (`trainer_ext.evaluation.report`) and, when matplotlib is installed, quality_vs_depth.png and speed_vs_depth.png
-to `output_dir`.
+what adaptive depth saves: mean core steps per token against the deepest of `depths`, the CE it costs there, the
+evaluation's time, and greedy decoding tokens/s with exits at batch 1 and `speed_batch_size` against the same fixed
+depth, with the `shared` cache (the mode in which a token that has exited skips its remaining steps). Writes the
+report (`trainer_ext.evaluation.report`) and, when matplotlib is installed, quality_vs_depth.png and
+speed_vs_depth.png to `output_dir`.
 """
 
 import importlib.util
@@ -124,13 +125,17 @@ def _eval_data(args: EvaluateArguments, checkpoint: str, model):
     return dataset
 
 
-def _speed_prompts(dataset, prompt_len: int, rows: int) -> torch.Tensor:
-    """(rows, prompt_len): the first tokens of the first `rows` held-out samples, one prompt per row."""
-    if rows > len(dataset) or dataset[0]["input_ids"].numel() < prompt_len:
-        raise ValueError(f"--speed_batch_size={rows} with --prompt_len={prompt_len} needs {rows} held-out samples of "
-                         f"at least {prompt_len} tokens; the --split split has {len(dataset)} of "
-                         f"{dataset[0]['input_ids'].numel()}. Lower --speed_batch_size or --prompt_len.")
-    return torch.stack([dataset[i]["input_ids"][:prompt_len] for i in range(rows)])
+def _speed_prompts(dataset, prompt_len: int, rows: int, split: str) -> torch.Tensor:
+    """(rows, prompt_len): one held-out prompt per row, so that rows exit apart: the first `prompt_len` tokens of
+    each sample, then the next window of each, and so on, as far as `rows` needs (a small split still gives a
+    batch of distinct texts); ValueError naming the fix where the split holds fewer windows."""
+    lengths = [dataset[i]["input_ids"].numel() // prompt_len for i in range(len(dataset))]
+    windows = [(w, i) for w in range(max(lengths, default=0)) for i in range(len(dataset)) if w < lengths[i]]
+    if len(windows) < rows:
+        raise ValueError(f"--speed_batch_size={rows} with --prompt_len={prompt_len} needs {rows} held-out prompts; "
+                         f"--split {split} holds {len(windows)} windows of {prompt_len} tokens. Lower "
+                         "--speed_batch_size or --prompt_len.")
+    return torch.stack([dataset[i]["input_ids"][w * prompt_len: (w + 1) * prompt_len] for w, i in windows[:rows]])
 
 
 def _speed_prompt(dataset, prompt_len: int) -> torch.Tensor:
@@ -146,10 +151,11 @@ def _speed_prompt(dataset, prompt_len: int) -> torch.Tensor:
 
 
 def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, device, dtype,
-                        unigram_ce: float | None = None) -> tuple[list, list, list]:
+                        unigram_ce: float | None = None, exit_prompts: torch.Tensor | None = None
+                        ) -> tuple[list, list, list]:
     """Result records (one per depth), KV cache comparisons and adaptive depth records for one checkpoint;
     `unigram_ce` (the held-out tokens' frequency-only CE) is what a model that learned nothing from the context
-    would score."""
+    would score; `exit_prompts` the rows of the batched decoding with exits (`_speed_prompts`)."""
     model = load_checkpoint(checkpoint, dtype, device)
     dataset = _eval_data(args, checkpoint, model)
     recurrent = is_recurrent(model.config)
@@ -190,8 +196,8 @@ def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, de
             cost = cache_mode_cost(model, dataset, num_steps=num_steps, max_samples=args.cache_cost_samples,
                                    prefix_len=prefix_len, batch_size=args.batch_size)
             costs.append({"model": label, "checkpoint": checkpoint, **cost})
-    adaptive = adaptive_depth_records(args, model, dataset, records, prompt) \
-        if recurrent and args.exit_thresholds else []
+    adaptive = [] if not (recurrent and args.exit_thresholds) else \
+        adaptive_depth_records(args, model, dataset, records, {args.speed_batch_size: exit_prompts, 1: prompt})
     for record in adaptive:
         record.update(model=label, checkpoint=checkpoint)
     del model
@@ -200,15 +206,15 @@ def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, de
     return records, costs, adaptive
 
 
-def adaptive_depth_records(args: EvaluateArguments, model, dataset, records: list[dict], prompt) -> list[dict]:
+def adaptive_depth_records(args: EvaluateArguments, model, dataset, records: list[dict],
+                           prompts: dict[int, torch.Tensor]) -> list[dict]:
     """Per exit threshold, at the deepest evaluated depth n_max as the cap: mean core steps per token and CE, against
     the fixed-depth CE at n_max (from `records`); the wall time of that evaluation (full forward passes without a
-    cache, batches of --batch_size) against n_max fixed; greedy decoding with the `shared` KV cache at batch 1
-    (`prompt`) and at --speed_batch_size (that many held-out prompts: rows that differ exit apart), tokens/s against
+    cache, batches of --batch_size) against n_max fixed; greedy decoding with the `shared` KV cache at batch 1 and at
+    --speed_batch_size (`prompts` by batch size: held-out prompts, rows that differ exit apart), tokens/s against
     n_max fixed."""
     n_max, batch = max(args.depths), args.speed_batch_size
     fixed = next(r for r in records if r["num_steps"] == n_max)
-    prompts = {1: prompt, batch: _speed_prompts(dataset, args.prompt_len, batch)}
 
     def timed_quality(**exits) -> tuple[dict, float]:
         synchronize(model.device)
@@ -260,11 +266,14 @@ def evaluate_checkpoints(args: EvaluateArguments) -> dict:
                                  "with --exit_criterion state.")
     heldout = ShardedTokenDataset(args.data_dir, args.split)
     num_samples = len(heldout) if args.max_samples is None else min(len(heldout), args.max_samples)
-    unigram_ce = unigram_cross_entropy(torch.utils.data.Subset(heldout, range(num_samples)))
+    heldout = torch.utils.data.Subset(heldout, range(num_samples))
+    exit_prompts = _speed_prompts(heldout, args.prompt_len, args.speed_batch_size, args.split) \
+        if args.exit_thresholds else None  # before any work
+    unigram_ce = unigram_cross_entropy(heldout)
     results, costs, adaptive = [], [], []
     for checkpoint, label in zip(args.checkpoints, labels):
         records, checkpoint_costs, checkpoint_adaptive = evaluate_checkpoint(args, checkpoint, label, device, dtype,
-                                                                             unigram_ce)
+                                                                             unigram_ce, exit_prompts)
         results += records
         costs += checkpoint_costs
         adaptive += checkpoint_adaptive
