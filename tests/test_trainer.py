@@ -299,6 +299,30 @@ def test_large_models_get_a_conservative_schedule_unless_set():
     assert small.learning_rate == 3e-3 and small.max_steps == 240  # the CPU demo's schedule
 
 
+def test_a_warmup_that_takes_the_whole_schedule_is_named_with_the_fix(tiny_data_dir, tmp_path, caplog):
+    from trainer_ext.training.callbacks import warmup_warning
+
+    def args(**kw):
+        return RecurrentTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
+
+    cosine = args(warmup_steps=30, lr_scheduler_type="cosine", learning_rate=3e-3)
+    assert warmup_warning(cosine, 18) == (
+        "--warmup_steps 30 covers all 18 steps of this cosine schedule: the learning rate never reaches "
+        "--learning_rate 0.003 and never decays. Lower --warmup_steps (a number below 1 is a share of the run, e.g. "
+        "0.1) or train more steps.")
+    assert warmup_warning(cosine, 240) is None and warmup_warning(args(warmup_steps=0.1), 18) is None
+    # a constant rate warmed up to the end is meant (the learning rate search's start)
+    assert warmup_warning(args(warmup_steps=8, lr_scheduler_type="constant_with_warmup"), 8) is None
+    # in a training: said once, at its start
+    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=2, warmup_steps=4)
+    with caplog.at_level("WARNING", logger="trainer_ext.training.callbacks"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "covers all" in r.getMessage()]
+    assert said == ["--warmup_steps 4 covers all 2 steps of this linear schedule: the learning rate never reaches "
+                    "--learning_rate 0.003 and never decays. Lower --warmup_steps (a number below 1 is a share of "
+                    "the run, e.g. 0.1) or train more steps."]
+
+
 def test_missing_data_dir_is_named_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match="prepare_data"):
         pretrain(parse_pretrain_job(["--data_dir", str(tmp_path / "nothing"), "--use_cpu", "true"]))

@@ -40,6 +40,18 @@ class PhaseTimingCallback(TrainerCallback):
         self.profiler.mark_step_end()
 
 
+def warmup_warning(args, max_steps: int) -> str | None:
+    """What to say where the warm-up takes the whole schedule of a decaying learning rate (never at its peak, never
+    decayed: a short run with the default 30 steps), else None. A constant rate warmed up to its end (the learning
+    rate search's start) is meant."""
+    warmup = args.get_warmup_steps(max_steps)
+    if max_steps <= 0 or warmup < max_steps or args.lr_scheduler_type.value.startswith("constant"):
+        return None
+    return (f"--warmup_steps {args.warmup_steps:g} covers all {max_steps} steps of this {args.lr_scheduler_type.value} "
+            f"schedule: the learning rate never reaches --learning_rate {args.learning_rate:g} and never decays. Lower "
+            "--warmup_steps (a number below 1 is a share of the run, e.g. 0.1) or train more steps.")
+
+
 class TrainingHooksCallback(TrainerCallback):
     """`RecurrentTrainer`'s points in the Trainer's loop outside `compute_loss`: the stability guard's (with
     `args.stability_guard`) and the start of the collapse / skipped-update bookkeeping of each `train()`, once a
@@ -54,6 +66,9 @@ class TrainingHooksCallback(TrainerCallback):
             args.logging_nan_inf_filter, self._nan_filter = self._nan_filter, None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        warning = warmup_warning(args, state.max_steps)
+        if warning and state.is_world_process_zero:
+            logger.warning(warning)
         self.trainer._bind_optimizer()  # the model is wrapped (DDP, FSDP2) by now, not yet run
         self.trainer._start_training_clock()  # after a resumed checkpoint's log history is loaded
         if args.stability_guard:
