@@ -193,6 +193,7 @@ def test_two_cycles_end_to_end(reference):
     frequency_only = unigram_cross_entropy(ShardedTokenDataset(str(out / "data" / "heldout"), "eval"))
     assert [r["frequency_only_ce"] for r in records] == pytest.approx([frequency_only] * len(records))
     assert f"frequency alone gives CE {frequency_only:.4f}" in table
+    assert all(r["teacher"] is None for r in records) and "distilled" not in table  # no teacher here
     with open(out / "learning_curves.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -397,6 +398,11 @@ def test_teacher_cache_per_cycle_distils_both_models_and_goes_with_the_shards(re
         card = (out / model / "cycle-001" / "final" / "README.md").read_text()
         assert teacher_dir in card
     assert sorted(os.listdir(out / "data")) == ["heldout"]  # the cache went with the cycle's shards
+    # the results say so
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert records and all(r["teacher"] == teacher_dir for r in records)
+    assert (f"Both models were distilled from `{teacher_dir}` (top-8 cache per cycle, forward_kl at weight 0.5, "
+            "temperature 1).") in (out / "results.md").read_text()
 
 
 class Stopped(Exception):

@@ -175,6 +175,16 @@ class ComparisonRun:
         """The teacher both models are distilled from (a per-cycle cache or an online teacher), if any."""
         return self.args.teacher_cache_model or self.options.model.teacher_model_name_or_path
 
+    def distillation(self) -> dict:
+        """How both models were distilled, for the results: the teacher (None without one) and how it was used."""
+        teacher, training = self.teacher(), self.options.training
+        if teacher is None:
+            return {"teacher": None}
+        how = f"top-{self._cache_arguments(1).topk} cache per cycle" if self.args.teacher_cache_model else "online"
+        return {"teacher": teacher, "distillation": f"{how}, {training.distill_divergence} at weight "
+                                                    f"{training.distill_alpha:g}, temperature "
+                                                    f"{training.distill_temperature:g}"}
+
     def _source_text(self) -> str:
         if self.data_args.dataset:
             return f"`{self.data_args.dataset}`" + (f" ({self.data_args.dataset_config})"
@@ -326,7 +336,7 @@ class ComparisonRun:
                                     self.args.eval_dtype)
         checkpoints = {model: (getattr(self.args, f"{model}_preset"),
                                self.state.stage(cycle, f"train_{model}")["final_dir"]) for model in MODELS}
-        records = [{**record, **self.training_compute(cycle, record["arch"])}
+        records = [{**record, **self.training_compute(cycle, record["arch"]), **self.distillation()}
                    for record in heldout.evaluate(cycle, cycle * self.tokens_per_cycle, checkpoints, self.progress)]
         for model in MODELS:
             self.write_card(cycle, model, records)

@@ -40,6 +40,9 @@ def render_results(records: list[dict]) -> str:
     if frequency_only is not None:  # records written before it was recorded lack it
         text[-1] += (f" Predicting every token from its frequency alone gives CE {frequency_only:.4f} on the held-out "
                      "set.")
+    teacher = next((r for r in records if r.get("teacher")), None)
+    if teacher is not None:  # records written before it was recorded lack it
+        text[-1] += f" Both models were distilled from `{teacher['teacher']}` ({teacher['distillation']})."
     text.append("")
     for key, title, fmt in (("ce", "CE", "{:.4f}"), ("top1", "top-1", "{:.2%}")):
         text.append("| cycle | tokens seen | " + " | ".join(f"{label} {title}" for label in labels) + " |")
