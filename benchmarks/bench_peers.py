@@ -137,6 +137,8 @@ def peer_child(name: str, device: str, cap_gib: float | None, batch: int, seq_le
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from hf_recurrent.cost import flops_per_token
+    from trainer_ext.compat import set_checkpointing
+    from trainer_ext.devices import synchronize
 
     _set_cap(cap_gib)
     peer = PEERS[name]
@@ -150,12 +152,11 @@ def peer_child(name: str, device: str, cap_gib: float | None, batch: int, seq_le
         apply_liger_kernel_to_llama()
     config = LlamaConfig(**(LLAMA_7B if device == "cuda" else LLAMA_TINY), max_position_embeddings=max(seq_len, 4096),
                          attn_implementation="sdpa", use_cache=False)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     try:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_checkpointing(model, True)
         params = sum(p.numel() for p in model.parameters())
         optimizers, record["optimizer"] = _peer_optimizers(model, peer["optimizer"], device)
 
@@ -175,10 +176,10 @@ def peer_child(name: str, device: str, cap_gib: float | None, batch: int, seq_le
                 record["time_boxed"] = True
                 break
             tokens = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
-            sync()
+            synchronize(device)
             start = time.perf_counter()
             model(input_ids=tokens, labels=tokens).loss.backward()
-            sync()
+            synchronize(device)
             seconds.append(time.perf_counter() - start)
             print(f"step {len(seconds)}: {seconds[-1]:.2f} s", flush=True)  # the log shows how far a time-out got
         record["steps"] = len(seconds)

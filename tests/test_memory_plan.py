@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_recurrent import presets
-from trainer_ext.compat import CHECKPOINTING_FLAG
+from trainer_ext.compat import CHECKPOINTING_FLAG, set_checkpointing
 from trainer_ext.training.arguments import RecurrentTrainingArguments
 from trainer_ext.memory.estimator import (
     GIB,
@@ -409,10 +409,10 @@ def loss_and_grads(model, ids, placement: RecomputeSet | None, **apply_kwargs):
 
     model.zero_grad(set_to_none=True)
     if placement is None:
-        model.gradient_checkpointing_disable()
+        set_checkpointing(model, False)
         model.model.recompute_core_steps = None
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_checkpointing(model, True)
         placement.apply(model, **apply_kwargs)
     products = CountMatmuls()
     with products:

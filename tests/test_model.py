@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaForCa
 import hf_recurrent
 from hf_recurrent import DepthSampler, RecurrentDepthConfig, RecurrentDepthForCausalLM, flops_per_token, presets
 from hf_recurrent.modeling_recurrent_depth import CACHE_FIELD
+from trainer_ext.compat import set_checkpointing
 
 
 def tiny(**overrides) -> RecurrentDepthForCausalLM:
@@ -130,12 +131,7 @@ def test_gradient_checkpointing_gives_same_gradients():
     for checkpointing in (False, True):
         model = tiny().train()
         if checkpointing:
-            # transformers >= 5.24 renamed the method; 5.17 only has the old name.
-            enable = getattr(model, "activation_checkpointing_enable", None)
-            if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            set_checkpointing(model, True)  # by either line's method name
         model(x, labels=x, num_steps=3).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:

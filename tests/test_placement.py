@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_recurrent import presets
 from test_memory_plan import SYNTHETIC, fake_24gb_cuda, loss_and_grads
+from trainer_ext.compat import set_checkpointing
 from trainer_ext.memory import placement as placements
 from trainer_ext.memory.device_profile import SPEC_PROFILES
 from trainer_ext.memory.estimator import GIB, Calibration
@@ -83,7 +84,7 @@ def test_offloaded_layers_hold_no_more_host_memory_than_the_bound():
     torch.manual_seed(0)
     config = presets.get("debug", depth_distribution="fixed")
     model = AutoModelForCausalLM.from_config(config).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_checkpointing(model, True)
     everything = RecomputeSet(offload=Applications(prelude=(0,), core_steps=tuple(range(4)), coda=(0,)))
     ids = torch.randint(0, config.vocab_size, (2, 16))
     for bound in (None, 20_000):

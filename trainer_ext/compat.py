@@ -7,3 +7,15 @@ CHECKPOINTING_FLAG = (
     "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
     else "gradient_checkpointing"
 )
+
+
+def set_checkpointing(model, enabled: bool) -> None:
+    """Activation checkpointing of every layer of `model` (non-reentrant) on or off, by this line's method:
+    transformers >= 5.24 renamed `gradient_checkpointing_enable` / `_disable` to `activation_checkpointing_*`."""
+    renamed = hasattr(model, "activation_checkpointing_enable")
+    if not enabled:
+        (model.activation_checkpointing_disable if renamed else model.gradient_checkpointing_disable)()
+    elif renamed:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

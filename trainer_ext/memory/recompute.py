@@ -154,7 +154,7 @@ class RecomputeSet:
             if kind == RECOMPUTE:
                 if layer._full_checkpointing_func is None:
                     raise ValueError("Recomputation needs checkpointing enabled on the model first "
-                                     "(model.gradient_checkpointing_enable(), or --activation_checkpointing true).")
+                                     "(trainer_ext.compat.set_checkpointing(model, True), or --activation_checkpointing true).")
                 return layer._full_checkpointing_func
             return selective_checkpoint if kind == SELECTIVE else offloaded
 
