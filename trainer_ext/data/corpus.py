@@ -27,6 +27,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 
 from trainer_ext.data.json_records import BadLines, has_json_records, json_rows
+from trainer_ext.files import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,26 @@ def _chapters_from_verses(verses: Iterable[dict]) -> Iterator[str]:
         lines.append(verse["text"].strip())
     if lines:
         yield "\n".join(lines)
+
+
+def source_text(source: dict) -> str:
+    """A data manifest's source in words, for model cards and reports: a hub dataset by name, local files by file
+    name (no folder of the machine that prepared them) and size, the embedded corpus by name."""
+    if source.get("type") == "hub":
+        return (f"the hub dataset `{source['name']}`" + (f" ({source['config']})" if source.get("config") else "")
+                + f", split {source.get('split') or 'train'}")
+    if source.get("type") == "embedded":
+        return f"the embedded corpus {source['name']} (King James Bible)"
+    files = source.get("files") or []
+    names = [os.path.basename(f["path"]) for f in files]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"{len(names)} local file{'s' if len(names) != 1 else ''} ({shown}; "
+            f"{format_bytes(sum(f['size_bytes'] for f in files))})")
+
+
+def hub_datasets(sources: Sequence[dict]) -> list[str]:
+    """The hub dataset ids among a data manifest's sources (a model card's `datasets` metadata)."""
+    return [source["name"] for source in sources if source.get("type") == "hub"]
 
 
 def expand_file_patterns(patterns: Sequence[str]) -> list[str]:

@@ -17,6 +17,7 @@ from transformers import set_seed
 
 from hf_recurrent.cost import tokens_per_optimizer_step
 from trainer_ext.checkpoints import FINAL_DIR
+from trainer_ext.data.corpus import hub_datasets, source_text
 from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.distill.cache import TeacherCacheDataset
 from trainer_ext.files import write_json
@@ -111,7 +112,8 @@ def pretrain(job: TrainingJob, callbacks=None) -> dict:
         preset=None if model_args.model_name_or_path else model_args.preset,
         base_model=model_args.model_name_or_path,
         teacher=job.teacher_name,
-        training_data=f"{', '.join(str(src) for src in manifest.get('sources', [])) or data.data_dir} "
+        datasets=hub_datasets(manifest.get("sources", [])),
+        training_data=f"{'; '.join(map(source_text, manifest.get('sources', []))) or data.data_dir} "
                       f"({manifest.get('total_tokens', train_set.num_tokens):,} tokens prepared)",
     )
     tokens_per_step = tokens_per_optimizer_step(training_args, manifest["seq_len"])
