@@ -65,6 +65,15 @@ def test_data_dir_without_tokenizer_files_is_named_with_the_fix(tiny_data_dir, t
     assert "sentencepiece" not in str(err.value)
 
 
+def test_a_teacher_path_that_does_not_exist_is_named_as_such(tiny_data_dir, tmp_path):
+    missing = str(tmp_path / "no-such-teacher")
+    with pytest.raises(ValueError, match=rf"--teacher_model_name_or_path {missing}: no such directory; give a local "
+                                         "checkpoint directory or a hub id"):
+        cache_teacher.main(["--teacher_model_name_or_path", missing, "--data_dir", tiny_data_dir,
+                            "--output_dir", str(tmp_path / "cache")])
+    assert not (tmp_path / "cache").exists()
+
+
 def test_teacher_given_as_a_run_folder_says_pass_its_final(tiny_data_dir, run_dir, tmp_path):
     final = os.path.join(run_dir, "final")
     with pytest.raises(ValueError, match=rf"--teacher_model_name_or_path {run_dir} .*pass {final}"):

@@ -354,6 +354,9 @@ def load_tokenizer(path: str, option: str, fix: str, **kwargs):
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
+        if not os.path.isdir(path) and (os.path.isabs(path) or path.startswith((".", "~"))):  # a path, not a hub id
+            raise ValueError(f"{option} {path}: no such directory; give a local checkpoint directory or a hub id."
+                             ) from err
         if not os.path.isdir(path):
             raise ValueError(f"{option} {path}: no tokenizer could be loaded ({err}). {fix}") from err
         present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))]
