@@ -330,6 +330,24 @@ def test_missing_data_dir_is_named_with_the_fix(tmp_path):
         pretrain(parse_pretrain_job(["--data_dir", str(tmp_path / "nothing"), "--use_cpu", "true"]))
 
 
+def test_a_fresh_model_gets_the_context_of_its_data(tiny_data_dir, tmp_path):
+    from trainer_ext.run.job import JobData
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_data_dir)
+
+    def config(seq_len, *overrides):
+        job = parse_pretrain_job(["--data_dir", tiny_data_dir, "--output_dir", str(tmp_path), "--use_cpu", "true",
+                                  *overrides])
+        return job.model_config(JobData(tiny_data_dir, {"seq_len": seq_len}, tokenizer))
+
+    assert presets.get("debug").max_position_embeddings == 512
+    assert config(32).max_position_embeddings == 512  # the preset's, where the data fits
+    assert config(1024).max_position_embeddings == 1024  # samples longer than the preset's context
+    with pytest.raises(ValueError, match="--config_overrides max_position_embeddings=256 is shorter than the samples "
+                                         f"of --data_dir {tiny_data_dir} \\(1024 tokens\\); give at least 1024"):
+        config(1024, "--config_overrides", "max_position_embeddings=256")
+
+
 def test_garbage_collection_runs_between_steps_only_and_is_restored(tiny_data_dir, tmp_path):
     import gc
 

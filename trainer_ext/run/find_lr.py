@@ -58,7 +58,7 @@ def find_lr(job: TrainingJob, sweep_args: SweepArguments) -> dict:
 
     data = job.prepare_data()
     data_dir, tokenizer = data.data_dir, data.tokenizer
-    shape = meta_model(model_args, job.model_config(tokenizer))
+    shape = meta_model(model_args, job.model_config(data))
     num_params = sum(p.numel() for p in shape.parameters())
     config = shape.config
     del shape
@@ -118,7 +118,7 @@ def find_lr(job: TrainingJob, sweep_args: SweepArguments) -> dict:
 
     def make_model():
         set_seed(training_args.seed)  # the seed pretrain builds its model with: every trial, the same init
-        return build_model(start, training_args.device, job.model_config(tokenizer))
+        return build_model(start, training_args.device, job.model_config(data))
 
     if sweep_args.sweep_start_steps:  # from then on every trial loads the start's weights
         start_held_out = progress["start_held_out_loss"] if progress else None

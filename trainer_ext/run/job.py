@@ -157,16 +157,30 @@ class TrainingJob:
                                    self.training_args.distill_divergence)
         return JobData(data_dir, manifest, tokenizer)
 
-    def model_config(self, tokenizer) -> PretrainedConfig | None:
-        """The config of a fresh --preset model with the data's vocabulary and special tokens (None with
-        --model_name_or_path, whose checkpoint has one)."""
+    def model_config(self, data: JobData) -> PretrainedConfig | None:
+        """The config of a fresh --preset model with the data's vocabulary and special tokens, its context at least
+        the data's samples (None with --model_name_or_path, whose checkpoint has one)."""
+        seq_len, tokenizer = data.manifest["seq_len"], data.tokenizer
         if self.model_args.model_name_or_path:
+            context = getattr(self.config, "max_position_embeddings", None)  # None: a hub id, not read yet
+            if context is not None and context < seq_len:
+                logger.warning("%s was made for %d positions and --data_dir %s has samples of %d: rotary positions "
+                               "beyond it were never trained; its config keeps %d.", self.model_args.model_name_or_path,
+                               context, data.data_dir, seq_len, context)
             return None
         vocab_size = resolve_vocab_size(self.overrides, len(tokenizer))
         config = presets.get(self.model_args.preset, vocab_size=vocab_size, **_shape_overrides(self.overrides))
         config.pad_token_id = tokenizer.pad_token_id
         config.bos_token_id = tokenizer.bos_token_id
         config.eos_token_id = tokenizer.eos_token_id
+        if config.max_position_embeddings < seq_len:
+            if "max_position_embeddings" in self.overrides:
+                raise ValueError(f"--config_overrides max_position_embeddings={config.max_position_embeddings} is "
+                                 f"shorter than the samples of --data_dir {data.data_dir} ({seq_len} tokens); give at "
+                                 f"least {seq_len}, or prepare the data with a shorter --seq_len.")
+            logger.info("The model's context (max_position_embeddings) is the data's %d tokens, beyond preset %s's %d.",
+                        seq_len, self.model_args.preset, config.max_position_embeddings)
+            config.max_position_embeddings = seq_len
         return config
 
     @property

@@ -88,7 +88,7 @@ def pretrain(job: TrainingJob, callbacks=None) -> dict:
 
     data = job.prepare_data()
     tokenizer = data.tokenizer
-    config = job.model_config(tokenizer)
+    config = job.model_config(data)
     model = build_model(model_args, training_args.device, config)
     if config is None and job.config is None:  # a hub id: its config is known now
         check_depth_arguments(training_args, model.config)
