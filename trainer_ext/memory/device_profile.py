@@ -21,6 +21,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 
+from trainer_ext.devices import synchronize
 from trainer_ext.memory.estimator import GIB, Calibration
 
 MEASURE = "measure"
@@ -95,19 +96,18 @@ def measure_matmul_flops(device="cuda", size: int = MATMUL_SIZE, samples: int = 
     import torch
 
     a, b = (torch.randn(size, size, dtype=torch.bfloat16, device=device) for _ in range(2))
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    sync()
+    synchronize(device)
     warm_until = time.perf_counter() + warmup_seconds
     while time.perf_counter() < warm_until:
         a @ b
-        sync()
+        synchronize(device)
     seconds = []
     for _ in range(samples + 3):
-        sync()
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(per_sample):
             a @ b
-        sync()
+        synchronize(device)
         seconds.append((time.perf_counter() - start) / per_sample)
     return 2 * size**3 / statistics.median(seconds[3:])
 
