@@ -14,6 +14,9 @@
 #   bash benchmarks/bench_gpu.sh distill [-- run_pretrain args]   PRESETS (default recurrent-3.3b) with and without an
 #       offline teacher cache (a transformer-125m teacher trained TEACHER_STEPS, default 150); VOCAB=99520: the
 #       students' head at llm-jp's vocabulary size; ARMS=cache: the cached runs only (default "none cache")
+#   bash benchmarks/bench_gpu.sh teacher_quant [teacher_quant args]   the 4-bit / 8-bit / bf16 teacher path of
+#       cache_teacher under a 24 GiB cap: a random-weight Llama of --shapes (8b, 14b: one per call) cached over the
+#       eval split, load seconds, caching tokens/s, peak memory; $OUT/teacher_quant.jsonl and .md
 #   bash benchmarks/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M):
 #       each --runs config x --learning_rates x --seeds (default 0 1 2); results.jsonl + summary.md in $OUT/quality
 #   bash benchmarks/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
@@ -116,6 +119,10 @@ case $STAGE in
     # ARMS: default "none cache" (without a teacher, then with the cache); "cache" alone where time is short
     [[ " ${ARMS:-none cache} " == *" none "* ]] && bench distill_none ${PRESETS:-recurrent-3.3b} -- "${VARGS[@]}" "$@"
     bench distill_cache ${PRESETS:-recurrent-3.3b} -- --teacher_cache_dir $CACHE "${VARGS[@]}" "$@" ;;
+  teacher_quant)  # one shape per call: saving and loading 16-30 GB of weights three times takes minutes
+    prepare_2048
+    python3 -m benchmarks.teacher_quant --data_dir $DATA --cap_gib 24 --output "$OUT/teacher_quant.jsonl" "$@" 2>&1 \
+      | grep -vE "it/s\]|s/it\]" | tail -"${TAIL:-30}" ;;
   quality)
     prepare_1024
     python3 -m benchmarks.bench_optimizer_quality --data_dir $DATA_1024 --output_dir "$OUT/quality" "$@" 2>&1 | quiet ;;

@@ -306,6 +306,21 @@ def test_quantized_teacher_needs_cuda_and_a_known_mode(data_dir, teacher_dir, tm
         cache_teacher.main(args + ["--quantization", "4bit"])
 
 
+def test_the_quantized_teacher_benchmark_caches_the_eval_split_and_leaves_its_rows(data_dir, tmp_path):
+    from benchmarks import teacher_quant
+
+    output = tmp_path / "tq.jsonl"
+    assert teacher_quant.main(["--data_dir", data_dir, "--shapes", "tiny", "--quantizations", "none", "--output",
+                               str(output), "--work_dir", str(tmp_path / "work")]) == 0
+    (row,) = [json.loads(line) for line in output.read_text().splitlines()]
+    eval_split = read_manifest(data_dir)["splits"]["eval"]
+    assert row["shape"] == "tiny" and row["status"] == "ok" and row["quantization"] == "none"
+    assert row["tokens"] == eval_split["num_samples"] * read_manifest(data_dir)["seq_len"]
+    assert row["tokens_per_second"] > 0 and row["load_seconds"] >= 0 and row["params"] > 0
+    assert os.listdir(tmp_path / "work") == []  # the teacher and its cache removed once measured
+    assert "| tiny | " in (tmp_path / "tq.md").read_text()
+
+
 @pytest.fixture(scope="module")
 def compact_cache_dir(data_dir, teacher_dir, tmp_path_factory):
     """The same teacher cached with the default (compact) codec."""
