@@ -23,8 +23,9 @@ Each figure: the median of `--repeats` timed calls after `--warmup` untimed ones
 calls, spread over the run. `--paths eager` leaves out the compiled path (on a CPU, where the eager comparison at
 small width measures per-step Python and dispatch overhead); `--threads` sets torch's intra-op threads; `--clock
 process` times by the process's CPU time. Both steady a CPU comparison on cores shared with other work. Measurements
-run most important first (depth, then batch size, in the order given); past `--time_budget_s` the rest are listed as
-skipped, so a run stays short on any machine.
+run most important first (every eager row, then every compiled one, each by depth, then batch size, in the order
+given, ours then Llama's; then the exit rows); past `--time_budget_s` the rest are listed as skipped, so a run stays
+short on any machine.
 """
 
 import argparse
@@ -165,13 +166,14 @@ def measurements(args, preset_mode: str):
     paths = [("eager", {}), ("static+compile", {"cache_implementation": "static", "compile_config": compile_config(args)})]
     paths = [(path, kwargs) for path, kwargs in paths if path in args.paths]
     exit_modes = dict.fromkeys(args.exit_kv_cache_modes) if args.exit_thresholds else {}
+    for path, kwargs in paths:  # every eager row first: the default path, and no compilation to wait for
+        for num_steps in args.depths:
+            for batch in args.batch_sizes:
+                yield path, "recurrent", preset_mode, num_steps, batch, {"num_steps": num_steps, **kwargs}
+                if not args.no_llama:
+                    yield path, "llama", None, num_steps, batch, kwargs
     for num_steps in args.depths:
         for batch in args.batch_sizes:
-            for path, kwargs in paths:
-                yield path, "recurrent", preset_mode, num_steps, batch, {"num_steps": num_steps, **kwargs}
-            if not args.no_llama:
-                for path, kwargs in reversed(paths):
-                    yield path, "llama", None, num_steps, batch, kwargs
             for mode in exit_modes:
                 for path, kwargs in paths:
                     if mode != preset_mode:  # the fixed-depth figure the exits compare with

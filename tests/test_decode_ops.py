@@ -64,3 +64,16 @@ def test_positions_on_an_accelerator_are_read_back_only_without_autograd():
         assert host_reads_positions(on_gpu)
     assert not host_reads_positions(on_gpu)  # a training step does not wait for the device
     assert host_reads_positions(torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_the_decode_benchmark_times_every_eager_row_before_compiling():
+    """A time budget that runs out leaves compiled and exit rows out, never the default path's: every eager row
+    (ours, then Llama's, by depth and batch) comes first."""
+    from benchmarks.bench_decode import measurements, parse_args
+
+    args = parse_args(["--device", "cpu", "--exit_thresholds", "0.5"])
+    order = [(path, kind, steps, batch) for path, kind, _, steps, batch, _ in measurements(args, "shared")]
+    eager = [(p, k, s, b) for s in (12, 4) for b in (1, 8) for p, k in (("eager", "recurrent"), ("eager", "llama"))]
+    compiled = [("static+compile", kind, s, b) for _, kind, s, b in eager]
+    assert order[:16] == eager + compiled
+    assert all("exit" in path for path, *_ in order[16:]) and len(order) > 16
