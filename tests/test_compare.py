@@ -503,6 +503,27 @@ def test_state_overwrite_discards_only_other_settings(tmp_path):
         CompareState.open(path, {"cycle_tokens": 2})
 
 
+def test_the_baseline_of_equal_compute_matches_the_recurrent_model_as_overridden(tmp_path):
+    """transformer-debug-compute's layers come from the recurrent model this run trains (its overridden depths) at
+    this run's sequence length, not from the preset's defaults; layers given by the user win."""
+    def baseline_overrides(*extra):
+        run = ComparisonRun(*parse_args(argv(tmp_path / "run", "--baseline_preset", "transformer-debug-compute",
+                                             *extra)))
+        (model_args, _, _), = [run.training("baseline", 1).arguments(run.args, run.options)]
+        return model_args.config_overrides
+
+    default, deeper = presets.get("debug"), presets.get("debug", mean_recurrence=16, backprop_depth=8)
+    assert baseline_overrides() == f"num_hidden_layers={presets.compute_matched_layers(default, seq_len=32)}"
+    matched = presets.compute_matched_layers(deeper, seq_len=32)
+    assert matched > presets.compute_matched_layers(default, seq_len=32)
+    assert baseline_overrides("--recurrent_config_overrides", "mean_recurrence=16,backprop_depth=8") == \
+        f"num_hidden_layers={matched}"
+    assert baseline_overrides("--baseline_config_overrides", "num_hidden_layers=3") == "num_hidden_layers=3"
+    assert baseline_overrides("--baseline_config_overrides", "rms_norm_eps=1e-5") == \
+        f"rms_norm_eps=1e-5,num_hidden_layers={presets.compute_matched_layers(default, seq_len=32)}"
+    assert not (tmp_path / "run").exists()
+
+
 def test_trust_remote_code_reaches_the_teacher_cache_and_both_trainings(tmp_path, monkeypatch):
     """--trust_remote_code, one flag of the comparison, is passed to every step that loads user-given model code:
     the per-cycle teacher cache and the trainings (cycle 1 from a preset, later cycles from the previous weights)."""

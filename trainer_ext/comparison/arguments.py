@@ -97,7 +97,7 @@ class CompareArguments:
         default="transformer-debug", metadata={"help": "The Transformer baseline (a transformer-* preset): of equal "
                                                        "unique parameters, or with -compute (transformer-125m-compute) "
                                                        "of equal training FLOPs per token at the recurrent model's "
-                                                       "mean depth."})
+                                                       "mean depth (as --recurrent_config_overrides sets it)."})
     recurrent_config_overrides: str | None = field(
         default=None, metadata={"help": "Config fields of the recurrent model, e.g. 'mean_recurrence=8'."})
     baseline_config_overrides: str | None = field(default=None, metadata={"help": "Config fields of the baseline."})

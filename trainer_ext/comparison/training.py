@@ -40,6 +40,7 @@ class CycleTraining:
     previous_final: str | None = None  # the previous cycle's final weights (None in cycle 1)
     previous_checkpoint: str | None = None  # the previous cycle's last checkpoint, with its optimizer state
     teacher_cache_dir: str | None = None
+    config_overrides: str | None = None  # the model's --config_overrides (cycle 1 builds it from its preset)
 
     @property
     def end_checkpoint(self) -> str:
@@ -61,7 +62,7 @@ class CycleTraining:
         """The typed arguments of `trainer_ext.run.pretrain.pretrain` for this training."""
         if self.previous_final is None:
             model_args = dataclasses.replace(options.model, preset=getattr(args, f"{self.model}_preset"),
-                                             config_overrides=getattr(args, f"{self.model}_config_overrides"))
+                                             config_overrides=self.config_overrides)
         else:  # the weights are the checkpoint's, which the resume loads again with the optimizer state
             model_args = dataclasses.replace(options.model, model_name_or_path=self.previous_final)
         data_args = dataclasses.replace(options.data, data_dir=self.data_dir, teacher_cache_dir=self.teacher_cache_dir,
