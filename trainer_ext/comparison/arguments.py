@@ -15,6 +15,7 @@ instead.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -25,12 +26,15 @@ from hf_recurrent import presets
 from trainer_ext.data.json_records import ON_BAD_LINES
 from trainer_ext.data.prepare import PrepareDataArguments
 from trainer_ext.distill.teacher import QUANTIZATIONS
+from trainer_ext.run.model_setup import parse_overrides
 from trainer_ext.training.arguments import (
     COMMAND_LINE_DEFAULTS,
     DataArguments,
     ModelArguments,
     RecurrentTrainingArguments,
 )
+
+logger = logging.getLogger(__name__)
 
 # Training defaults of the comparison (the command line overrides them): hf-recurrent-pretrain's (seed 0, no reporting
 # integrations, data loading in the main process, a cosine schedule, ...), and its own: the cycles of a model are one
@@ -225,6 +229,22 @@ def schedule_depends_on_length(training: RecurrentTrainingArguments) -> bool:
     warmup = training.warmup_steps
     return (getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type) not in LENGTH_FREE_SCHEDULES
             or (warmup is not None and 0 < warmup < 1))
+
+
+def model_config_overrides(args: CompareArguments, model: str, seq_len: int) -> str | None:
+    """`model`'s --config_overrides. A baseline of equal compute (a -compute preset) takes the layers that match the
+    training FLOPs per token of the recurrent model as `args` override it (its depths, its widths) at `seq_len`,
+    unless --baseline_config_overrides sets num_hidden_layers itself."""
+    given = getattr(args, f"{model}_config_overrides")
+    if model != "baseline" or not args.baseline_preset.endswith("-compute") \
+            or "num_hidden_layers" in parse_overrides(given):
+        return given
+    recurrent = presets.get(args.recurrent_preset, **parse_overrides(args.recurrent_config_overrides))
+    layers = presets.compute_matched_layers(recurrent, seq_len=seq_len)
+    logger.info("Baseline %s: %d layers, the training FLOPs per token of %s at mean depth %d (gradients through %s "
+                "steps) at seq %d.", args.baseline_preset, layers, args.recurrent_preset, recurrent.mean_recurrence,
+                recurrent.backprop_depth or "every", seq_len)
+    return ",".join(filter(None, [given, f"num_hidden_layers={layers}"]))
 
 
 def _as_dict(arguments) -> dict:

@@ -54,6 +54,7 @@ from trainer_ext.comparison.arguments import (
     TrainingOptions,
     changed_options,
     check_training_options,
+    model_config_overrides,
     schedule_depends_on_length,
 )
 from trainer_ext.comparison.evaluation import HeldoutEvaluation, write_cycle_card
@@ -106,7 +107,7 @@ class ComparisonRun:
                       "baseline": args.hub_baseline_model_id or (f"{training.hub_model_id}-baseline"
                                                                  if training.hub_model_id else None)}
         self.state: CompareState | None = None
-        self.overrides = {model: self._config_overrides(model) for model in MODELS}  # each model's config_overrides
+        self.overrides = {model: model_config_overrides(args, model, data_args.seq_len) for model in MODELS}
         for model in MODELS:  # cycle 1's jobs, so a bad option fails in seconds, not after data preparation
             TrainingJob.resolve(*self.training(model, 1).arguments(args, options))
         self.writer = True  # this process writes the run's files (the first of a launch of several)
@@ -289,21 +290,6 @@ class ComparisonRun:
             total_steps=self.total_steps(), previous_final=previous_final, previous_checkpoint=previous_checkpoint,
             teacher_cache_dir=self.teacher_cache_dir(cycle) if self.args.teacher_cache_model is not None else None,
             config_overrides=self.overrides[model])
-
-    def _config_overrides(self, model: str) -> str | None:
-        """`model`'s --config_overrides. A baseline of equal compute (a -compute preset) takes the layers that match
-        the training FLOPs per token of the recurrent model as this run overrides it (its depths, its widths), at
-        this run's sequence length, unless --baseline_config_overrides sets num_hidden_layers itself."""
-        given = getattr(self.args, f"{model}_config_overrides")
-        if model != "baseline" or not self.args.baseline_preset.endswith("-compute") \
-                or "num_hidden_layers" in parse_overrides(given):
-            return given
-        recurrent = presets.get(self.args.recurrent_preset, **parse_overrides(self.args.recurrent_config_overrides))
-        layers = presets.compute_matched_layers(recurrent, seq_len=self.data_args.seq_len)
-        logger.info("Baseline %s: %d layers, the training FLOPs per token of %s at mean depth %d (gradients through %s "
-                    "steps) at seq %d.", self.args.baseline_preset, layers, self.args.recurrent_preset,
-                    recurrent.mean_recurrence, recurrent.backprop_depth or "every", self.data_args.seq_len)
-        return ",".join(filter(None, [given, f"num_hidden_layers={layers}"]))
 
     def train(self, model: str, cycle: int) -> None:
         previous = self.state.stage(cycle - 1, f"train_{model}") if cycle > 1 else {}
