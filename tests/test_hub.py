@@ -104,6 +104,26 @@ def test_card_has_metadata_depth_usage_and_eval_table():
     assert "$" not in text.replace("$$", "")  # every template placeholder was filled
 
 
+def test_the_usage_snippet_prompts_in_the_language_of_the_data(tmp_path):
+    import json
+
+    from trainer_ext.data.prepare import PrepareDataArguments, prepare
+    from trainer_ext.hub.model_card import data_prompt
+
+    documents = [f"第{i}章 大規模言語モデルの学習は、限られたGPUで最大の効率を目指す。" * 3 for i in range(60)]
+    (tmp_path / "ja.jsonl").write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in documents),
+                                       encoding="utf-8")
+    data = tmp_path / "data"
+    prepare(PrepareDataArguments(files=[str(tmp_path / "ja.jsonl")], output_dir=str(data), vocab_size=400, seq_len=64,
+                                 eval_samples=8, disable_tqdm=True))
+    prompt = data_prompt(str(data))
+    assert prompt and len(prompt) <= 40 and prompt.startswith("第") and prompt[1:prompt.index("章")].isdigit()
+    card = render_model_card(presets.get("debug"), ModelCardInfo(example_prompt=prompt))
+    assert f'inputs = tokenizer("{prompt}", return_tensors="pt")' in card
+    assert 'tokenizer("In the beginning"' in render_model_card(presets.get("debug"))  # no data: the default
+    assert data_prompt(str(tmp_path / "nothing")) is None
+
+
 def test_card_variants_and_validation(tmp_path):
     table = "| depth | ppl |\n|---|---|\n| 8 | 12.5 |"
     text = render_model_card(presets.get("debug"), ModelCardInfo(eval_results=table, base_model=str(tmp_path)))

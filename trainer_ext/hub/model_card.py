@@ -10,6 +10,7 @@ at a few depths from `hf_recurrent.cost`, the training summary and the evaluatio
     write_model_card("outputs/r3b/final", model, info)
 """
 
+import json
 import math
 import os
 import re
@@ -30,6 +31,7 @@ from trainer_ext.files import write_text
 CARD_NAME = "README.md"
 BASE_TAGS = ("hf-recurrent",)
 RECURRENT_TAGS = ("recurrent-depth", "looped-transformer", "custom_code")
+DEFAULT_PROMPT = "In the beginning"  # the usage snippet's prompt where the data gives none
 # A Hub repository id: "name" or "namespace/name" (what metadata fields like base_model must reference).
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?$")
 
@@ -52,6 +54,7 @@ class ModelCardInfo:
     training_details: Mapping[str, Any] = field(default_factory=dict)  # e.g. {"optimizer": ..., "hardware": ...}
     tags: list[str] = field(default_factory=list)
     limitations: str | None = None  # appended to the standard limitations
+    example_prompt: str | None = None  # the usage snippet's prompt (`data_prompt`: a text like the training data's)
 
     def __post_init__(self):
         for name in ("language", "datasets", "tags"):
@@ -283,6 +286,7 @@ def render_model_card(model_or_config, info: ModelCardInfo | None = None) -> str
         "title": title,
         "subject": f"`{name}`" if name else "This model",
         "repo_id": info.repo_id or "path/to/checkpoint",
+        "example_prompt": json.dumps(info.example_prompt or DEFAULT_PROMPT, ensure_ascii=False),  # a Python literal
         "unique_params": format_count(counts.unique),
         "preset_clause": f" (preset `{info.preset}`)" if info.preset else "",
         "architecture_rows": _architecture_rows(config, counts, recurrent),
@@ -310,6 +314,37 @@ def render_model_card(model_or_config, info: ModelCardInfo | None = None) -> str
     return _template("recurrent_depth" if recurrent else "transformer_baseline").substitute(values)
 
 
+def data_prompt(data_dir: str, max_chars: int = 40) -> str | None:
+    """A prompt for the usage snippet in the language of prepared data: the start of the first document that begins
+    in the first 256 samples of its eval, then train split (after an end-of-sequence token), on one line, at most
+    `max_chars` characters; None where the data cannot be read or no document begins there."""
+    from transformers import AutoTokenizer
+
+    from trainer_ext.data.shards import ShardedTokenDataset
+
+    def samples(split):
+        try:
+            data = ShardedTokenDataset(data_dir, split, verify_checksums=False)
+        except ValueError:  # no such split
+            return
+        for index in range(min(len(data), 256)):
+            yield data[index]["input_ids"].tolist()
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(data_dir)
+        eos = tokenizer.eos_token_id
+        ids = next((ids for split in ("eval", "train") for ids in samples(split) if eos in ids[:-1]), None)
+    except (ValueError, OSError):
+        return None
+    if ids is None:
+        return None
+    start = ids.index(eos) + 1
+    text = " ".join(tokenizer.decode(ids[start:start + 16], skip_special_tokens=True).split()).rstrip("\ufffd")
+    if len(text) > max_chars:  # cut before a word where the text has spaces
+        text = text[:max_chars].rsplit(" ", 1)[0] if " " in text[:max_chars] else text[:max_chars]
+    return text or None
+
+
 def write_model_card(save_dir: str, model_or_config=None, info: ModelCardInfo | None = None) -> str:
     """Render the card into `<save_dir>/README.md` (atomically) and return its path. Without a model or config,
     the checkpoint's own config.json is read."""
@@ -323,4 +358,4 @@ def write_model_card(save_dir: str, model_or_config=None, info: ModelCardInfo | 
     return write_text(os.path.join(save_dir, CARD_NAME), text)  # a reader (or an upload) never sees half a card
 
 
-__all__ = ["ModelCardInfo", "eval_table", "format_count", "render_model_card", "write_model_card"]
+__all__ = ["ModelCardInfo", "data_prompt", "eval_table", "format_count", "render_model_card", "write_model_card"]

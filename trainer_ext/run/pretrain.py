@@ -22,7 +22,7 @@ from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
 from trainer_ext.distill.cache import TeacherCacheDataset
 from trainer_ext.files import write_json
 from trainer_ext.hub.callbacks import HubPushCallback, ModelCardCallback
-from trainer_ext.hub.model_card import ModelCardInfo, write_model_card
+from trainer_ext.hub.model_card import ModelCardInfo, data_prompt, write_model_card
 from trainer_ext.memory.plan import apply_memory_plan
 from trainer_ext.run.job import TrainingJob, parse_args_with_defaults
 from trainer_ext.run.model_setup import build_model, check_depth_arguments, load_teacher_for
@@ -115,6 +115,7 @@ def pretrain(job: TrainingJob, callbacks=None) -> dict:
         datasets=hub_datasets(manifest.get("sources", [])),
         training_data=f"{'; '.join(map(source_text, manifest.get('sources', []))) or data.data_dir} "
                       f"({manifest.get('total_tokens', train_set.num_tokens):,} tokens prepared)",
+        example_prompt=data_prompt(data.data_dir),
     )
     tokens_per_step = tokens_per_optimizer_step(training_args, manifest["seq_len"])
     # Takes the push over from the Trainer (which would leave out the modeling code) when --push_to_hub is set.
