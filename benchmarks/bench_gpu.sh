@@ -120,6 +120,7 @@ case $STAGE in
     [[ " ${ARMS:-none cache} " == *" none "* ]] && bench distill_none ${PRESETS:-recurrent-3.3b} -- "${VARGS[@]}" "$@"
     bench distill_cache ${PRESETS:-recurrent-3.3b} -- --teacher_cache_dir $CACHE "${VARGS[@]}" "$@" ;;
   teacher_quant)  # one shape per call: saving and loading 16-30 GB of weights three times takes minutes
+    [ "${1:-}" = "--" ] && shift
     prepare_2048
     python3 -m benchmarks.teacher_quant --data_dir $DATA --cap_gib 24 --output "$OUT/teacher_quant.jsonl" "$@" 2>&1 \
       | grep -vE "it/s\]|s/it\]" | tail -"${TAIL:-30}" ;;
