@@ -42,6 +42,7 @@ ARMS = {
     # The same means with gradients through 4 steps: what the depth buys without the longer backward.
     "mean_16_k4": ("mean_recurrence=16,backprop_depth=4", []),
     "mean_32_k4": ("mean_recurrence=32,backprop_depth=4", []),
+    "mean_64_k4": ("mean_recurrence=64,backprop_depth=4", []),
     "fixed_12": ("depth_distribution=fixed,mean_recurrence=12,backprop_depth=6", []),
     # The loss on 4 depths of each step (evenly spaced among the steps with gradients, the last included), as Ouro's
     # expected loss over steps: every step's state is asked to be readable, and later ones to improve on it.
