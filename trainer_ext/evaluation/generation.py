@@ -102,7 +102,7 @@ def _fixed_prompt(prompt_ids, prompt_len: int, vocab_size: int) -> torch.Tensor:
         low = min(4, vocab_size - 1)
         return torch.randint(low, vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
-    prompt = prompt.reshape(-1, prompt.shape[-1]) if prompt.dim() == 2 else prompt.reshape(1, -1)
+    prompt = prompt if prompt.dim() == 2 else prompt.reshape(1, -1)
     if prompt.shape[1] < prompt_len:
         raise ValueError(f"generation_speed: prompt_ids has {prompt.shape[1]} ids a row, fewer than "
                          f"prompt_len={prompt_len}.")
