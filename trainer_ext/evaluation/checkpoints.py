@@ -126,9 +126,11 @@ def _eval_data(args: EvaluateArguments, checkpoint: str, model):
 
 
 def _speed_prompts(dataset, prompt_len: int, rows: int, split: str) -> torch.Tensor:
-    """(rows, prompt_len): one held-out prompt per row, so that rows exit apart: the first `prompt_len` tokens of
-    each sample, then the next window of each, and so on, as far as `rows` needs (a small split still gives a
-    batch of distinct texts); ValueError naming the fix where the split holds fewer windows."""
+    """(rows, prompt_len): real text prompts, the same for every model and depth; row 0 (the first `prompt_len`
+    tokens of the first sample) times decoding at batch 1, all rows the batched decoding with exits, one held-out
+    prompt per row so that rows exit apart: the first window of each sample, then the next window of each, and so on,
+    as far as `rows` needs (a small split still gives a batch of distinct texts); ValueError naming the fix where the
+    split holds fewer windows."""
     lengths = [dataset[i]["input_ids"].numel() // prompt_len for i in range(len(dataset))]
     windows = [(w, i) for w in range(max(lengths, default=0)) for i in range(len(dataset)) if w < lengths[i]]
     if len(windows) < rows:
@@ -138,29 +140,16 @@ def _speed_prompts(dataset, prompt_len: int, rows: int, split: str) -> torch.Ten
     return torch.stack([dataset[i]["input_ids"][w * prompt_len: (w + 1) * prompt_len] for w, i in windows[:rows]])
 
 
-def _speed_prompt(dataset, prompt_len: int) -> torch.Tensor:
-    """The first held-out tokens: a real text prompt, the same for every model and depth."""
-    ids, index = [], 0
-    while sum(x.numel() for x in ids) < prompt_len and index < len(dataset):
-        ids.append(dataset[index]["input_ids"])
-        index += 1
-    prompt = torch.cat(ids)
-    if prompt.numel() < prompt_len:
-        raise ValueError(f"--prompt_len={prompt_len} exceeds the {prompt.numel()} tokens of the --split split.")
-    return prompt[:prompt_len]
-
-
 def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, device, dtype,
-                        unigram_ce: float | None = None, exit_prompts: torch.Tensor | None = None
-                        ) -> tuple[list, list, list]:
+                        prompts: torch.Tensor, unigram_ce: float | None = None) -> tuple[list, list, list]:
     """Result records (one per depth), KV cache comparisons and adaptive depth records for one checkpoint;
     `unigram_ce` (the held-out tokens' frequency-only CE) is what a model that learned nothing from the context
-    would score; `exit_prompts` the rows of the batched decoding with exits (`_speed_prompts`)."""
+    would score; `prompts` the held-out prompts of the speed measurements (`_speed_prompts`)."""
     model = load_checkpoint(checkpoint, dtype, device)
     dataset = _eval_data(args, checkpoint, model)
     recurrent = is_recurrent(model.config)
     batch_sizes = sorted({1, args.speed_batch_size})
-    prompt = _speed_prompt(dataset, args.prompt_len)
+    prompt = prompts[0]
     records, costs = [], []
     for num_steps in list(args.depths) if recurrent else [None]:
         where = f"at depth {num_steps}" if recurrent else "(fixed depth)"
@@ -197,7 +186,7 @@ def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, de
                                    prefix_len=prefix_len, batch_size=args.batch_size)
             costs.append({"model": label, "checkpoint": checkpoint, **cost})
     adaptive = [] if not (recurrent and args.exit_thresholds) else \
-        adaptive_depth_records(args, model, dataset, records, {args.speed_batch_size: exit_prompts, 1: prompt})
+        adaptive_depth_records(args, model, dataset, records, {args.speed_batch_size: prompts, 1: prompt})
     for record in adaptive:
         record.update(model=label, checkpoint=checkpoint)
     del model
@@ -267,13 +256,13 @@ def evaluate_checkpoints(args: EvaluateArguments) -> dict:
     heldout = ShardedTokenDataset(args.data_dir, args.split)
     num_samples = len(heldout) if args.max_samples is None else min(len(heldout), args.max_samples)
     heldout = torch.utils.data.Subset(heldout, range(num_samples))
-    exit_prompts = _speed_prompts(heldout, args.prompt_len, args.speed_batch_size, args.split) \
-        if args.exit_thresholds else None  # before any work
+    prompts = _speed_prompts(heldout, args.prompt_len, args.speed_batch_size if args.exit_thresholds else 1,
+                             args.split)  # before any work
     unigram_ce = unigram_cross_entropy(heldout)
     results, costs, adaptive = [], [], []
     for checkpoint, label in zip(args.checkpoints, labels):
         records, checkpoint_costs, checkpoint_adaptive = evaluate_checkpoint(args, checkpoint, label, device, dtype,
-                                                                             unigram_ce, exit_prompts)
+                                                                             prompts, unigram_ce)
         results += records
         costs += checkpoint_costs
         adaptive += checkpoint_adaptive
