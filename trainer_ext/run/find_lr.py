@@ -7,6 +7,7 @@ trials take the batch size and recompute set that pretraining's plan chooses for
 tested at the batch the run will train with. A sweep stopped midway resumes from lr_sweep.progress.json (the start's
 weights and held-out loss, the finished trials) when run again with the same settings."""
 
+import copy
 import dataclasses
 import logging
 import os
@@ -58,7 +59,8 @@ def find_lr(job: TrainingJob, sweep_args: SweepArguments) -> dict:
 
     data = job.prepare_data()
     data_dir, tokenizer = data.data_dir, data.tokenizer
-    shape = meta_model(model_args, job.model_config(data))
+    fresh_config = job.model_config(data)  # built (and its choices logged) once; each trial's model gets a copy
+    shape = meta_model(model_args, copy.deepcopy(fresh_config))
     num_params = sum(p.numel() for p in shape.parameters())
     config = shape.config
     del shape
@@ -118,7 +120,7 @@ def find_lr(job: TrainingJob, sweep_args: SweepArguments) -> dict:
 
     def make_model():
         set_seed(training_args.seed)  # the seed pretrain builds its model with: every trial, the same init
-        return build_model(start, training_args.device, job.model_config(data))
+        return build_model(start, training_args.device, copy.deepcopy(fresh_config))
 
     if sweep_args.sweep_start_steps:  # from then on every trial loads the start's weights
         start_held_out = progress["start_held_out_loss"] if progress else None
