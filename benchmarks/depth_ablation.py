@@ -49,8 +49,10 @@ ARMS = {
     "deep_supervision": ("", ["--depth_supervision", "4"]),
     "deep_supervision_linear": ("", ["--depth_supervision", "4", "--depth_supervision_weights", "linear"]),
     "mean_16_k8_deep_supervision": ("mean_recurrence=16,backprop_depth=8", ["--depth_supervision", "4"]),
+    "mean_32_k4_deep_supervision": ("mean_recurrence=32,backprop_depth=4", ["--depth_supervision", "4"]),
     # Ouro's learned exit: the expected loss over depths (the gate on every step), minus an entropy term (exit_gate.py).
     "exit_gate": ("exit_gate=true", []),
+    "mean_32_k4_exit_gate": ("mean_recurrence=32,backprop_depth=4,exit_gate=true", []),
 }
 
 
