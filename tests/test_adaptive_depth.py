@@ -224,6 +224,8 @@ def test_batched_exit_prompts_are_distinct_windows_checked_before_any_work(tiny_
     with pytest.raises(ValueError, match="--speed_batch_size=5 with --prompt_len=4 needs 5 held-out prompts; "
                                          "--split eval holds 4 windows"):
         _speed_prompts(samples, 4, 5, "eval")
+    with pytest.raises(ValueError, match="--prompt_len=11 is longer than every sample of the --split eval split"):
+        _speed_prompts(samples, 11, 1, "eval")
     # through the command: refused before a checkpoint is read (this one does not exist)
     with pytest.raises(ValueError, match="--speed_batch_size=64 with --prompt_len=8"):
         evaluate_checkpoints(evaluate_script.parse_args([

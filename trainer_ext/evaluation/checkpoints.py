@@ -134,6 +134,9 @@ def _speed_prompts(dataset, prompt_len: int, rows: int, split: str) -> torch.Ten
     lengths = [dataset[i]["input_ids"].numel() // prompt_len for i in range(len(dataset))]
     windows = [(w, i) for w in range(max(lengths, default=0)) for i in range(len(dataset)) if w < lengths[i]]
     if len(windows) < rows:
+        if rows == 1:  # the speed measurement's one prompt, within one held-out sample
+            raise ValueError(f"--prompt_len={prompt_len} is longer than every sample of the --split {split} split; "
+                             "lower --prompt_len.")
         raise ValueError(f"--speed_batch_size={rows} with --prompt_len={prompt_len} needs {rows} held-out prompts; "
                          f"--split {split} holds {len(windows)} windows of {prompt_len} tokens. Lower "
                          "--speed_batch_size or --prompt_len.")
