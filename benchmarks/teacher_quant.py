@@ -85,8 +85,8 @@ def measure(teacher: str, data_dir: str, cache_dir: str, quantization: str, topk
             teacher_model_name_or_path=teacher, data_dir=data_dir, output_dir=cache_dir, splits=["eval"],
             topk=topk, quantization=quantization, overwrite=True))
         status = "ok"
-    except (torch.OutOfMemoryError, RuntimeError) as error:  # bitsandbytes' kernels raise a RuntimeError
-        if "out of memory" not in str(error).lower():
+    except RuntimeError as error:  # torch.OutOfMemoryError is one; bitsandbytes' kernels raise a plain RuntimeError
+        if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error).lower():
             raise
         manifest, status = None, "out of memory"
     finally:
