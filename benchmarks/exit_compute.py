@@ -13,7 +13,7 @@ the call as a share of fixed depth n (so 1 / share bounds the speed-up of the co
 - `token`: each token its own steps (sum of `num_steps_used`): what exits save if nothing else had to run;
 - `window`: each row, each step, from its first to its last iterating token: exactly computable, ragged;
 - `run`: what `adaptive_depth` runs now (the rows with an iterating token, cut after the last such token of any of
-  them), counted by hooks on the core layers and checked against the same count from `num_steps_used`.
+  them, the cut rounded up to a multiple of `BLOCK_LENGTH_MULTIPLE` positions), counted by hooks on the core layers and checked against the same count from `num_steps_used`.
 
 Held-out CE and its cost against fixed n come with each row. JSON lines on stdout.
 """
@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_recurrent  # noqa: F401
+from hf_recurrent.adaptive_depth import block_length
 from trainer_ext.data.shards import ShardedTokenDataset
 from trainer_ext.devices import resolve_device, resolve_dtype
 
@@ -44,7 +45,7 @@ def shares(steps_used: torch.Tensor, num_steps: int) -> dict:
         last = torch.where(iterating, positions, -1).amax(1)
         first = torch.where(iterating, positions, seq).amin(1)
         window += int((last - first + 1)[active].sum())
-        run += int(active.sum()) * (int(last.max()) + 1)
+        run += int(active.sum()) * block_length(int(last.max()) + 1, seq)
     fixed = batch * seq * num_steps
     return {"token": token / fixed, "window": window / fixed, "run": run / fixed}
 

@@ -23,7 +23,8 @@ that step, computed from the frozen state exactly as a full forward pass compute
 exact. What no later computation reads is left out (`DepthExit.steps`, then `DepthExit.run`), where that is exact:
 
 - no cache (a full forward, evaluation): a step runs only on the batch rows that still have an iterating token, each
-  cut after the last such token of any of them (causal attention: no earlier token reads a later one); once every
+  cut after the last such token of any of them (causal attention: no earlier token reads a later one), the cut
+  rounded up to a multiple of `BLOCK_LENGTH_MULTIPLE` positions (a bounded set of shapes); once every
   token has exited, the loop stops. A batch whose tokens exited after j steps costs j core passes instead of n.
 - `kv_cache_mode="shared"`: the steps before the last only read the cache, so they run on the same compacted batch
   (the rows' cache entries gathered), and the last step runs on every token: it writes the shared slot with keys and
@@ -77,6 +78,10 @@ except ImportError:  # loaded as a flat module by `trust_remote_code`
 SKIP_EXITED_STEPS = True  # False: run every step masked, even once all tokens have exited (for comparisons)
 COMPACT_EXITED_STEPS = True  # False: while some token iterates, a step runs on the whole batch (masked)
 EXIT_CHECK_EVERY = 0  # under torch.compile: core steps per compiled segment between two host checks (0: masked)
+# A step's block is cut after a multiple of this many positions (or the sequence's end): a bounded set of shapes, whose
+# kernels (attention plans, matrix-product heuristics) and allocator blocks a GPU reuses across steps and batches; the
+# positions it adds after the last iterating token are computed and discarded, as for any exited token.
+BLOCK_LENGTH_MULTIPLE = 64
 
 
 def check_exit(threshold, criterion: str, has_gate: bool = False, check_every: int | None = None) -> None:
@@ -205,7 +210,8 @@ class DepthExit:
                 self.block = block
 
     def _needed_block(self) -> tuple[torch.Tensor | None, int] | None:
-        """(rows with an active token, or None for all; 1 + the last active position among them), None if none."""
+        """(rows with an active token, or None for all; 1 + the last active position among them, rounded up by
+        `block_length`), None if none."""
         batch, seq = self.active.shape
         if not (self.compact and COMPACT_EXITED_STEPS):
             return (None, seq) if bool(self.active.any()) else None
@@ -214,7 +220,7 @@ class DepthExit:
         if not rows:
             return None
         index = None if len(rows) == batch else torch.tensor(rows, device=self.active.device)
-        return index, max(ends)
+        return index, block_length(max(ends), seq)
 
 
 @torch.compiler.disable(recursive=False)
@@ -243,6 +249,12 @@ def compile_in_segments(generation_config, config, model_kwargs: dict) -> None:
             and (EXIT_CHECK_EVERY if every is None else every) > 0):
         generation_config.compile_config = copy.copy(compile_config)
         generation_config.compile_config.fullgraph = False
+
+
+def block_length(end: int, seq: int) -> int:
+    """The positions a step's block covers: `end` (1 + its last iterating position) rounded up to a multiple of
+    `BLOCK_LENGTH_MULTIPLE`, at most the sequence length `seq`."""
+    return min(-(-end // BLOCK_LENGTH_MULTIPLE) * BLOCK_LENGTH_MULTIPLE, seq)
 
 
 def take_block(tensor: torch.Tensor, rows: torch.Tensor | None, length: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ def test_gate_exits_in_a_left_padded_batch_equal_the_masked_reference(mode, monk
     model = gated(kv_cache_mode=mode)
     ids, mask = left_padded((14, 11, 14, 6), seq=14)
     runs = []
+    monkeypatch.setattr(adaptive_depth, "BLOCK_LENGTH_MULTIPLE", 1)  # cuts right after the last iterating token
     for compact, skip in ((True, True), (False, False)):  # compacted blocks; every step masked on the whole batch
         monkeypatch.setattr(adaptive_depth, "COMPACT_EXITED_STEPS", compact)
         monkeypatch.setattr(adaptive_depth, "SKIP_EXITED_STEPS", skip)

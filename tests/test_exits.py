@@ -48,7 +48,9 @@ class CoreTokens:
 
 
 def compacted_and_masked(model, monkeypatch, call):
-    """`call()` under `no_grad` with exited tokens left out of later steps, then masked: [(result, core tokens)]."""
+    """`call()` under `no_grad` with exited tokens left out of later steps, then masked: [(result, core tokens)].
+    Blocks are cut right after their last iterating token (no rounding of the cut), as these sequences are short."""
+    monkeypatch.setattr(adaptive_depth, "BLOCK_LENGTH_MULTIPLE", 1)
     runs = []
     for compact in (True, False):
         monkeypatch.setattr(adaptive_depth, "COMPACT_EXITED_STEPS", compact)
@@ -128,13 +130,21 @@ def test_batched_generate_with_left_padding_and_exits_gives_each_rows_tokens_alo
             torch.testing.assert_close(a[row], b[0], **CLOSE)
 
 
-def test_the_block_of_a_step_covers_the_rows_still_iterating_up_to_their_last_active_token():
+def test_the_block_of_a_step_covers_the_rows_still_iterating_up_to_their_last_active_token(monkeypatch):
+    monkeypatch.setattr(adaptive_depth, "BLOCK_LENGTH_MULTIPLE", 1)
     depth_exit = adaptive_depth.DepthExit(0.1, (3, 5), torch.device("cpu"), compact=True)
     depth_exit.active = torch.tensor([[1, 0, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 1, 0]], dtype=torch.bool)
     rows, length = depth_exit._needed_block()
     assert rows.tolist() == [0, 2] and length == 4
     depth_exit.active[2] = False
     assert depth_exit._needed_block()[1] == 3
+    # the cut rounded up to a multiple of positions, at most the sequence: a bounded set of block shapes
+    monkeypatch.setattr(adaptive_depth, "BLOCK_LENGTH_MULTIPLE", 2)
+    assert depth_exit._needed_block()[1] == 4
+    monkeypatch.setattr(adaptive_depth, "BLOCK_LENGTH_MULTIPLE", 4)
+    assert depth_exit._needed_block()[1] == 4 and adaptive_depth.block_length(5, 5) == 5
+    assert [adaptive_depth.block_length(end, 1024) for end in (1, 4, 5, 1021)] == [4, 4, 8, 1024]
+    monkeypatch.setattr(adaptive_depth, "BLOCK_LENGTH_MULTIPLE", 1)
     depth_exit.active[0, 4] = True  # a row's last token iterates: every position is needed
     rows, length = depth_exit._needed_block()
     assert rows.tolist() == [0] and length == 5
@@ -147,13 +157,17 @@ def test_the_block_of_a_step_covers_the_rows_still_iterating_up_to_their_last_ac
         assert list(steps) == [0] and depth_exit.block is None
 
 
-def test_the_exit_compute_benchmark_counts_what_the_core_runs():
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_the_exit_compute_benchmark_counts_what_the_core_runs(multiple, monkeypatch):
     from benchmarks.exit_compute import shares
+
+    monkeypatch.setattr(adaptive_depth, "BLOCK_LENGTH_MULTIPLE", multiple)  # blocks cut to multiples of positions
 
     # By hand: 2 rows of 2 tokens at n = 3 (fixed: 12 token-steps). Step 1 runs all 4 (windows 2 + 2); step 2 the
     # second token of row 0 and the first of row 1 (both rows, cut after position 1: 4; windows 1 + 1); step 3 row
     # 0's second token (one row of 2; window 1).
-    assert shares(torch.tensor([[1, 3], [2, 1]]), 3) == {"token": 7 / 12, "window": 7 / 12, "run": 10 / 12}
+    if multiple == 1:
+        assert shares(torch.tensor([[1, 3], [2, 1]]), 3) == {"token": 7 / 12, "window": 7 / 12, "run": 10 / 12}
     model = tiny()
     ids, _ = left_padded((10, 10, 10, 10))
     with CoreTokens(model) as counter, torch.no_grad():

@@ -7,7 +7,7 @@ A recurrent-depth checkpoint is evaluated at every `depths` value, a fixed-depth
 LlamaForCausalLM) at its one depth. For recurrent checkpoints it also measures what decoding with the `shared`
 KV cache costs against the exact `per_step` cache (`cache_cost_samples=0` skips it), and with `exit_thresholds`
 what adaptive depth saves: mean core steps per token against the deepest of `depths`, the CE it costs there, the
-evaluation's time, and greedy decoding tokens/s with exits at batch 1 and `speed_batch_size` against the same fixed
+tokens/s of the evaluation's forward passes, and greedy decoding tokens/s with exits at batch 1 and `speed_batch_size` against the same fixed
 depth, with the `shared` cache (the mode in which a token that has exited skips its remaining steps). Writes the
 report (`trainer_ext.evaluation.report`) and, when matplotlib is installed, quality_vs_depth.png and
 speed_vs_depth.png to `output_dir`.
@@ -27,8 +27,8 @@ from hf_recurrent.cost import unrolled_layers
 from hf_recurrent.presets import is_recurrent
 from trainer_ext.checkpoints import check_model_dir
 from trainer_ext.data.shards import ShardedTokenDataset, tokenizer_hash
-from trainer_ext.devices import resolve_device, resolve_dtype, synchronize
-from trainer_ext.evaluation.generation import cache_mode_cost, generation_speed, kv_cache_mode
+from trainer_ext.devices import resolve_device, resolve_dtype
+from trainer_ext.evaluation.generation import cache_mode_cost, forward_speed, generation_speed, kv_cache_mode
 from trainer_ext.evaluation.metrics import evaluate_model, learning_warnings, unigram_cross_entropy
 from trainer_ext.evaluation.plots import plot_depth_curves
 from trainer_ext.evaluation.report import write_report
@@ -36,6 +36,7 @@ from trainer_ext.evaluation.report import write_report
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "bfloat16", "float32")
+FORWARD_SPEED_BATCHES = 4  # batches of --batch_size per timed pass of the forward with and without exits
 
 
 @dataclass
@@ -201,19 +202,16 @@ def evaluate_checkpoint(args: EvaluateArguments, checkpoint: str, label: str, de
 def adaptive_depth_records(args: EvaluateArguments, model, dataset, records: list[dict],
                            prompts: dict[int, torch.Tensor]) -> list[dict]:
     """Per exit threshold, at the deepest evaluated depth n_max as the cap: mean core steps per token and CE, against
-    the fixed-depth CE at n_max (from `records`); the wall time of that evaluation (full forward passes without a
-    cache, batches of --batch_size) against n_max fixed; greedy decoding with the `shared` KV cache at batch 1 and at
-    --speed_batch_size (`prompts` by batch size: held-out prompts, rows that differ exit apart), tokens/s against
-    n_max fixed."""
+    the fixed-depth CE at n_max (from `records`); tokens/s of full forward passes without a cache (`forward_speed`:
+    the first `FORWARD_SPEED_BATCHES` batches of --batch_size, a warm-up batch, the median of --speed_repeats passes)
+    against n_max fixed; greedy decoding with the `shared` KV cache at batch 1 and at --speed_batch_size (`prompts` by
+    batch size: held-out prompts, rows that differ exit apart), tokens/s against n_max fixed."""
     n_max, batch = max(args.depths), args.speed_batch_size
     fixed = next(r for r in records if r["num_steps"] == n_max)
 
-    def timed_quality(**exits) -> tuple[dict, float]:
-        synchronize(model.device)
-        start = time.perf_counter()
-        quality = evaluate_model(model, dataset, num_steps=n_max, batch_size=args.batch_size, **exits)
-        synchronize(model.device)
-        return quality, time.perf_counter() - start
+    def forward_rate(**exits) -> float:
+        return forward_speed(model, dataset, num_steps=n_max, batch_size=args.batch_size,
+                             batches=FORWARD_SPEED_BATCHES, repeats=args.speed_repeats, **exits)
 
     def decode_speeds(**exits) -> dict[int, float]:
         with kv_cache_mode(model, "shared"):
@@ -221,18 +219,19 @@ def adaptive_depth_records(args: EvaluateArguments, model, dataset, records: lis
                                            batch_sizes=[size], num_steps=n_max, prompt_ids=ids,
                                            repeats=args.speed_repeats, **exits)[size] for size, ids in prompts.items()}
 
-    fixed_seconds, fixed_speed = timed_quality()[1], decode_speeds()
+    fixed_rate, fixed_speed = forward_rate(), decode_speeds()
     rows = []
     for threshold in args.exit_thresholds:
         logger.info("adaptive depth: exit threshold %g, at most %d steps", threshold, n_max)
         exits = dict(exit_threshold=threshold, exit_criterion=args.exit_criterion)
-        (quality, seconds), speed = timed_quality(**exits), decode_speeds(**exits)
+        quality = evaluate_model(model, dataset, num_steps=n_max, batch_size=args.batch_size, **exits)
+        rate, speed = forward_rate(**exits), decode_speeds(**exits)
         rows.append({"num_steps": n_max, "exit_threshold": threshold, "exit_criterion": args.exit_criterion,
                      "mean_steps_used": quality["mean_steps_used"],
                      "ce": quality["ce"], "top1": quality["top1"], "ce_fixed_depth": fixed["ce"],
                      "ce_increase": quality["ce"] - fixed["ce"], "tokens": quality["tokens"],
-                     "eval_seconds": seconds, "eval_seconds_fixed_depth": fixed_seconds,
-                     "eval_speedup": fixed_seconds / seconds,
+                     "forward_tokens_per_s": rate, "forward_tokens_per_s_fixed_depth": fixed_rate,
+                     "eval_speedup": rate / fixed_rate,
                      "decode_tokens_per_s": speed[1], "decode_tokens_per_s_fixed_depth": fixed_speed[1],
                      "decode_speedup": speed[1] / fixed_speed[1], "decode_batch": batch,
                      "decode_tokens_per_s_batch": speed[batch],

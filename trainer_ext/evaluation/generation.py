@@ -2,6 +2,7 @@
 in held-out quality against the exact `per_step` cache.
 
     generation_speed(model, num_steps=n)           -> {batch_size: generated tokens per second}
+    forward_speed(model, dataset, num_steps=n)     -> tokens per second of full forward passes (no cache)
     cache_mode_cost(model, dataset, num_steps=n)   -> CE when decoding with a `per_step` vs a `shared` KV cache
     with kv_cache_mode(model, "shared"): ...       -> a recurrent model's cache mode for a block, restored after
 
@@ -94,6 +95,35 @@ def generation_speed(
                 assert output.shape[1] - prompt_len == new_tokens, (output.shape, prompt_len, new_tokens)
             speeds[batch] = batch * new_tokens / statistics.median(seconds)
     return speeds
+
+
+def forward_speed(model, dataset: Dataset, num_steps: int | None = None, batch_size: int = 8, batches: int = 4,
+                  repeats: int = 3, **forward_kwargs) -> float:
+    """Tokens per second of full forward passes without a cache (an evaluation's, lm-eval's loglikelihood): the
+    model's final hidden states of the first `batches` batches of `dataset`, no LM head and no metric, so that the
+    figure is the forward's alone. One untimed batch first (kernel selection, allocator growth: a path's first call
+    would otherwise carry them), then the median of `repeats` timed passes over the batches. `forward_kwargs` go to
+    every call (e.g. `exit_threshold`)."""
+    if min(batch_size, batches, repeats) < 1:
+        raise ValueError(f"forward_speed: batch_size={batch_size}, batches={batches} and repeats={repeats} must be "
+                         ">= 1.")
+    device = place(model, None)
+    kwargs = dict(use_cache=False, **depth_kwargs(model, num_steps), **forward_kwargs)
+    inputs = [unpack_batch(batch, device)[0] for _, batch in zip(range(batches),
+                                                                  DataLoader(dataset, batch_size=batch_size))]
+    if not inputs:
+        raise ValueError("forward_speed: the dataset is empty; check the eval split of --data_dir.")
+    seconds = []
+    with eval_mode(model), torch.inference_mode():
+        model.base_model(input_ids=inputs[0], **kwargs)
+        for _ in range(repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            for input_ids in inputs:
+                model.base_model(input_ids=input_ids, **kwargs)
+            synchronize(device)
+            seconds.append(time.perf_counter() - start)
+    return sum(ids.numel() for ids in inputs) / statistics.median(seconds)
 
 
 def _fixed_prompt(prompt_ids, prompt_len: int, vocab_size: int) -> torch.Tensor:

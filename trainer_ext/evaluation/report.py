@@ -57,7 +57,7 @@ def cache_cost_table(costs: list[dict]) -> str:
 
 
 def adaptive_depth_table(rows: list[dict]) -> str:
-    """Quality and wall time of full forward passes (no cache); decoding: greedy, `shared` KV cache, tokens/s at
+    """Quality and tokens/s of full forward passes (no cache); decoding: greedy, `shared` KV cache, tokens/s at
     batch 1 and at the larger speed batch (its own prompt per row). Reports from before the timed evaluation and the
     larger batch leave those cells blank."""
     return _table(["model / threshold", "max steps", "mean steps used", "CE", "CE at max steps", "difference",
@@ -91,9 +91,11 @@ def render_report(report: dict) -> str:
                  "`per_step` is exact (equals the full forward); `shared` keeps one cache per core layer.\n\n")
         text += cache_cost_table(report["cache_mode_cost"])
     if report.get("adaptive_depth"):  # reports written before the option have no such key
-        text += ("\n## Adaptive depth\n\nEach token stops iterating once its state changes by less than the threshold "
-                 "(relative) in one step, at most `max steps`; CE (full forward passes) against the fixed depth `max steps`. "
-                 "Decoding: batch 1, greedy, with the `shared` KV cache, in which a token that has exited skips its "
+        text += ("\n## Adaptive depth\n\nEach token stops iterating once its exit criterion is met (`state`: its "
+                 "state changed by less than the threshold, relative, in one step; `gate`: the learned exit gate's "
+                 "cumulative exit probability reached the threshold), at most `max steps`; CE (full forward passes) "
+                 "against the fixed depth `max steps`. Forward speed-up: tokens/s of full forward passes without a "
+                 "cache (a warm-up batch, then the median of timed passes) against the fixed depth. Decoding: batch 1, greedy, with the `shared` KV cache, in which a token that has exited skips its "
                  "remaining steps but the last (which writes its cache entry); tokens/s with exits against the "
                  "fixed depth `max steps`.\n\n")
         text += adaptive_depth_table(report["adaptive_depth"])
