@@ -16,19 +16,27 @@ the call as a share of fixed depth n (so 1 / share bounds the speed-up of the co
   them, the cut rounded up to a multiple of `BLOCK_LENGTH_MULTIPLE` positions), counted by hooks on the core layers and checked against the same count from `num_steps_used`.
 
 Held-out CE and its cost against fixed n come with each row. JSON lines on stdout.
+
+`--speed_rounds R` also times the forward with exits against fixed n (`forward_speed`, as `hf-recurrent-evaluate`
+does: a warm-up batch, the median of passes over the batches), in R rounds that alternate the cut's rounding
+(`--block_multiples`, `BLOCK_LENGTH_MULTIPLE`: 1 cuts at the last iterating token), so that a shared machine's drift
+falls on every variant alike: one line per threshold and multiple with each round's speed-up and their median.
 """
 
 import argparse
 import json
+import statistics
 import sys
 
 import torch
 from transformers import AutoModelForCausalLM
 
 import hf_recurrent  # noqa: F401
+from hf_recurrent import adaptive_depth
 from hf_recurrent.adaptive_depth import block_length
 from trainer_ext.data.shards import ShardedTokenDataset
 from trainer_ext.devices import resolve_device, resolve_dtype
+from trainer_ext.evaluation.generation import forward_speed
 
 
 def shares(steps_used: torch.Tensor, num_steps: int) -> dict:
@@ -81,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--device", default="auto", help="auto: CUDA when available, else the CPU.")
     parser.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, fp32 elsewhere.")
+    parser.add_argument("--speed_rounds", type=int, default=0, help="Rounds of forward timings (0: none).")
+    parser.add_argument("--block_multiples", type=int, nargs="+", default=[1, adaptive_depth.BLOCK_LENGTH_MULTIPLE])
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     data = ShardedTokenDataset(args.data_dir, split="eval")
@@ -97,7 +107,29 @@ def main(argv=None) -> int:
             row = fixed if threshold is None else evaluate(model, batches, args.num_steps, threshold, counted)
             print(json.dumps({"checkpoint": path, "num_steps": args.num_steps, "threshold": threshold,
                               "ce_cost": round(row["ce"] - fixed["ce"], 5), **row}), flush=True)
+        for row in forward_speedups(model, data, args):
+            print(json.dumps({"checkpoint": path, **row}), flush=True)
     return 0
+
+
+def forward_speedups(model, data, args) -> list[dict]:
+    """Per threshold and block multiple: the forward's speed-up over fixed depth in each of `args.speed_rounds`
+    rounds (each multiple's fixed depth timed in the same round), and the median."""
+    timed = dict(num_steps=args.num_steps, batch_size=args.batch_size, batches=-(-args.samples // args.batch_size))
+    found = {}
+    default = adaptive_depth.BLOCK_LENGTH_MULTIPLE
+    try:
+        for _ in range(args.speed_rounds):
+            for multiple in args.block_multiples:
+                adaptive_depth.BLOCK_LENGTH_MULTIPLE = multiple
+                fixed = forward_speed(model, data, **timed)
+                for threshold in args.thresholds:
+                    rate = forward_speed(model, data, exit_threshold=threshold, **timed)
+                    found.setdefault((threshold, multiple), []).append(round(rate / fixed, 3))
+    finally:
+        adaptive_depth.BLOCK_LENGTH_MULTIPLE = default
+    return [{"threshold": threshold, "block_multiple": multiple, "forward_speedups": rounds,
+             "forward_speedup": statistics.median(rounds)} for (threshold, multiple), rounds in found.items()]
 
 
 if __name__ == "__main__":

@@ -175,3 +175,23 @@ def test_the_exit_compute_benchmark_counts_what_the_core_runs(multiple, monkeypa
     found = shares(out.num_steps_used, 12)
     assert counter.tokens == round(found["run"] * ids.numel() * 12)
     assert found["token"] <= found["window"] <= found["run"] < 1
+
+
+def test_the_exit_compute_benchmark_times_the_forward_with_each_rounding_and_restores_the_default():
+    from argparse import Namespace
+
+    from benchmarks.exit_compute import forward_speedups
+    from trainer_ext.evaluation.generation import forward_speed
+
+    model = tiny()
+    ids, _ = left_padded((10, 10, 10, 10))
+    data = [{"input_ids": row, "shift_labels": row} for row in ids]
+    args = Namespace(num_steps=12, batch_size=2, samples=4, speed_rounds=2, thresholds=[MIXED, 1e9],
+                     block_multiples=[1, 4])
+    rows = forward_speedups(model, data, args)
+    assert [(r["threshold"], r["block_multiple"]) for r in rows] == [(MIXED, 1), (1e9, 1), (MIXED, 4), (1e9, 4)]
+    for row in rows:
+        assert len(row["forward_speedups"]) == 2 and row["forward_speedup"] > 0
+    assert adaptive_depth.BLOCK_LENGTH_MULTIPLE == 64
+    with pytest.raises(ValueError, match="batches=0"):
+        forward_speed(model, data, num_steps=12, batches=0)
