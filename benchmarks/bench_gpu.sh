@@ -185,7 +185,7 @@ case $STAGE in
       --output_dir "$OUT/adaptive" --plots false "$@" > "$OUT/adaptive_eval.log" 2>&1
     echo "evaluate exit code $?"; cat "$OUT/adaptive/results.md"
     python3 -m benchmarks.exit_compute --checkpoints $RUN/final --data_dir $DATA_PY --num_steps 12 \
-      --thresholds 0.3 0.1 0.05 0.03 0.01 --batch_size 8 --samples 64 --speed_rounds 3 2>/dev/null \
+      --thresholds 0.3 0.1 0.03 --batch_size 8 --samples 64 --speed_rounds 3 --block_sdpa no_cudnn torch 2>/dev/null \
       | tee "$OUT/adaptive_exit_compute.jsonl"
     [ -z "${GATE:-}" ] || python3 -m scripts.evaluate_checkpoints --checkpoints $RUN/final --labels gate \
       --data_dir $DATA_PY --depths 12 --cache_cost_samples 0 --exit_criterion gate --exit_thresholds 0.5 0.7 0.9 0.95 \

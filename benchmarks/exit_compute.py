@@ -13,14 +13,17 @@ the call as a share of fixed depth n (so 1 / share bounds the speed-up of the co
 - `token`: each token its own steps (sum of `num_steps_used`): what exits save if nothing else had to run;
 - `window`: each row, each step, from its first to its last iterating token: exactly computable, ragged;
 - `run`: what `adaptive_depth` runs now (the rows with an iterating token, cut after the last such token of any of
-  them, the cut rounded up to a multiple of `BLOCK_LENGTH_MULTIPLE` positions), counted by hooks on the core layers and checked against the same count from `num_steps_used`.
+  them, the cut rounded up to a multiple of `BLOCK_LENGTH_MULTIPLE` positions), counted by hooks on the core layers
+  and checked against the same count from `num_steps_used`.
 
 Held-out CE and its cost against fixed n come with each row. JSON lines on stdout.
 
 `--speed_rounds R` also times the forward with exits against fixed n (`forward_speed`, as `hf-recurrent-evaluate`
-does: a warm-up batch, the median of passes over the batches), in R rounds that alternate the cut's rounding
-(`--block_multiples`, `BLOCK_LENGTH_MULTIPLE`: 1 cuts at the last iterating token), so that a shared machine's drift
-falls on every variant alike: one line per threshold and multiple with each round's speed-up and their median.
+does: a warm-up batch, the median of passes over the batches), in R rounds that alternate the ways a block may run,
+so that a shared machine's drift falls on every variant alike: the cut's rounding (`--block_multiples`,
+`BLOCK_LENGTH_MULTIPLE`: 1 cuts at the last iterating token) and the attention kernels of a block (`--block_sdpa`:
+`no_cudnn`, `BLOCK_SDPA_BACKENDS`' default; `torch`: torch's own choice, cuDNN's on Hopper). One line per threshold
+and variant with each round's speed-up and their median.
 """
 
 import argparse
@@ -37,6 +40,9 @@ from hf_recurrent.adaptive_depth import block_length
 from trainer_ext.data.shards import ShardedTokenDataset
 from trainer_ext.devices import resolve_device, resolve_dtype
 from trainer_ext.evaluation.generation import forward_speed
+
+
+BLOCK_SDPA = {"no_cudnn": adaptive_depth.BLOCK_SDPA_BACKENDS, "torch": None}  # --block_sdpa
 
 
 def shares(steps_used: torch.Tensor, num_steps: int) -> dict:
@@ -91,6 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, fp32 elsewhere.")
     parser.add_argument("--speed_rounds", type=int, default=0, help="Rounds of forward timings (0: none).")
     parser.add_argument("--block_multiples", type=int, nargs="+", default=[1, adaptive_depth.BLOCK_LENGTH_MULTIPLE])
+    parser.add_argument("--block_sdpa", nargs="+", choices=sorted(BLOCK_SDPA), default=["no_cudnn"])
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     data = ShardedTokenDataset(args.data_dir, split="eval")
@@ -113,23 +120,25 @@ def main(argv=None) -> int:
 
 
 def forward_speedups(model, data, args) -> list[dict]:
-    """Per threshold and block multiple: the forward's speed-up over fixed depth in each of `args.speed_rounds`
-    rounds (each multiple's fixed depth timed in the same round), and the median."""
+    """Per threshold, block multiple and block SDPA kernels: the forward's speed-up over fixed depth in each of
+    `args.speed_rounds` rounds (each variant's fixed depth timed in the same round), and the median."""
     timed = dict(num_steps=args.num_steps, batch_size=args.batch_size, batches=-(-args.samples // args.batch_size))
     found = {}
-    default = adaptive_depth.BLOCK_LENGTH_MULTIPLE
+    defaults = adaptive_depth.BLOCK_LENGTH_MULTIPLE, adaptive_depth.BLOCK_SDPA_BACKENDS
     try:
         for _ in range(args.speed_rounds):
             for multiple in args.block_multiples:
-                adaptive_depth.BLOCK_LENGTH_MULTIPLE = multiple
-                fixed = forward_speed(model, data, **timed)
-                for threshold in args.thresholds:
-                    rate = forward_speed(model, data, exit_threshold=threshold, **timed)
-                    found.setdefault((threshold, multiple), []).append(round(rate / fixed, 3))
+                for sdpa in args.block_sdpa:
+                    adaptive_depth.BLOCK_LENGTH_MULTIPLE = multiple
+                    adaptive_depth.BLOCK_SDPA_BACKENDS = BLOCK_SDPA[sdpa]
+                    fixed = forward_speed(model, data, **timed)
+                    for threshold in args.thresholds:
+                        rate = forward_speed(model, data, exit_threshold=threshold, **timed)
+                        found.setdefault((threshold, multiple, sdpa), []).append(round(rate / fixed, 3))
     finally:
-        adaptive_depth.BLOCK_LENGTH_MULTIPLE = default
-    return [{"threshold": threshold, "block_multiple": multiple, "forward_speedups": rounds,
-             "forward_speedup": statistics.median(rounds)} for (threshold, multiple), rounds in found.items()]
+        adaptive_depth.BLOCK_LENGTH_MULTIPLE, adaptive_depth.BLOCK_SDPA_BACKENDS = defaults
+    return [{"threshold": threshold, "block_multiple": multiple, "block_sdpa": sdpa, "forward_speedups": rounds,
+             "forward_speedup": statistics.median(rounds)} for (threshold, multiple, sdpa), rounds in found.items()]
 
 
 if __name__ == "__main__":

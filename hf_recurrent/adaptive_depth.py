@@ -24,7 +24,8 @@ exact. What no later computation reads is left out (`DepthExit.steps`, then `Dep
 
 - no cache (a full forward, evaluation): a step runs only on the batch rows that still have an iterating token, each
   cut after the last such token of any of them (causal attention: no earlier token reads a later one), the cut
-  rounded up to a multiple of `BLOCK_LENGTH_MULTIPLE` positions (a bounded set of shapes); once every
+  rounded up to a multiple of `BLOCK_LENGTH_MULTIPLE` positions (a bounded set of shapes), its attention by the
+  kernels of `BLOCK_SDPA_BACKENDS` (not cuDNN's, which builds a graph per new shape); once every
   token has exited, the loop stops. A batch whose tokens exited after j steps costs j core passes instead of n.
 - `kv_cache_mode="shared"`: the steps before the last only read the cache, so they run on the same compacted batch
   (the rows' cache entries gathered), and the last step runs on every token: it writes the shared slot with keys and
@@ -65,9 +66,11 @@ Shipped next to the weights with the modeling file (`trust_remote_code` loads it
 
 import copy
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 try:
@@ -82,6 +85,10 @@ EXIT_CHECK_EVERY = 0  # under torch.compile: core steps per compiled segment bet
 # kernels (attention plans, matrix-product heuristics) and allocator blocks a GPU reuses across steps and batches; the
 # positions it adds after the last iterating token are computed and discarded, as for any exited token.
 BLOCK_LENGTH_MULTIPLE = 64
+# The SDPA kernels a step on a block may use (None: torch's own choice). Blocks come in many shapes, and torch's SDPA
+# prefers cuDNN's attention on Hopper and Blackwell cards, which builds an execution graph per shape (batch and
+# lengths among its keys) on its first call; the other kernels run any shape as it comes.
+BLOCK_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def check_exit(threshold, criterion: str, has_gate: bool = False, check_every: int | None = None) -> None:
@@ -152,8 +159,9 @@ class DepthExit:
             return self.step(state, core_step(state, embedded, layer_kwargs))
         rows, length = self.block
         old = take_block(state, rows, length)
-        new = core_step(old, take_block(embedded, rows, length), block_kwargs(layer_kwargs, rows, length,
-                                                                             state.shape[1]))
+        with sdpa_kernel(BLOCK_SDPA_BACKENDS) if BLOCK_SDPA_BACKENDS else nullcontext():
+            new = core_step(old, take_block(embedded, rows, length), block_kwargs(layer_kwargs, rows, length,
+                                                                                 state.shape[1]))
         active = take_block(self.active, rows, length)
         self.steps_used += self.active
         index = (slice(None) if rows is None else rows, slice(None, length))

@@ -187,11 +187,28 @@ def test_the_exit_compute_benchmark_times_the_forward_with_each_rounding_and_res
     ids, _ = left_padded((10, 10, 10, 10))
     data = [{"input_ids": row, "shift_labels": row} for row in ids]
     args = Namespace(num_steps=12, batch_size=2, samples=4, speed_rounds=2, thresholds=[MIXED, 1e9],
-                     block_multiples=[1, 4])
+                     block_multiples=[1, 4], block_sdpa=["no_cudnn", "torch"])
     rows = forward_speedups(model, data, args)
-    assert [(r["threshold"], r["block_multiple"]) for r in rows] == [(MIXED, 1), (1e9, 1), (MIXED, 4), (1e9, 4)]
+    assert [(r["threshold"], r["block_multiple"], r["block_sdpa"]) for r in rows] == [
+        (threshold, multiple, sdpa)
+        for multiple in (1, 4) for sdpa in ("no_cudnn", "torch") for threshold in (MIXED, 1e9)]
     for row in rows:
         assert len(row["forward_speedups"]) == 2 and row["forward_speedup"] > 0
-    assert adaptive_depth.BLOCK_LENGTH_MULTIPLE == 64
+    assert adaptive_depth.BLOCK_LENGTH_MULTIPLE == 64 and adaptive_depth.BLOCK_SDPA_BACKENDS is not None
     with pytest.raises(ValueError, match="batches=0"):
         forward_speed(model, data, num_steps=12, batches=0)
+
+
+def test_a_step_on_a_block_keeps_cudnn_attention_out_and_a_full_step_keeps_torchs_choice(monkeypatch):
+    monkeypatch.setattr(adaptive_depth, "BLOCK_LENGTH_MULTIPLE", 1)
+    model = tiny()
+    ids, _ = left_padded((10, 10, 10, 10))
+    seen = []  # per core-layer call: (tokens it runs on, whether SDPA may pick cuDNN's attention)
+    hook = model.model.core[0].register_forward_pre_hook(
+        lambda module, args: seen.append((args[0].shape[:2].numel(), torch.backends.cuda.cudnn_sdp_enabled())))
+    with torch.no_grad():
+        model(ids, num_steps=12, use_cache=False, exit_threshold=MIXED)
+    hook.remove()
+    assert {enabled for tokens, enabled in seen if tokens == ids.numel()} == {True}  # full steps: torch's own
+    assert {enabled for tokens, enabled in seen if tokens < ids.numel()} == {False}  # blocks: no cuDNN graphs
+    assert torch.backends.cuda.cudnn_sdp_enabled()
