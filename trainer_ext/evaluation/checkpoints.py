@@ -7,8 +7,9 @@ A recurrent-depth checkpoint is evaluated at every `depths` value, a fixed-depth
 LlamaForCausalLM) at its one depth. For recurrent checkpoints it also measures what decoding with the `shared`
 KV cache costs against the exact `per_step` cache (`cache_cost_samples=0` skips it), and with `exit_thresholds`
 what adaptive depth saves: mean core steps per token against the deepest of `depths`, the CE it costs there, the
-tokens/s of the evaluation's forward passes, and greedy decoding tokens/s with exits at batch 1 and `speed_batch_size` against the same fixed
-depth, with the `shared` cache (the mode in which a token that has exited skips its remaining steps). Writes the
+tokens/s of the evaluation's forward passes, and greedy decoding tokens/s with exits at batch 1 and
+`speed_batch_size` against the same fixed depth, with the `shared` cache (the mode in which a token that has exited
+skips its remaining steps). Writes the
 report (`trainer_ext.evaluation.report`) and, when matplotlib is installed, quality_vs_depth.png and
 speed_vs_depth.png to `output_dir`.
 """

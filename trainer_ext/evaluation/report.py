@@ -95,9 +95,10 @@ def render_report(report: dict) -> str:
                  "state changed by less than the threshold, relative, in one step; `gate`: the learned exit gate's "
                  "cumulative exit probability reached the threshold), at most `max steps`; CE (full forward passes) "
                  "against the fixed depth `max steps`. Forward speed-up: tokens/s of full forward passes without a "
-                 "cache (a warm-up batch, then the median of timed passes) against the fixed depth. Decoding: batch 1, greedy, with the `shared` KV cache, in which a token that has exited skips its "
-                 "remaining steps but the last (which writes its cache entry); tokens/s with exits against the "
-                 "fixed depth `max steps`.\n\n")
+                 "cache (a warm-up batch, then the median of timed passes) against the fixed depth. Decoding: "
+                 "batch 1, greedy, with the `shared` KV cache, in which a token that has exited skips its remaining "
+                 "steps but the last (which writes its cache entry); tokens/s with exits against the fixed depth "
+                 "`max steps`.\n\n")
         text += adaptive_depth_table(report["adaptive_depth"])
     return text
 
