@@ -19,8 +19,8 @@ the call as a share of fixed depth n (so 1 / share bounds the speed-up of the co
 Held-out CE and its cost against fixed n come with each row. JSON lines on stdout.
 
 `--speed_rounds R` also times the forward with exits against fixed n (`forward_speed`, as `hf-recurrent-evaluate`
-does: a warm-up batch, the median of passes over the batches), in R rounds that alternate the ways a block may run,
-so that a shared machine's drift falls on every variant alike: the cut's rounding (`--block_multiples`,
+does: a warm-up batch, the median of passes over the first 4 batches), in R rounds that alternate the ways a block
+may run, so that a shared machine's drift falls on every variant alike: the cut's rounding (`--block_multiples`,
 `BLOCK_LENGTH_MULTIPLE`: 1 cuts at the last iterating token) and the attention kernels of a block (`--block_sdpa`:
 `no_cudnn`, `BLOCK_SDPA_BACKENDS`' default; `torch`: torch's own choice, cuDNN's on Hopper). One line per threshold
 and variant with each round's speed-up and their median.
@@ -39,6 +39,7 @@ from hf_recurrent import adaptive_depth
 from hf_recurrent.adaptive_depth import block_length
 from trainer_ext.data.shards import ShardedTokenDataset
 from trainer_ext.devices import resolve_device, resolve_dtype
+from trainer_ext.evaluation.checkpoints import FORWARD_SPEED_BATCHES
 from trainer_ext.evaluation.generation import forward_speed
 
 
@@ -122,7 +123,8 @@ def main(argv=None) -> int:
 def forward_speedups(model, data, args) -> list[dict]:
     """Per threshold, block multiple and block SDPA kernels: the forward's speed-up over fixed depth in each of
     `args.speed_rounds` rounds (each variant's fixed depth timed in the same round), and the median."""
-    timed = dict(num_steps=args.num_steps, batch_size=args.batch_size, batches=-(-args.samples // args.batch_size))
+    timed = dict(num_steps=args.num_steps, batch_size=args.batch_size,
+                 batches=min(FORWARD_SPEED_BATCHES, -(-args.samples // args.batch_size)))
     found = {}
     defaults = adaptive_depth.BLOCK_LENGTH_MULTIPLE, adaptive_depth.BLOCK_SDPA_BACKENDS
     try:
