@@ -19,7 +19,9 @@ come once per `--exit_check_every` value k (default 0 and 4, labelled `k=`): 0 m
 model's default), k > 0 runs the steps in segments of k with a host check between them in shared mode
 (hf_recurrent.adaptive_depth; graph breaks, so those rows compile with fullgraph=False).
 Each figure: the median of `--repeats` timed calls after `--warmup` untimed ones (which compile), with the spread
-(max - min) / median; `--rounds R` runs the whole list R times in turn, each figure then the median of its R x repeats
+(max - min) / median, and the first call's tokens/s (what a first `generate` of the row's shapes pays: compilation,
+and on Hopper cuDNN attention's graph per new key length, unless an earlier row built it); `--sdpa no_cudnn` runs the
+whole benchmark with flash / memory-efficient / math attention only, against torch's choice (the default); `--rounds R` runs the whole list R times in turn, each figure then the median of its R x repeats
 calls, spread over the run. `--paths eager` leaves out the compiled path (on a CPU, where the eager comparison at
 small width measures per-step Python and dispatch overhead); `--threads` sets torch's intra-op threads; `--clock
 process` times by the process's CPU time. Both steady a CPU comparison on cores shared with other work. Measurements
@@ -32,9 +34,11 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 import transformers
+from torch.nn.attention import sdpa_kernel
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
 from hf_recurrent import RecurrentDepthForCausalLM, adaptive_depth, presets
@@ -79,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "'masked' on the whole batch until every row has exited (labelled masked): which is "
                              "faster where a step is bound by issuing its ops rather than by its arithmetic.")
     parser.add_argument("--no_llama", action="store_true", help="Skip the Llama peer.")
+    parser.add_argument("--sdpa", choices=["torch", "no_cudnn"], default="torch",
+                        help="SDPA kernels of the whole run: torch's choice (cuDNN's first on Hopper, which builds a "
+                             "graph per new shape), or flash / memory-efficient / math only.")
     parser.add_argument("--time_budget_s", type=float, default=270.0,
                         help="Stop starting new measurements after this many seconds.")
     parser.add_argument("--output", default=None, help="Write the results as JSON here.")
@@ -106,10 +113,11 @@ def build(model_class, config, device, dtype):
     return model.eval()
 
 
-def time_generate(model, prompt, args, **kwargs) -> list[float]:
-    """Tokens/s of `repeats` timed greedy calls, after `warmup` untimed ones."""
+def time_generate(model, prompt, args, **kwargs) -> tuple[list[float], float]:
+    """Tokens/s of `repeats` timed greedy calls after `warmup` untimed ones, and of the first call (untimed unless
+    --warmup is 0: what a first `generate` of these shapes pays for compilation and per-shape kernel plans)."""
     kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0, **kwargs)
-    rates = []
+    rates, first = [], None
     for index in range(args.warmup + args.repeats):
         synchronize(args.device)
         clock = time.process_time if args.clock == "process" else time.perf_counter
@@ -120,9 +128,10 @@ def time_generate(model, prompt, args, **kwargs) -> list[float]:
         new = out.shape[1] - prompt.shape[1]
         if new != args.new_tokens:
             raise RuntimeError(f"generate stopped after {new} of {args.new_tokens} tokens; no eos is expected here.")
+        first = prompt.shape[0] * new / elapsed if first is None else first
         if index >= args.warmup:
             rates.append(prompt.shape[0] * new / elapsed)
-    return rates
+    return rates, first
 
 
 def compile_config(args) -> CompileConfig:
@@ -228,10 +237,11 @@ def run(args) -> dict:
         # Hooks would run inside a compiled decode step: compiled exit rows report the tokens/s only.
         recorder = StepsRecorder(model) if "exit_threshold" in kwargs and path.startswith("eager") else None
         adaptive_depth.COMPACT_EXITED_STEPS = not path.endswith(" masked")
-        rates = record["tokens_per_s_runs"] = record["tokens_per_s_runs"] + time_generate(
-            model, prompts[batch], args, **kwargs)
+        rates, first = time_generate(model, prompts[batch], args, **kwargs)
+        rates = record["tokens_per_s_runs"] = record["tokens_per_s_runs"] + rates
         median = statistics.median(rates)
         record.update(tokens_per_s=median, spread=(max(rates) - min(rates)) / median)
+        record.setdefault("first_call_tokens_per_s", first)
         if recorder is not None:
             record.update(recorder.means())
         results[key] = record
@@ -288,12 +298,13 @@ def adaptive(results: list[dict]) -> list[dict]:
 def render(report: dict) -> str:
     lines = [f"{report['preset']} on {report['device']} ({report['dtype']}), prompt {report['prompt_len']}, "
              f"{report['new_tokens']} new tokens, median of {report['rounds']} x {report['repeats']} "
-             f"({report['clock']} clock)",
-             "| model | path | cache | n | layers | batch | tokens/s | spread |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             f"({report['clock']} clock), SDPA kernels: {report.get('sdpa', 'torch')}",
+             "| model | path | cache | n | layers | batch | tokens/s | spread | first call |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in report["results"]:
         lines.append(f"| {r['model']} | {r['path']} | {r['kv_cache_mode'] or '-'} | {r['num_steps']} | {r['layers']} | "
-                     f"{r['batch']} | {r['tokens_per_s']:.1f} | {r['spread']:.1%} |")
+                     f"{r['batch']} | {r['tokens_per_s']:.1f} | {r['spread']:.1%} | "
+                     f"{r['first_call_tokens_per_s']:.1f} |")
     lines += ["", "| n | batch | compiled / eager | compiled / Llama compiled | eager / Llama eager |", "|---:|---:|---:|---:|---:|"]
     fmt = lambda value: "-" if value is None else f"{value:.2f}x"  # noqa: E731
     num = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
@@ -319,7 +330,8 @@ def render(report: dict) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    report = run(args)
+    with sdpa_kernel(adaptive_depth.BLOCK_SDPA_BACKENDS) if args.sdpa == "no_cudnn" else nullcontext():
+        report = run(args) | {"sdpa": args.sdpa}
     print(render(report))
     if args.output:
         with open(args.output, "w") as f:

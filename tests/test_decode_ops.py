@@ -77,3 +77,26 @@ def test_the_decode_benchmark_times_every_eager_row_before_compiling():
     compiled = [("static+compile", kind, s, b) for _, kind, s, b in eager]
     assert order[:16] == eager + compiled
     assert all("exit" in path for path, *_ in order[16:]) and len(order) > 16
+
+
+def test_the_decode_benchmark_runs_with_torchs_attention_kernels_or_without_cudnns_and_reports_the_first_call(
+        tmp_path, monkeypatch):
+    import json
+
+    from benchmarks import bench_decode
+
+    seen, real = [], bench_decode.time_generate
+
+    def timed(*args, **kwargs):  # records whether SDPA may pick cuDNN's attention at each measurement
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_decode, "time_generate", timed)
+    for sdpa in ("torch", "no_cudnn"):
+        out = tmp_path / f"{sdpa}.json"
+        bench_decode.main(["--preset", "debug", "--device", "cpu", "--depths", "2", "--batch_sizes", "1",
+                           "--prompt_len", "4", "--new_tokens", "3", "--paths", "eager", "--no_llama", "--warmup",
+                           "1", "--repeats", "3", "--sdpa", sdpa, "--output", str(out)])
+        report = json.loads(out.read_text())
+        assert report["sdpa"] == sdpa and all(r["first_call_tokens_per_s"] > 0 for r in report["results"])
+    assert seen == [True, False] and torch.backends.cuda.cudnn_sdp_enabled()
