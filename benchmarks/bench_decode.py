@@ -21,8 +21,9 @@ model's default), k > 0 runs the steps in segments of k with a host check betwee
 Each figure: the median of `--repeats` timed calls after `--warmup` untimed ones (which compile), with the spread
 (max - min) / median, and the first call's tokens/s (what a first `generate` of the row's shapes pays: compilation,
 and on Hopper cuDNN attention's graph per new key length, unless an earlier row built it); `--sdpa no_cudnn` runs the
-whole benchmark with flash / memory-efficient / math attention only, against torch's choice (the default); `--rounds R` runs the whole list R times in turn, each figure then the median of its R x repeats
-calls, spread over the run. `--paths eager` leaves out the compiled path (on a CPU, where the eager comparison at
+whole benchmark with flash / memory-efficient / math attention only, against torch's choice (the default);
+`--rounds R` runs the whole list R times in turn, each figure then the median of its R x repeats calls, spread over
+the run. `--paths eager` leaves out the compiled path (on a CPU, where the eager comparison at
 small width measures per-step Python and dispatch overhead); `--threads` sets torch's intra-op threads; `--clock
 process` times by the process's CPU time. Both steady a CPU comparison on cores shared with other work. Measurements
 run most important first (every eager row, then every compiled one, each by depth, then batch size, in the order
