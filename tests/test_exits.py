@@ -183,6 +183,7 @@ def test_the_exit_compute_benchmark_times_the_forward_with_each_rounding_and_res
     from benchmarks.exit_compute import forward_speedups
     from trainer_ext.evaluation.generation import forward_speed
 
+    defaults = adaptive_depth.BLOCK_LENGTH_MULTIPLE, adaptive_depth.BLOCK_SDPA_BACKENDS
     model = tiny()
     ids, _ = left_padded((10, 10, 10, 10))
     data = [{"input_ids": row, "shift_labels": row} for row in ids]
@@ -194,7 +195,8 @@ def test_the_exit_compute_benchmark_times_the_forward_with_each_rounding_and_res
         for multiple in (1, 4) for sdpa in ("no_cudnn", "torch") for threshold in (MIXED, 1e9)]
     for row in rows:
         assert len(row["forward_speedups"]) == 2 and row["forward_speedup"] > 0
-    assert adaptive_depth.BLOCK_LENGTH_MULTIPLE == 64 and adaptive_depth.BLOCK_SDPA_BACKENDS is not None
+    assert (adaptive_depth.BLOCK_LENGTH_MULTIPLE, adaptive_depth.BLOCK_SDPA_BACKENDS) == defaults
+    assert defaults[0] == 64 and defaults[1] is not None  # the defaults the variants were timed against
     with pytest.raises(ValueError, match="batches=0"):
         forward_speed(model, data, num_steps=12, batches=0)
 
