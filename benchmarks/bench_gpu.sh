@@ -180,13 +180,14 @@ case $STAGE in
       --warmup_steps 30 --lr_scheduler_type cosine --bf16 true --eval_strategy no --save_strategy no \
       --disable_tqdm true --logging_steps 20 ${GATE:+--config_overrides exit_gate=true} > "$OUT/adaptive_train.log" 2>&1
     grep -E "tokens_per_second|rror" "$OUT/adaptive_train.log" | tail -2 | cut -c1-300
+    # the compute shares and the forward's speed-ups first: the shortest part (the whole stage takes over 500 s)
+    python3 -m benchmarks.exit_compute --checkpoints $RUN/final --data_dir $DATA_PY --num_steps 12 \
+      --thresholds 0.3 0.1 0.03 --batch_size 8 --samples 64 --speed_rounds 3 --block_sdpa no_cudnn torch 2>/dev/null \
+      | tee "$OUT/adaptive_exit_compute.jsonl"
     python3 -m scripts.evaluate_checkpoints --checkpoints $RUN/final --labels recurrent-125m --data_dir $DATA_PY \
       --depths 1 4 12 --cache_cost_depths 12 --exit_thresholds 0.3 0.1 0.05 0.03 0.01 0.003 --new_tokens 64 \
       --output_dir "$OUT/adaptive" --plots false "$@" > "$OUT/adaptive_eval.log" 2>&1
     echo "evaluate exit code $?"; cat "$OUT/adaptive/results.md"
-    python3 -m benchmarks.exit_compute --checkpoints $RUN/final --data_dir $DATA_PY --num_steps 12 \
-      --thresholds 0.3 0.1 0.03 --batch_size 8 --samples 64 --speed_rounds 3 --block_sdpa no_cudnn torch 2>/dev/null \
-      | tee "$OUT/adaptive_exit_compute.jsonl"
     [ -z "${GATE:-}" ] || python3 -m scripts.evaluate_checkpoints --checkpoints $RUN/final --labels gate \
       --data_dir $DATA_PY --depths 12 --cache_cost_samples 0 --exit_criterion gate --exit_thresholds 0.5 0.7 0.9 0.95 \
       --new_tokens 64 --output_dir "$OUT/adaptive_gate" --plots false > "$OUT/adaptive_gate_eval.log" 2>&1 \
