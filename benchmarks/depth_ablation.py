@@ -53,6 +53,9 @@ ARMS = {
     # Ouro's learned exit: the expected loss over depths (the gate on every step), minus an entropy term (exit_gate.py).
     "exit_gate": ("exit_gate=true", []),
     "mean_32_k4_exit_gate": ("mean_recurrence=32,backprop_depth=4,exit_gate=true", []),
+    # The state's start and the prelude's injection on the deep candidate (tried at a mean of 8 on the GPU before).
+    "mean_32_k4_zeros_state": ("mean_recurrence=32,backprop_depth=4,state_init=zeros", []),
+    "mean_32_k4_add_injection": ("mean_recurrence=32,backprop_depth=4,injection=add", []),
 }
 
 
