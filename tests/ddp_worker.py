@@ -18,6 +18,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer_ext.run.pretrain import parse_pretrain_job, pretrain  # noqa: E402
+from launcher import leave_without_teardown  # noqa: E402
 from trainer_ext.training.distributed import end_process_group  # noqa: E402
 
 
@@ -33,3 +34,4 @@ class RecordReplica(TrainerCallback):
 if __name__ == "__main__":
     pretrain(parse_pretrain_job(sys.argv[1:]), callbacks=[RecordReplica()])
     end_process_group()
+    leave_without_teardown()  # every result is written and the group destroyed (launcher.py says why)

@@ -155,10 +155,15 @@ def saved_as_pretrained_class(model: nn.Module) -> Iterator[nn.Module]:
 def end_process_group() -> None:
     """Destroy the default process group of a launch (torchrun / accelerate launch), if there is one, at the end of a
     command: left to the interpreter's exit, a gloo group's threads can abort the process ("terminate called without
-    an active exception", exit code -6) after a successful run."""
+    an active exception", exit code -6) after a successful run. The finished run's objects are collected first: a
+    trainer and its wrapped model form reference cycles, and DDP's reducer in them holds the group, which would
+    otherwise outlive its destruction here and be torn down with the interpreter."""
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.barrier()  # no process tears its end down while another still talks to it
         dist.destroy_process_group()
 
