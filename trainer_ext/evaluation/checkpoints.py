@@ -9,9 +9,8 @@ KV cache costs against the exact `per_step` cache (`cache_cost_samples=0` skips 
 what adaptive depth saves: mean core steps per token against the deepest of `depths`, the CE it costs there, the
 tokens/s of the evaluation's forward passes, and greedy decoding tokens/s with exits at batch 1 and
 `speed_batch_size` against the same fixed depth, with the `shared` cache (the mode in which a token that has exited
-skips its remaining steps). Writes the
-report (`trainer_ext.evaluation.report`) and, when matplotlib is installed, quality_vs_depth.png and
-speed_vs_depth.png to `output_dir`.
+skips its remaining steps). Writes the report (`trainer_ext.evaluation.report`) and, when matplotlib is installed,
+quality_vs_depth.png and speed_vs_depth.png to `output_dir`.
 """
 
 import importlib.util
