@@ -7,7 +7,8 @@ same unrolled layer count, compiled the same way.
     python3 -m benchmarks.bench_decode --preset debug --device cpu --paths eager --threads 1 --clock process \
         --rounds 5 --repeats 3 --prompt_len 32 --new_tokens 64                         # the CPU eager comparison
 
-Random init (speed does not depend on the weights), `--dtype` (bf16 on CUDA), SDPA attention. For each depth n and
+Random init (speed does not depend on the weights; exits do: `--checkpoint` times a trained model, Llama's peer of
+its widths, with prompts from the held-out split of `--data_dir`, random ids without it), `--dtype` (bf16 on CUDA), SDPA attention. For each depth n and
 batch size: tokens/s of `generate` with the dynamic cache (eager), with `cache_implementation="static"` and a compiled
 decode step (`CompileConfig(fullgraph=True, dynamic=False)`, inductor + CUDA graphs by default), and the same two for
 `LlamaForCausalLM` with prelude + n x core + coda layers of the same width, heads, MLP and vocabulary.
@@ -33,6 +34,7 @@ short on any machine.
 
 import argparse
 import json
+import os
 import statistics
 import time
 from contextlib import nullcontext
@@ -45,6 +47,7 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 from hf_recurrent import RecurrentDepthForCausalLM, adaptive_depth, presets
 from hf_recurrent.configuration_recurrent_depth import KV_CACHE_MODES
 from hf_recurrent.cost import unrolled_layers
+from trainer_ext.data.shards import ShardedTokenDataset
 from trainer_ext.devices import synchronize
 
 PATHS = ("eager", "static+compile")
@@ -53,6 +56,10 @@ PATHS = ("eager", "static+compile")
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="recurrent-3.3b", help="A recurrent preset of hf_recurrent.presets.")
+    parser.add_argument("--checkpoint", default=None, help="A trained recurrent checkpoint in place of --preset's "
+                        "random init (exits depend on the weights).")
+    parser.add_argument("--data_dir", default=None, help="Prepared data whose held-out samples give the prompts "
+                        "(default: random ids).")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bf16 on CUDA, fp32 on CPU).")
     parser.add_argument("--depths", type=int, nargs="+", default=[12, 4])
@@ -93,6 +100,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not presets.is_recurrent(presets.get(args.preset)):
         parser.error(f"--preset {args.preset!r} is a Transformer preset; give a recurrent one.")
+    for name in ("checkpoint", "data_dir"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isdir(path):
+            parser.error(f"--{name} {path!r} is not a directory; give a {name.replace('_', ' ')} written by this "
+                         "package.")
     if args.repeats < 3:
         parser.error("--repeats must be >= 3 (the median of at least three timed calls).")
     return args
@@ -112,6 +124,19 @@ def build(model_class, config, device, dtype):
     with torch.device(device):
         model = model_class._from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
+
+
+def prompt_ids(args, batch: int, vocab_size: int) -> torch.Tensor:
+    """(batch, prompt_len) prompt ids: the first tokens of the first held-out samples of --data_dir, else random."""
+    if args.data_dir is None:
+        generator = torch.Generator().manual_seed(batch)
+        return torch.randint(3, vocab_size, (batch, args.prompt_len), generator=generator)
+    heldout = ShardedTokenDataset(args.data_dir, split="eval")
+    rows = [heldout[i]["input_ids"][:args.prompt_len] for i in range(min(batch, len(heldout)))]
+    if len(rows) < batch or len(rows[0]) < args.prompt_len:
+        raise ValueError(f"--data_dir {args.data_dir}: {batch} held-out samples of {args.prompt_len} tokens are "
+                         "needed for the prompts; lower --batch_sizes or --prompt_len.")
+    return torch.stack(rows)
 
 
 def time_generate(model, prompt, args, **kwargs) -> tuple[list[float], float]:
@@ -206,13 +231,15 @@ def run(args) -> dict:
     # Every depth, batch size, cache mode and exit setting compiles the decode step anew: more than dynamo's default
     # 8 per function, past which it would run the rest uncompiled.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    config = presets.get(args.preset)
     torch.manual_seed(0)
-    ours = build(RecurrentDepthForCausalLM, config, args.device, dtype)
+    if args.checkpoint:
+        ours = RecurrentDepthForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, attn_implementation="sdpa")
+        ours = ours.to(args.device).eval()
+    else:
+        ours = build(RecurrentDepthForCausalLM, presets.get(args.preset), args.device, dtype)
+    config = ours.config
     llama, llama_steps = None, None
-    generator = torch.Generator().manual_seed(0)
-    prompts = {b: torch.randint(3, config.vocab_size, (b, args.prompt_len), generator=generator).to(args.device)
-               for b in args.batch_sizes}
+    prompts = {b: prompt_ids(args, b, config.vocab_size).to(args.device) for b in args.batch_sizes}
     results, skipped, started = {}, {}, time.perf_counter()
     preset_mode = config.kv_cache_mode  # the model shares `config`, whose mode the exit runs change
     rounds = (item for _ in range(args.rounds) for item in measurements(args, preset_mode))
@@ -249,7 +276,7 @@ def run(args) -> dict:
         print(f"{kind:9s} {path:18s} {mode or '-':8s} n={num_steps:<3d} batch={batch:<3d} {median:10.1f} tokens/s "
               f"(spread {record['spread']:.1%})", flush=True)
     return {
-        "preset": args.preset, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "preset": args.preset, "checkpoint": args.checkpoint, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "clock": args.clock, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "repeats": args.repeats, "rounds": args.rounds, "warmup": args.warmup,
@@ -297,7 +324,7 @@ def adaptive(results: list[dict]) -> list[dict]:
 
 
 def render(report: dict) -> str:
-    lines = [f"{report['preset']} on {report['device']} ({report['dtype']}), prompt {report['prompt_len']}, "
+    lines = [f"{report['checkpoint'] or report['preset']} on {report['device']} ({report['dtype']}), prompt {report['prompt_len']}, "
              f"{report['new_tokens']} new tokens, median of {report['rounds']} x {report['repeats']} "
              f"({report['clock']} clock), SDPA kernels: {report.get('sdpa', 'torch')}",
              "| model | path | cache | n | layers | batch | tokens/s | spread | first call |",

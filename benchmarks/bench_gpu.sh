@@ -38,6 +38,9 @@
 #       mean core steps, CE cost, the evaluation's and batch-1 / batch-8 decoding's speed-ups with the shared cache,
 #       the core compute the exits left out (benchmarks/exit_compute.py); $OUT/adaptive/results.md (GATE=1:
 #       trained with exit_gate=true, evaluated by the state criterion and by the gate; $OUT/adaptive_gate/results.md)
+#   bash benchmarks/bench_gpu.sh exits [bench_decode args]   the adaptive stage's checkpoint (trained if missing): the
+#       forward with exits at batch 8 and 32 (block roundings, kernel time against wall time), then decoding with
+#       exits on it, eager and compiled, batch 8 and 1 (DECODE_SECONDS, default 240); $OUT/exits_*
 #   bash benchmarks/bench_gpu.sh ablation [depth_ablation args]   recurrent-125m arms, held-out CE at n = 1 / 4 / 12
 #   bash benchmarks/bench_gpu.sh optimizer   the fused optimizer kernels: their GPU tests, single-tensor updates of the
 #       7B shapes fused against the compiled torch functions (MOMENTA: none full subspace; VARIANTS: fused torch;
@@ -89,6 +92,18 @@ prepare_1024() {
   [ -f $DATA_1024/manifest.json ] || python3 -m scripts.prepare_data --files "$STDLIB/**/*.py" \
     --output_dir $DATA_1024 --vocab_size 32768 --seq_len 1024 --eval_samples 64 --max_documents 6000 \
     2>&1 | tail -1
+}
+DATA_PY=outputs/data/py_12m
+adaptive_checkpoint() {  # recurrent-125m on ~12M tokens of Python sources (GATE=1: with a learned exit gate)
+  RUN=outputs/adaptive_125m${GATE:+_gate}
+  local purelib; purelib=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+  [ -f $DATA_PY/manifest.json ] || python3 -m scripts.prepare_data --files "$STDLIB/**/*.py" "$purelib/**/*.py" \
+    --output_dir $DATA_PY --vocab_size 32768 --tokenizer_train_documents 6000 --seq_len 1024 --eval_samples 128 \
+    --max_tokens 12000000 2>&1 | tail -1
+  [ -f $RUN/final/config.json ] || python3 -m scripts.run_pretrain --preset recurrent-125m --data_dir $DATA_PY \
+    --output_dir $RUN --max_steps "${STEPS:-360}" --per_device_train_batch_size 32 --learning_rate 1e-3 \
+    --warmup_steps 30 --lr_scheduler_type cosine --bf16 true --eval_strategy no --save_strategy no \
+    --disable_tqdm true --logging_steps 20 ${GATE:+--config_overrides exit_gate=true} > "$OUT/adaptive_train.log" 2>&1
 }
 bench() {  # bench NAME PRESET... [-- run_pretrain args]
   local name=$1; shift
@@ -170,15 +185,7 @@ case $STAGE in
       --max_seconds "${SECONDS_LIMIT:-540}" --output_dir "$OUT/peers" --output "$OUT/peers.jsonl" "$@" 2>&1 | quiet
     for log in "$OUT"/peers/*.log; do tail -60 "$log" > "$log.tail" && mv "$log.tail" "$log"; done ;;
   adaptive)
-    DATA_PY=outputs/data/py_12m RUN=outputs/adaptive_125m${GATE:+_gate}  # GATE=1: trained with a learned exit gate
-    PURELIB=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
-    [ -f $DATA_PY/manifest.json ] || python3 -m scripts.prepare_data --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" \
-      --output_dir $DATA_PY --vocab_size 32768 --tokenizer_train_documents 6000 --seq_len 1024 --eval_samples 128 \
-      --max_tokens 12000000 2>&1 | tail -1
-    [ -f $RUN/final/config.json ] || python3 -m scripts.run_pretrain --preset recurrent-125m --data_dir $DATA_PY \
-      --output_dir $RUN --max_steps "${STEPS:-360}" --per_device_train_batch_size 32 --learning_rate 1e-3 \
-      --warmup_steps 30 --lr_scheduler_type cosine --bf16 true --eval_strategy no --save_strategy no \
-      --disable_tqdm true --logging_steps 20 ${GATE:+--config_overrides exit_gate=true} > "$OUT/adaptive_train.log" 2>&1
+    adaptive_checkpoint
     grep -E "tokens_per_second|rror" "$OUT/adaptive_train.log" | tail -2 | cut -c1-300
     # the compute shares and the forward's speed-ups first: the shortest part (the whole stage takes over 500 s)
     python3 -m benchmarks.exit_compute --checkpoints $RUN/final --data_dir $DATA_PY --num_steps 12 \
@@ -192,6 +199,18 @@ case $STAGE in
       --data_dir $DATA_PY --depths 12 --cache_cost_samples 0 --exit_criterion gate --exit_thresholds 0.5 0.7 0.9 0.95 \
       --new_tokens 64 --output_dir "$OUT/adaptive_gate" --plots false > "$OUT/adaptive_gate_eval.log" 2>&1 \
       && cat "$OUT/adaptive_gate/results.md" ;;
+  exits)  # the adaptive stage's checkpoint (trained if missing): the forward with exits at batch 8 and 32 with each
+    # block rounding and a profile of kernel time against wall time, then decoding with exits, eager and compiled
+    adaptive_checkpoint
+    grep -E "tokens_per_second|rror" "$OUT/adaptive_train.log" 2>/dev/null | tail -1 | cut -c1-200
+    for batch in 8 32; do
+      python3 -m benchmarks.exit_compute --checkpoints $RUN/final --data_dir $DATA_PY --num_steps 12 \
+        --thresholds 0.3 0.1 --batch_size $batch --samples $((batch * 4)) --speed_rounds 3 --block_multiples 1 64 \
+        --profile 2>/dev/null | tee "$OUT/exits_forward_b$batch.jsonl" | grep -v '"ce"'
+    done
+    python3 -m benchmarks.bench_decode --checkpoint $RUN/final --data_dir $DATA_PY --paths eager static+compile \
+      --no_llama --depths 12 --batch_sizes 8 1 --exit_thresholds 0.3 --exit_compaction rows masked \
+      --time_budget_s "${DECODE_SECONDS:-240}" --output "$OUT/exits_decode.json" "$@" 2>&1 | grep -E "^\||^$" ;;
   ablation)
     prepare_1024
     timeout "${SECONDS_LIMIT:-36000}" python3 benchmarks/depth_ablation.py --data_dir $DATA_1024 \

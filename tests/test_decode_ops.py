@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
 from benchmarks.count_ops import decode_step_ops, models
-from hf_recurrent import presets
+from hf_recurrent import RecurrentDepthForCausalLM, presets
 from hf_recurrent.init_recurrent_depth import host_reads_positions, rotary_phases
 from hf_recurrent.modeling_recurrent_depth import RecurrentDepthAttention
 
@@ -100,3 +100,28 @@ def test_the_decode_benchmark_runs_with_torchs_attention_kernels_or_without_cudn
         report = json.loads(out.read_text())
         assert report["sdpa"] == sdpa and all(r["first_call_tokens_per_s"] > 0 for r in report["results"])
     assert seen == [True, False] and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_the_decode_benchmark_times_a_trained_checkpoint_on_held_out_prompts(tmp_path, tiny_data_dir):
+    import json
+
+    from benchmarks import bench_decode
+    from trainer_ext.data.shards import ShardedTokenDataset
+
+    config = presets.get("debug", vocab_size=384)
+    RecurrentDepthForCausalLM(config).save_pretrained(tmp_path / "model")
+    args = bench_decode.parse_args(["--checkpoint", str(tmp_path / "model"), "--data_dir", tiny_data_dir,
+                                    "--prompt_len", "6"])
+    heldout = ShardedTokenDataset(tiny_data_dir, split="eval")
+    expected = torch.stack([heldout[i]["input_ids"][:6] for i in range(2)])
+    assert torch.equal(bench_decode.prompt_ids(args, 2, 384), expected)  # the held-out samples' first tokens
+    out = tmp_path / "decode.json"
+    bench_decode.main(["--checkpoint", str(tmp_path / "model"), "--data_dir", tiny_data_dir, "--device", "cpu",
+                       "--depths", "2", "--batch_sizes", "2", "--prompt_len", "6", "--new_tokens", "3", "--paths",
+                       "eager", "--no_llama", "--warmup", "0", "--repeats", "3", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert report["checkpoint"] == str(tmp_path / "model") and report["results"][0]["tokens_per_s"] > 0
+    with pytest.raises(ValueError, match="held-out samples of 64 tokens"):  # the samples hold 32 tokens
+        bench_decode.prompt_ids(bench_decode.parse_args(["--data_dir", tiny_data_dir, "--prompt_len", "64"]), 2, 384)
+    with pytest.raises(SystemExit):  # refused before any model is built
+        bench_decode.parse_args(["--checkpoint", str(tmp_path / "missing")])
