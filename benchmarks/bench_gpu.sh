@@ -39,7 +39,7 @@
 #       the core compute the exits left out (benchmarks/exit_compute.py); $OUT/adaptive/results.md (GATE=1:
 #       trained with exit_gate=true, evaluated by the state criterion and by the gate; $OUT/adaptive_gate/results.md)
 #   bash benchmarks/bench_gpu.sh exits [bench_decode args]   the adaptive stage's checkpoint (trained if missing): the
-#       forward with exits at batch 8 and 32 (block roundings, kernel time against wall time), then decoding with
+#       forward with exits at batch 8 and 32 (each block rounding), then decoding with
 #       exits on it, eager and compiled, batch 8 and 1 (DECODE_SECONDS, default 240); $OUT/exits_*
 #   bash benchmarks/bench_gpu.sh ablation [depth_ablation args]   recurrent-125m arms, held-out CE at n = 1 / 4 / 12
 #   bash benchmarks/bench_gpu.sh optimizer   the fused optimizer kernels: their GPU tests, single-tensor updates of the
@@ -200,13 +200,13 @@ case $STAGE in
       --new_tokens 64 --output_dir "$OUT/adaptive_gate" --plots false > "$OUT/adaptive_gate_eval.log" 2>&1 \
       && cat "$OUT/adaptive_gate/results.md" ;;
   exits)  # the adaptive stage's checkpoint (trained if missing): the forward with exits at batch 8 and 32 with each
-    # block rounding and a profile of kernel time against wall time, then decoding with exits, eager and compiled
+    # block rounding, then decoding with exits, eager and compiled
     adaptive_checkpoint
     grep -E "tokens_per_second|rror" "$OUT/adaptive_train.log" 2>/dev/null | tail -1 | cut -c1-200
     for batch in 8 32; do
       python3 -m benchmarks.exit_compute --checkpoints $RUN/final --data_dir $DATA_PY --num_steps 12 \
         --thresholds 0.3 0.1 --batch_size $batch --samples $((batch * 4)) --speed_rounds 3 --block_multiples 1 64 \
-        --profile 2>/dev/null | tee "$OUT/exits_forward_b$batch.jsonl" | grep -v '"ce"'
+        2>/dev/null | tee "$OUT/exits_forward_b$batch.jsonl" | grep -v '"ce"'
     done
     python3 -m benchmarks.bench_decode --checkpoint $RUN/final --data_dir $DATA_PY --paths eager static+compile \
       --no_llama --depths 12 --batch_sizes 8 1 --exit_thresholds 0.3 --exit_compaction rows masked \

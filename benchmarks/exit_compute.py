@@ -24,17 +24,12 @@ may run, so that a shared machine's drift falls on every variant alike: the cut'
 `BLOCK_LENGTH_MULTIPLE`: 1 cuts at the last iterating token) and the attention kernels of a block (`--block_sdpa`:
 `no_cudnn`, `BLOCK_SDPA_BACKENDS`' default; `torch`: torch's own choice, cuDNN's on Hopper). One line per threshold
 and variant with each round's speed-up and their median.
-
-`--profile` adds, at fixed n and per threshold, one forward of the first batch under torch.profiler: its wall time,
-the device's kernel time and the kernels launched, so that a speed-up below the core share's shows whether the
-blocks' kernels or the host's launches bound it (a small model's small blocks leave the device waiting).
 """
 
 import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -43,7 +38,7 @@ import hf_recurrent  # noqa: F401
 from hf_recurrent import adaptive_depth
 from hf_recurrent.adaptive_depth import block_length
 from trainer_ext.data.shards import ShardedTokenDataset
-from trainer_ext.devices import resolve_device, resolve_dtype, synchronize
+from trainer_ext.devices import resolve_device, resolve_dtype
 from trainer_ext.evaluation.checkpoints import FORWARD_SPEED_BATCHES
 from trainer_ext.evaluation.generation import forward_speed
 
@@ -102,9 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto", help="auto: CUDA when available, else the CPU.")
     parser.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, fp32 elsewhere.")
     parser.add_argument("--speed_rounds", type=int, default=0, help="Rounds of forward timings (0: none).")
-    parser.add_argument("--block_multiples", type=int, nargs="+", default=[1, adaptive_depth.BLOCK_LENGTH_MULTIPLE])
+    parser.add_argument("--block_multiples", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--block_sdpa", nargs="+", choices=sorted(BLOCK_SDPA), default=["no_cudnn"])
-    parser.add_argument("--profile", action="store_true", help="Kernel time against wall time per threshold.")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     data = ShardedTokenDataset(args.data_dir, split="eval")
@@ -123,10 +117,6 @@ def main(argv=None) -> int:
                               "ce_cost": round(row["ce"] - fixed["ce"], 5), **row}), flush=True)
         for row in forward_speedups(model, data, args):
             print(json.dumps({"checkpoint": path, **row}), flush=True)
-        for threshold in [None, *args.thresholds] if args.profile else []:
-            print(json.dumps({"checkpoint": path, "threshold": threshold,
-                              **profile(model, batches[0]["input_ids"].to(device), args.num_steps, threshold)}),
-                  flush=True)
     return 0
 
 
@@ -151,27 +141,6 @@ def forward_speedups(model, data, args) -> list[dict]:
         adaptive_depth.BLOCK_LENGTH_MULTIPLE, adaptive_depth.BLOCK_SDPA_BACKENDS = defaults
     return [{"threshold": threshold, "block_multiple": multiple, "block_sdpa": sdpa, "forward_speedups": rounds,
              "forward_speedup": statistics.median(rounds)} for (threshold, multiple, sdpa), rounds in found.items()]
-
-
-def profile(model, input_ids: torch.Tensor, num_steps: int, threshold: float | None) -> dict:
-    """One forward of `input_ids` (after a warm-up one) under torch.profiler: wall ms, the device's kernel ms (the
-    host's own on a CPU) and kernels launched."""
-    activities = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if input_ids.is_cuda else [])
-    kwargs = dict(num_steps=num_steps, exit_threshold=threshold, use_cache=False)
-    with torch.inference_mode():
-        model.model(input_ids, **kwargs)
-        synchronize(input_ids.device)
-        with torch.profiler.profile(activities=activities) as prof:
-            start = time.perf_counter()
-            model.model(input_ids, **kwargs)
-            synchronize(input_ids.device)
-            wall = time.perf_counter() - start
-    events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events) if input_ids.is_cuda else sum(
-        e.self_cpu_time_total for e in events)
-    launches = sum(e.count for e in events if "LaunchKernel" in e.key)
-    return {"wall_ms": round(wall * 1e3, 2), "kernel_ms": round(busy / 1e3, 2), "kernel_launches": launches}
 
 
 if __name__ == "__main__":

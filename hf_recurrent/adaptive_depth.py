@@ -24,8 +24,8 @@ exact. What no later computation reads is left out (`DepthExit.steps`, then `Dep
 
 - no cache (a full forward, evaluation): a step runs only on the batch rows that still have an iterating token, each
   cut after the last such token of any of them (causal attention: no earlier token reads a later one), the cut
-  rounded up to a multiple of `BLOCK_LENGTH_MULTIPLE` positions (a bounded set of shapes), its attention by the
-  kernels of `BLOCK_SDPA_BACKENDS` (not cuDNN's, which builds a graph per new shape); once every
+  rounded up to a multiple of `BLOCK_LENGTH_MULTIPLE` positions (1: none), its attention by the kernels of
+  `BLOCK_SDPA_BACKENDS` (not cuDNN's, which builds a graph per new shape); once every
   token has exited, the loop stops. A batch whose tokens exited after j steps costs j core passes instead of n.
 - `kv_cache_mode="shared"`: the steps before the last only read the cache, so they run on the same compacted batch
   (the rows' cache entries gathered), and the last step runs on every token: it writes the shared slot with keys and
@@ -43,23 +43,24 @@ path's: exactly where whole steps are left out, up to the kernels' rounding wher
 False` runs every step on the whole batch while some token iterates; `SKIP_EXITED_STEPS = False` forces the masked
 path throughout.
 
-Under `torch.compile` (a compiled decode step) exits are masked by default: one graph that runs every step. With
-`exit_check_every=k` (a `forward` / `generate` keyword; default `EXIT_CHECK_EVERY`, 0) the check runs every k steps
-instead, in shared mode or without a cache: the steps before the last skippable one (L = n - 1 shared, n without a
-cache) split into a first part of 1..k steps, traced with the prelude, and segments of k steps, each preceded by a host
-check (`run_segments`, not compiled) that leaves out the segments left once every token of the call has exited; the last
-step, the coda and the head follow. Those steps compute alike (same slot, read only), so every segment is the same
-graph, called 0 to (L - 1) // k times: at n = 12, k = 4 a call runs 3, 7 or 11 steps before the last (depth buckets 4,
-8, 12), as graphs of the prelude and first part, of a segment, of the rest (and of the head: transformers' forward wraps
-the model's). No step runs on a smaller block, so outputs, the cache and `num_steps_used` equal the masked compiled
-path's exactly under the same kernels (inductor may fuse across the graph boundaries differently and round differently).
-The graph breaks need `fullgraph=False`: `generate` turns a `fullgraph=True` compile config off for such a call
-(`compile_in_segments`); with `torch.compile(model, fullgraph=True)` pass `exit_check_every=0`, which keeps the masked
-path in one graph (so do a per_step cache, `output_attentions` and autograd). A fixed depth is unchanged: one graph, no
-host sync. Not the default: on a shared 2-core CPU (the `debug` preset, inductor, n = 12, k = 4) the segments were no
-faster than the masked graph (0.5-1.2x in two runs, wide spreads): at that width their extra graphs cost about what the
-steps they leave out save; whether they pay where a core step is heavy (recurrent-3.3b, CUDA graphs) is for
-`benchmarks/bench_decode.py --exit_thresholds ...` (k = 0 and 4 by default) to show.
+Under `torch.compile` exits are masked by default (`EXIT_CHECK_EVERY`, 0): one graph that runs every step. With
+`exit_check_every=k` (a `forward` / `generate` keyword) the check runs every k steps instead, in shared mode or without
+a cache: the steps before the last skippable one (L = n - 1 shared, n without a cache) split into a first part of 1..k
+steps, traced with the prelude, and segments of k steps, each preceded by a host check (`run_segments`, not compiled)
+that leaves out the segments left once every token of the call has exited; the last step, the coda and the head
+follow. Those steps compute alike (same slot, read only), so every segment is the same graph, called 0 to (L - 1) // k
+times: at n = 12, k = 4 a call runs 3, 7 or 11 steps before the last (depth buckets 4, 8, 12), as graphs of the prelude
+and first part, of a segment, of the rest (and of the head: transformers' forward wraps the model's). No step runs on a
+smaller block, so outputs, the cache and `num_steps_used` equal the masked compiled path's exactly under the same
+kernels (inductor may fuse across the graph boundaries differently and round differently). The graph breaks need
+`fullgraph=False`. `generate` with a compiled decode step and exits in shared mode checks every
+`GENERATE_EXIT_CHECK_EVERY` (4) steps unless the call says otherwise, and compiles such a call with a copy of a
+`fullgraph=True` compile config set to False (`compile_in_segments`): on an H100, recurrent-125m trained with
+`bench_gpu.sh adaptive`, state criterion 0.3, k = 4 decoded 1.37x / 1.34x faster than compiled fixed depth at batch 8 /
+1, the masked graph 1.01x (BENCHMARKS.md); on a shared 2-core CPU at the `debug` preset's width the segments were no
+faster than the masked graph (0.5-1.2x). With `torch.compile(model, fullgraph=True)` keep `exit_check_every=0` (the
+forward's default), which keeps the masked path in one graph (so do a per_step cache, `output_attentions` and
+autograd). A fixed depth is unchanged: one graph, no host sync.
 
 Shipped next to the weights with the modeling file (`trust_remote_code` loads it as a flat module).
 """
@@ -81,10 +82,12 @@ except ImportError:  # loaded as a flat module by `trust_remote_code`
 SKIP_EXITED_STEPS = True  # False: run every step masked, even once all tokens have exited (for comparisons)
 COMPACT_EXITED_STEPS = True  # False: while some token iterates, a step runs on the whole batch (masked)
 EXIT_CHECK_EVERY = 0  # under torch.compile: core steps per compiled segment between two host checks (0: masked)
-# A step's block is cut after a multiple of this many positions (or the sequence's end): a bounded set of shapes, whose
-# kernels (attention plans, matrix-product heuristics) and allocator blocks a GPU reuses across steps and batches; the
-# positions it adds after the last iterating token are computed and discarded, as for any exited token.
-BLOCK_LENGTH_MULTIPLE = 64
+GENERATE_EXIT_CHECK_EVERY = 4  # the same for `generate`'s compiled decode step, which may break its graph
+# A step's block is cut after a multiple of this many positions (or the sequence's end); the positions a rounding adds
+# after the last iterating token are computed and discarded, as for any exited token. 1 (no rounding): with the
+# attention kernels below, 64 (a bounded set of shapes) measured no faster on an H100 (recurrent-125m, batch 8, seq
+# 1024: forward speed-ups 1.67x / 1.96x / 2.00x at 1 against 1.52x / 1.87x / 1.96x at 64 in three calls; BENCHMARKS.md).
+BLOCK_LENGTH_MULTIPLE = 1
 # The SDPA kernels a step on a block may use (None: torch's own choice). Blocks come in many shapes, and torch's SDPA
 # prefers cuDNN's attention on Hopper and Blackwell cards, which builds an execution graph per shape (batch and
 # lengths among its keys) on its first call; the other kernels run any shape as it comes.
@@ -247,14 +250,17 @@ def run_segments(depth_exit: DepthExit, run: Callable, segment: range, count: in
 
 
 def compile_in_segments(generation_config, config, model_kwargs: dict) -> None:
-    """`generate` with a compiled decode step and exits in `kv_cache_mode="shared"`: the call's segments break the
-    graph, which a `fullgraph=True` compile config refuses, so the call compiles with a copy set to fullgraph=False
-    (as transformers does for flash attention); exit_check_every=0 keeps one graph."""
+    """`generate` whose decode step compiles, with exits in `kv_cache_mode="shared"`: the steps run in segments of
+    the call's `exit_check_every`, by default `GENERATE_EXIT_CHECK_EVERY` (set in `model_kwargs`); their graph breaks,
+    which a `fullgraph=True` compile config refuses, so the call compiles with a copy set to fullgraph=False (as
+    transformers does for flash attention); exit_check_every=0 keeps one graph."""
+    threshold = model_kwargs.get("exit_threshold")
+    if config.kv_cache_mode != "shared" or (threshold if threshold is not None else config.exit_threshold) is None:
+        return
+    if model_kwargs.get("exit_check_every") is None:
+        model_kwargs["exit_check_every"] = GENERATE_EXIT_CHECK_EVERY
     compile_config = generation_config.compile_config
-    threshold, every = model_kwargs.get("exit_threshold"), model_kwargs.get("exit_check_every")
-    if (compile_config is not None and compile_config.fullgraph and config.kv_cache_mode == "shared"
-            and (threshold if threshold is not None else config.exit_threshold) is not None
-            and (EXIT_CHECK_EVERY if every is None else every) > 0):
+    if compile_config is not None and compile_config.fullgraph and model_kwargs["exit_check_every"] > 0:
         generation_config.compile_config = copy.copy(compile_config)
         generation_config.compile_config.fullgraph = False
 

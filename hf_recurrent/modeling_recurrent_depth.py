@@ -451,16 +451,16 @@ class RecurrentDepthForCausalLM(RecurrentDepthPreTrainedModel, GenerationMixin):
         return generation_config, model_kwargs
 
     def _prepare_static_cache(self, *args, **kwargs):
-        """`generate(..., cache_implementation="static")`: transformers' static cache, grown to the slots of the
-        call's depth (`num_steps` is in `model_kwargs` by now)."""
+        """`cache_implementation="static"`: transformers' static cache, grown to the slots of the call's depth."""
         cache = super()._prepare_static_cache(*args, **kwargs)
         grow_static_cache(cache, self.config, (kwargs.get("model_kwargs") or {}).get("num_steps"))
         return cache
 
     def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config: GenerationConfig) -> bool:
-        """As transformers'; a compiled decode step with exits may need `fullgraph=False` (`compile_in_segments`)."""
-        compile_in_segments(generation_config, self.config, model_kwargs)
-        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+        """As transformers'; a compiled decode step with exits runs in segments (`compile_in_segments`)."""
+        if compiles := super()._valid_auto_compile_criteria(model_kwargs, generation_config):
+            compile_in_segments(generation_config, self.config, model_kwargs)
+        return compiles
 
     def save_pretrained(self, *args, **kwargs):
         """Also keeps a `num_steps` set on `model.generation_config` across save and load (`keep_num_steps`)."""

@@ -196,7 +196,7 @@ def test_the_exit_compute_benchmark_times_the_forward_with_each_rounding_and_res
     for row in rows:
         assert len(row["forward_speedups"]) == 2 and row["forward_speedup"] > 0
     assert (adaptive_depth.BLOCK_LENGTH_MULTIPLE, adaptive_depth.BLOCK_SDPA_BACKENDS) == defaults
-    assert defaults[0] == 64 and defaults[1] is not None  # the defaults the variants were timed against
+    assert defaults[0] == 1 and defaults[1] is not None  # the defaults the variants were timed against
     with pytest.raises(ValueError, match="batches=0"):
         forward_speed(model, data, num_steps=12, batches=0)
 

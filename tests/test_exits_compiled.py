@@ -67,10 +67,10 @@ def compiled_generate(model, ids, mask, **kwargs):
 def test_compiled_generate_leaves_out_exited_segments_with_the_masked_tokens_and_logits():
     model = tiny(kv_cache_mode="shared")
     ids, mask = left_padded()
-    masked, masked_backend = compiled_generate(model, ids, mask, exit_threshold=EARLY)
-    segmented, backend = compiled_generate(model, ids, mask, exit_threshold=EARLY, exit_check_every=4)
-    assert masked_backend.graphs == 1  # the default (exit_check_every=0): one graph, fullgraph as asked
-    assert backend.graphs > 1  # the segments and the parts around them
+    masked, masked_backend = compiled_generate(model, ids, mask, exit_threshold=EARLY, exit_check_every=0)
+    segmented, backend = compiled_generate(model, ids, mask, exit_threshold=EARLY)
+    assert masked_backend.graphs == 1  # exit_check_every=0: one graph, fullgraph as asked
+    assert backend.graphs > 1  # generate's default (segments of 4): the segments and the parts around them
     assert torch.equal(segmented.sequences, masked.sequences)
     assert all(torch.equal(a, b) for a, b in zip(segmented.logits, masked.logits, strict=True))
     assert backend.linears_run < 0.8 * masked_backend.linears_run  # exited segments were left out
@@ -142,16 +142,30 @@ def test_segments_are_planned_only_under_compile_without_autograd_attentions_or_
 def test_generate_turns_fullgraph_off_only_for_exits_in_segments():
     config = presets.get("debug", kv_cache_mode="shared")
     asked = CompileConfig(fullgraph=True)
-    for model_kwargs, fullgraph in (({"exit_threshold": 0.5, "exit_check_every": 4}, False),
-                                    ({"exit_threshold": 0.5}, True), ({}, True)):  # the default: masked, one graph
+    for model_kwargs, fullgraph, every in (({"exit_threshold": 0.5, "exit_check_every": 2}, False, 2),
+                                           ({"exit_threshold": 0.5}, False, adaptive_depth.GENERATE_EXIT_CHECK_EVERY),
+                                           ({"exit_threshold": 0.5, "exit_check_every": 0}, True, 0),  # masked
+                                           ({}, True, None)):  # a fixed depth: one graph
         generation_config = mock.Mock(compile_config=asked)
         adaptive_depth.compile_in_segments(generation_config, config, model_kwargs)
         assert generation_config.compile_config.fullgraph is fullgraph
-    assert asked.fullgraph  # the caller's config is left as it was
+        assert model_kwargs.get("exit_check_every") == every
+    assert asked.fullgraph and adaptive_depth.GENERATE_EXIT_CHECK_EVERY > 0  # the caller's config left as it was
     config.kv_cache_mode = "per_step"
-    generation_config = mock.Mock(compile_config=asked)
-    adaptive_depth.compile_in_segments(generation_config, config, {"exit_threshold": 0.5, "exit_check_every": 4})
-    assert generation_config.compile_config.fullgraph
+    generation_config, model_kwargs = mock.Mock(compile_config=asked), {"exit_threshold": 0.5}
+    adaptive_depth.compile_in_segments(generation_config, config, model_kwargs)
+    assert generation_config.compile_config.fullgraph and "exit_check_every" not in model_kwargs
+
+
+def test_an_eager_generate_is_left_its_own_exit_keywords():
+    """Only a compiled decode step gets the segments' default: an eager call's keywords stay the caller's."""
+    model = tiny(kv_cache_mode="shared")
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("exit_check_every")),
+                                    with_kwargs=True)
+    model.generate(left_padded()[0], num_steps=12, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                   exit_threshold=EARLY)
+    assert len(seen) == 2 and all(every is None for every in seen)
 
 
 def test_exit_check_every_must_be_a_count():
