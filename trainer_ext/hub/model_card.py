@@ -10,6 +10,7 @@ at a few depths from `hf_recurrent.cost`, the training summary and the evaluatio
     write_model_card("outputs/r3b/final", model, info)
 """
 
+import functools
 import json
 import math
 import os
@@ -314,10 +315,12 @@ def render_model_card(model_or_config, info: ModelCardInfo | None = None) -> str
     return _template("recurrent_depth" if recurrent else "transformer_baseline").substitute(values)
 
 
+@functools.lru_cache(maxsize=16)
 def data_prompt(data_dir: str, max_chars: int = 40) -> str | None:
     """A prompt for the usage snippet in the language of prepared data: the start of the first document that begins
     in the first 256 samples of its eval, then train split (after an end-of-sequence token), on one line, at most
-    `max_chars` characters; None where the data cannot be read or no document begins there."""
+    `max_chars` characters; None where the data cannot be read or no document begins there. Read once per folder in
+    a process (a comparison writes two cards a cycle from the same held-out data; prepared data is not rewritten)."""
     from transformers import AutoTokenizer
 
     from trainer_ext.data.shards import ShardedTokenDataset
