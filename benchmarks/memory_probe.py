@@ -43,6 +43,8 @@ import sys
 import tempfile
 import time
 
+from trainer_ext.memory.estimator import FIT_OBJECTIVES
+
 # Batch unit per preset: the grid's batch sizes are multiples of it (small models need more tokens to load the GPU).
 BATCH_UNIT = {"debug": 1, "recurrent-125m": 4, "recurrent-1b": 2, "recurrent-3.3b": 1, "recurrent-7b": 1,
               "transformer-125m": 4}
@@ -426,6 +428,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fit", metavar="PROBES", default=None, help="Fit a calibration from this probe file.")
     parser.add_argument("--calibration", default=None, help="With --fit: where to write it (default: the "
                                                             "package's trainer_ext/memory/calibration.json).")
+    parser.add_argument("--fit_objective", choices=FIT_OBJECTIVES, default="bytes",
+                        help="With --fit: what the peak's upper bound minimises (trainer_ext.memory.estimator).")
     parser.add_argument("--probe_command", default=None, help="With --fit: the command that measured the probes "
                                                               "(recorded in the calibration).")
     parser.add_argument("--verify", action="store_true", help="Train with each preset's plan for --cap_gib and "
@@ -450,7 +454,7 @@ def main(argv=None) -> int:
 
         command = " ".join(["python3 -m benchmarks.memory_probe", *(sys.argv[1:] if argv is None else argv)])
         path = write_calibration_from_probes(args.fit, args.calibration, command=command,
-                                             probe_command=args.probe_command)
+                                             probe_command=args.probe_command, objective=args.fit_objective)
         print(f"Wrote {path}")
         return 0
     if args.verify:

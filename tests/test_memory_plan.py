@@ -14,6 +14,7 @@ from hf_recurrent import presets
 from trainer_ext.compat import CHECKPOINTING_FLAG, set_checkpointing
 from trainer_ext.training.arguments import RecurrentTrainingArguments
 from trainer_ext.memory.estimator import (
+    FIT_OBJECTIVES,
     GIB,
     Calibration,
     FamilyFit,
@@ -176,6 +177,28 @@ def test_the_fit_bounds_noisy_probes_from_above():
     assert min(r["peak_error"] for r in found["per_probe"]) >= 0.0
     over = [r["peak_error"] * r["measured_peak_gib"] for r in found["per_probe"]]
     assert sum(over) / len(over) < sum(cache) / len(cache) / GIB
+
+
+def test_each_fit_objective_bounds_the_probes_and_minimises_its_own_error():
+    # The noisy probes above fitted three ways: none under its peak whatever the objective; the summed relative
+    # objective has the least summed relative over-prediction, minimax the least largest one, bytes the least GiB.
+    records = _synthetic_probes(SYNTHETIC)
+    for n, record in enumerate(records):
+        record["peak_reserved_bytes"] += GIB * ((7 * n) % 11) / 10
+    found = {}
+    for objective in FIT_OBJECTIVES:
+        fitted = fit_calibration(records, leave_one_out=False, objective=objective)
+        rows = fitted.info["residuals"]["per_probe"]
+        assert min(r["peak_error"] for r in rows) >= -1e-9 and fitted.info["memory_objective"] == objective
+        found[objective] = {"bytes": sum(r["peak_error"] * r["measured_peak_gib"] for r in rows),
+                            "relative": sum(r["peak_error"] for r in rows),
+                            "minimax": max(r["peak_error"] for r in rows)}
+    for objective in FIT_OBJECTIVES:
+        assert all(found[objective][objective] <= found[other][objective] + 1e-3 for other in FIT_OBJECTIVES)
+    assert found["minimax"]["minimax"] < found["relative"]["minimax"] < found["bytes"]["minimax"]
+    assert found["relative"]["relative"] < found["minimax"]["relative"] < found["bytes"]["relative"]
+    with pytest.raises(ValueError, match="objective='squares'"):
+        fit_calibration(records, objective="squares")
 
 
 def test_the_committed_calibration_reproduces_the_committed_probes():

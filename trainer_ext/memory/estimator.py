@@ -22,8 +22,9 @@ N * H and H * I has a coefficient of its own for compiled steps (the features' `
 configuration's are zero, and the other way round).
 
 The coefficients c >= 0 and theta are fitted to the probes' peak reserved memory as an upper bound: a linear program
-(`scipy.optimize.linprog`, HiGHS) minimises the summed over-prediction in bytes subject to no probe being predicted
-under its measured peak, theta by a grid search for the smallest such sum. The measured peak is reserved memory, whose
+(`scipy.optimize.linprog`, HiGHS) minimises the summed over-prediction in bytes (`FIT_OBJECTIVES`: or the summed
+relative one, or the largest relative one) subject to no probe being predicted under its measured peak, theta by a
+grid search for the smallest such sum. The measured peak is reserved memory, whose
 part over the allocated bytes (the allocator's cache, 0.06-2.9 GiB in the committed probes) moves by up to 0.9 GiB
 between neighbouring shapes; a least-squares fit predicted 48 of the 103 probes under their measured peak (by up to
 6.4% at 8 GiB or more), this one none, at the cost of over-predicting where a probe's cache is below its neighbours'.
@@ -63,6 +64,9 @@ TIME_FEATURES = ("constant", "training_flops", "recompute_flops", "flops_per_tok
                  "parameters")
 FORMAT_VERSION = 4  # 3: least squares, fewer compiled terms, no weight-matrix term
 _THETAS = tuple(round(0.01 * i, 2) for i in range(0, 801, 2))  # grid of the transient's V x H multiple
+# What the memory fit minimises under its bound (`_upper_bound`): "bytes" (the default: the probes of most memory, where
+# plans for a card land, weigh most), "relative" (every probe alike), "minimax" (the worst probe's relative error).
+FIT_OBJECTIVES = ("bytes", "relative", "minimax")
 
 
 @dataclass(frozen=True)
@@ -297,10 +301,8 @@ def steady_step_seconds(record: dict) -> float:
     return statistics.median(record["step_seconds"][2 if record.get("compile") else 1:] or record["step_seconds"])
 
 
-def _fit_memory(shapes, probes, thetas=_THETAS):
-    """Coefficients and theta of the smallest summed over-prediction (GiB) with no probe predicted under its peak."""
-    from scipy.optimize import linprog
-
+def _fit_memory(shapes, probes, thetas=_THETAS, objective: str = "bytes"):
+    """Coefficients and theta with no probe predicted under its peak, at the least `objective` (`FIT_OBJECTIVES`)."""
     fixed = np.array([s.fixed_bytes / GIB for s in shapes])
     measured = np.array([p["peak_reserved_bytes"] / GIB for p in probes])
     best = None
@@ -308,17 +310,39 @@ def _fit_memory(shapes, probes, thetas=_THETAS):
         features = np.array([memory_features(s, p["batch_size"], p["seq_len"], probe_recomputed(p), theta,
                                               p.get("distill_topk", 0), bool(p.get("compile")))
                              for s, p in zip(shapes, probes)])
-        # features @ c >= measured - fixed on every probe; the summed prediction is the over-prediction plus a constant
-        result = linprog(features.sum(axis=0), A_ub=-features, b_ub=fixed - measured, bounds=(0, None),
-                         method="highs")
-        if result.status != 0:
-            continue
-        over = float(np.sum(fixed + features @ result.x - measured))
-        if best is None or over < best[0]:
-            best = (over, theta, result.x)
+        found = _upper_bound(features, fixed, measured, objective)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (found[0], theta, found[1])
     if best is None:
         raise ValueError("no coefficients bound the probes' peaks from above")
     return np.maximum(best[2], 0.0).tolist(), best[1]
+
+
+def _upper_bound(features, fixed, measured, objective: str):
+    """(objective's value, coefficients c >= 0) of the linear program: fixed + features @ c >= measured on every
+    probe, at the least summed over-prediction in GiB ("bytes"), summed relative over-prediction ("relative"), or
+    largest relative over-prediction t ("minimax": fixed + features @ c <= (1 + t) measured; ties broken by the
+    summed relative one); None if no c bounds them."""
+    from scipy.optimize import linprog
+
+    weights = 1.0 if objective == "bytes" else 1.0 / measured[:, None]
+    cost = (features * weights).sum(axis=0)  # the summed over-prediction less a constant
+    bound_a, bound_b = -features, fixed - measured
+    if objective == "minimax":
+        count = len(measured)
+        cost = np.append(1e-3 * cost, 1.0)
+        bound_a = np.vstack([np.hstack([bound_a, np.zeros((count, 1))]), np.hstack([features, -measured[:, None]])])
+        bound_b = np.concatenate([bound_b, measured - fixed])
+    result = linprog(cost, A_ub=bound_a, b_ub=bound_b, bounds=(0, None), method="highs")
+    if result.status != 0:
+        return None
+    coefficients = result.x[:features.shape[1]]
+    over = fixed + features @ coefficients - measured
+    if objective != "bytes":
+        over = over / measured
+    if objective == "minimax":
+        return float(over.max()) + 1e-3 * float(over.sum()), coefficients
+    return float(over.sum()), coefficients
 
 
 def _fit_time(shapes, probes):
@@ -335,9 +359,11 @@ def _fit_time(shapes, probes):
 
 
 def fit_calibration(records: list[dict], probe_command: str | None = None, fit_command: str | None = None,
-                    source: str = "probes", leave_one_out: bool = True) -> Calibration:
+                    source: str = "probes", leave_one_out: bool = True, objective: str = "bytes") -> Calibration:
     """A calibration fitted to the usable probe records, each model family's coefficients to its own probes, with
     its residuals on them (and, with `leave_one_out`, the peak error of each probe predicted by a fit without it)."""
+    if objective not in FIT_OBJECTIVES:
+        raise ValueError(f"objective={objective!r}: the memory fit minimises one of {', '.join(FIT_OBJECTIVES)}.")
     probes = usable_probes(records)
     by_family = {}  # family -> (shapes, probes)
     for p in probes:
@@ -354,13 +380,13 @@ def fit_calibration(records: list[dict], probe_command: str | None = None, fit_c
             raise ValueError(f"{source}: {len(members)} usable probes of {family} models (status ok, CUDA memory "
                              f"figures); a fit needs at least {len(MEMORY_FEATURES)}. Measure more with "
                              f"`{PROBE_COMMAND}`, or leave that family's presets out of the probe file.")
-        memory, theta = _fit_memory(shapes, members)
+        memory, theta = _fit_memory(shapes, members, objective=objective)
         time, compile_factor = _fit_time(shapes, members)
         families[family] = FamilyFit(memory, theta, time, compile_factor)
     first = probes[0]
     info = {"device_name": first.get("device_name"), "device_total_bytes": first.get("device_total_bytes"),
             "torch": first.get("torch"), "transformers": first.get("transformers"),
-            "date": datetime.date.today().isoformat(), "probe_command": probe_command or first.get("probe_command")
+            "date": datetime.date.today().isoformat(), "memory_objective": objective, "probe_command": probe_command or first.get("probe_command")
             or PROBE_COMMAND, "fit_command": fit_command, "probes": len(probes), "probe_records": len(records),
             "probes_per_preset": {}}
     for p in probes:
@@ -391,7 +417,8 @@ def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool 
             others = [j for j, other in enumerate(families) if other == family and j != index]
             full = calibration.families[family]
             memory, theta = _fit_memory([shapes[j] for j in others], [probes[j] for j in others],
-                                        thetas=(full.theta,))
+                                        thetas=(full.theta,), objective=calibration.info.get("memory_objective",
+                                                                                              "bytes"))
             fit = Calibration({family: FamilyFit(memory, theta, full.time_coefficients, 1.0)}, {})
             held_out.append(fit.peak_bytes(shape, p["batch_size"], p["seq_len"], recomputed,
                                            p.get("distill_topk", 0), bool(p.get("compile")))
@@ -413,10 +440,10 @@ def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool 
 
 
 def write_calibration_from_probes(probes_path: str, output: str | None = None, command: str | None = None,
-                                  probe_command: str | None = None) -> str:
+                                  probe_command: str | None = None, objective: str = "bytes") -> str:
     """Fit the probes of `probes_path` and write the calibration to `output` (default: the package's file)."""
     calibration = fit_calibration(read_probes(probes_path), probe_command=probe_command, fit_command=command,
-                                  source=probes_path)
+                                  source=probes_path, objective=objective)
     output = output or CALIBRATION_FILE
     with open(output, "w") as f:
         json.dump(calibration.to_dict(), f, indent=1)
