@@ -7,11 +7,12 @@ same unrolled layer count, compiled the same way.
     python3 -m benchmarks.bench_decode --preset debug --device cpu --paths eager --threads 1 --clock process \
         --rounds 5 --repeats 3 --prompt_len 32 --new_tokens 64                         # the CPU eager comparison
 
-Random init (speed does not depend on the weights; exits do: `--checkpoint` times a trained model, Llama's peer of
-its widths, with prompts from the held-out split of `--data_dir`, random ids without it), `--dtype` (bf16 on CUDA), SDPA attention. For each depth n and
-batch size: tokens/s of `generate` with the dynamic cache (eager), with `cache_implementation="static"` and a compiled
-decode step (`CompileConfig(fullgraph=True, dynamic=False)`, inductor + CUDA graphs by default), and the same two for
-`LlamaForCausalLM` with prelude + n x core + coda layers of the same width, heads, MLP and vocabulary.
+Random init (speed does not depend on the weights; exits do: `--checkpoint` times a trained model, Llama's peer of its
+widths, with prompts from the held-out split of `--data_dir`, random ids without it), `--dtype` (bf16 on CUDA), SDPA
+attention. For each depth n and batch size: tokens/s of `generate` with the dynamic cache (eager), with
+`cache_implementation="static"` and a compiled decode step (`CompileConfig(fullgraph=True, dynamic=False)`, inductor +
+CUDA graphs by default), and the same two for `LlamaForCausalLM` with prelude + n x core + coda layers of the same
+width, heads, MLP and vocabulary.
 `--exit_thresholds` adds runs with adaptive depth (at most n steps) on each path in each of `--exit_kv_cache_modes`
 (default `shared`, the mode where exited rows skip the core steps before the last), each next to the fixed-depth
 figure of the same path and cache mode; eager ones with the mean core steps used and core passes run per decoded
@@ -276,7 +277,8 @@ def run(args) -> dict:
         print(f"{kind:9s} {path:18s} {mode or '-':8s} n={num_steps:<3d} batch={batch:<3d} {median:10.1f} tokens/s "
               f"(spread {record['spread']:.1%})", flush=True)
     return {
-        "preset": args.preset, "checkpoint": args.checkpoint, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "preset": args.preset, "checkpoint": args.checkpoint,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "clock": args.clock, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "repeats": args.repeats, "rounds": args.rounds, "warmup": args.warmup,
@@ -324,7 +326,8 @@ def adaptive(results: list[dict]) -> list[dict]:
 
 
 def render(report: dict) -> str:
-    lines = [f"{report['checkpoint'] or report['preset']} on {report['device']} ({report['dtype']}), prompt {report['prompt_len']}, "
+    lines = [f"{report['checkpoint'] or report['preset']} on {report['device']} ({report['dtype']}), "
+             f"prompt {report['prompt_len']}, "
              f"{report['new_tokens']} new tokens, median of {report['rounds']} x {report['repeats']} "
              f"({report['clock']} clock), SDPA kernels: {report.get('sdpa', 'torch')}",
              "| model | path | cache | n | layers | batch | tokens/s | spread | first call |",

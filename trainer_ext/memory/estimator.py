@@ -23,14 +23,14 @@ configuration's are zero, and the other way round).
 
 The coefficients c >= 0 and theta are fitted to the probes' peak reserved memory as an upper bound: a linear program
 (`scipy.optimize.linprog`, HiGHS) minimises the summed over-prediction in bytes (`FIT_OBJECTIVES`: or the summed
-relative one, or the largest relative one) subject to no probe being predicted under its measured peak, theta by a
-grid search for the smallest such sum. The measured peak is reserved memory, whose
-part over the allocated bytes (the allocator's cache, 0.06-2.9 GiB in the committed probes) moves by up to 0.9 GiB
-between neighbouring shapes; a least-squares fit predicted 48 of the 103 probes under their measured peak (by up to
-6.4% at 8 GiB or more), this one none, at the cost of over-predicting where a probe's cache is below its neighbours'.
-Between and beyond the probed shapes nothing bounds the cache: the plan's margin is for that. The features
-carry the model's shape, so every preset of a family shares them. The two families, our recurrent-depth model and a
-plain Transformer (transformers' Llama code, other saved tensors), are fitted apart.
+relative one, or the largest relative one) subject to no probe being predicted under its measured peak, theta by a grid
+search for the smallest such sum. The measured peak is reserved memory, whose part over the allocated bytes (the
+allocator's cache, 0.06-2.9 GiB in the committed probes) moves by up to 0.9 GiB between neighbouring shapes; a
+least-squares fit predicted 48 of the 103 probes under their measured peak (by up to 6.4% at 8 GiB or more), this one
+none, at the cost of over-predicting where a probe's cache is below its neighbours'. Between and beyond the probed
+shapes nothing bounds the cache: the plan's margin is for that. The features carry the model's shape, so every preset of
+a family shares them. The two families, our recurrent-depth model and a plain Transformer (transformers' Llama code,
+other saved tensors), are fitted apart.
 
     step time = t . [1, N * training FLOPs / token, N * recompute FLOPs / token, training FLOPs / token,
                      layer applications, parameters]          (x a fitted factor with torch.compile)
@@ -386,8 +386,9 @@ def fit_calibration(records: list[dict], probe_command: str | None = None, fit_c
     first = probes[0]
     info = {"device_name": first.get("device_name"), "device_total_bytes": first.get("device_total_bytes"),
             "torch": first.get("torch"), "transformers": first.get("transformers"),
-            "date": datetime.date.today().isoformat(), "memory_objective": objective, "probe_command": probe_command or first.get("probe_command")
-            or PROBE_COMMAND, "fit_command": fit_command, "probes": len(probes), "probe_records": len(records),
+            "date": datetime.date.today().isoformat(), "memory_objective": objective,
+            "probe_command": probe_command or first.get("probe_command") or PROBE_COMMAND,
+            "fit_command": fit_command, "probes": len(probes), "probe_records": len(records),
             "probes_per_preset": {}}
     for p in probes:
         info["probes_per_preset"][p["preset"]] = info["probes_per_preset"].get(p["preset"], 0) + 1
