@@ -18,8 +18,8 @@ width, heads, MLP and vocabulary.
 figure of the same path and cache mode; eager ones with the mean core steps used and core passes run per decoded
 token (`--exit_compaction rows masked`: both ways of running a step while some rows iterate). Compiled exit rows
 come once per `--exit_check_every` value k (default 0 and 4, labelled `k=`): 0 masks the exits in one graph (the
-model's default), k > 0 runs the steps in segments of k with a host check between them in shared mode
-(hf_recurrent.adaptive_depth; graph breaks, so those rows compile with fullgraph=False).
+forward's default), k > 0 runs the steps in segments of k with a host check between them in shared mode (a compiled
+`generate`'s default is 4; hf_recurrent.adaptive_depth; graph breaks, so those rows compile with fullgraph=False).
 Each figure: the median of `--repeats` timed calls after `--warmup` untimed ones (which compile), with the spread
 (max - min) / median, and the first call's tokens/s (what a first `generate` of the row's shapes pays: compilation,
 and on Hopper cuDNN attention's graph per new key length, unless an earlier row built it); `--sdpa no_cudnn` runs the
@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Adaptive depth thresholds (state criterion) timed on each path of --paths.")
     parser.add_argument("--exit_check_every", type=int, nargs="+", default=[0, 4],
                         help="Compiled exit rows, one set per value: core steps per segment between host checks "
-                             "(0: masked exits in one graph, the model's default; hf_recurrent.adaptive_depth).")
+                             "(0: masked exits in one graph, the forward's default; a compiled generate's is 4).")
     parser.add_argument("--exit_kv_cache_modes", nargs="+", choices=KV_CACHE_MODES, default=["shared"],
                         help="kv_cache_mode(s) of the adaptive depth runs; a mode other than the preset's also gets "
                              "a fixed-depth eager run. Exits skip core steps in 'shared' only (per_step caches "

@@ -104,6 +104,7 @@ adaptive_checkpoint() {  # recurrent-125m on ~12M tokens of Python sources (GATE
     --output_dir $RUN --max_steps "${STEPS:-360}" --per_device_train_batch_size 32 --learning_rate 1e-3 \
     --warmup_steps 30 --lr_scheduler_type cosine --bf16 true --eval_strategy no --save_strategy no \
     --disable_tqdm true --logging_steps 20 ${GATE:+--config_overrides exit_gate=true} > "$OUT/adaptive_train.log" 2>&1
+  grep -E "tokens_per_second|rror" "$OUT/adaptive_train.log" 2>/dev/null | tail -2 | cut -c1-300  # if it trained now
 }
 bench() {  # bench NAME PRESET... [-- run_pretrain args]
   local name=$1; shift
@@ -186,7 +187,6 @@ case $STAGE in
     for log in "$OUT"/peers/*.log; do tail -60 "$log" > "$log.tail" && mv "$log.tail" "$log"; done ;;
   adaptive)
     adaptive_checkpoint
-    grep -E "tokens_per_second|rror" "$OUT/adaptive_train.log" | tail -2 | cut -c1-300
     # the compute shares and the forward's speed-ups first: the shortest part (the whole stage takes over 500 s)
     python3 -m benchmarks.exit_compute --checkpoints $RUN/final --data_dir $DATA_PY --num_steps 12 \
       --thresholds 0.3 0.1 0.03 --batch_size 8 --samples 64 --speed_rounds 3 --block_sdpa no_cudnn torch 2>/dev/null \
@@ -202,7 +202,6 @@ case $STAGE in
   exits)  # the adaptive stage's checkpoint (trained if missing): the forward with exits at batch 8 and 32 with each
     # block rounding, then decoding with exits, eager and compiled
     adaptive_checkpoint
-    grep -E "tokens_per_second|rror" "$OUT/adaptive_train.log" 2>/dev/null | tail -1 | cut -c1-200
     for batch in 8 32; do
       python3 -m benchmarks.exit_compute --checkpoints $RUN/final --data_dir $DATA_PY --num_steps 12 \
         --thresholds 0.3 0.1 --batch_size $batch --samples $((batch * 4)) --speed_rounds 3 --block_multiples 1 64 \
