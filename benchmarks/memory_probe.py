@@ -54,17 +54,17 @@ TIME_SHARE = {"recurrent-125m": 0.1, "recurrent-1b": 0.15, "recurrent-3.3b": 0.4
 TOPK = 64  # a teacher cache's default top-k
 
 
-def selective_grid(preset: str, seq_len: int, compile_probes: bool) -> list[dict]:
-    """Probes of selective recomputation (every layer application, the matrix products' outputs kept) beside the
-    same batches fully recomputed: what the plan needs to price the placement (the fit leaves them out until it
-    has a term for it)."""
+def selective_grid(preset: str, seq_len: int, compiled_variants: tuple[bool, ...]) -> list[dict]:
+    """Probes of selective recomputation (every layer application, the matrix products' outputs kept), each beside the
+    same batch fully recomputed in the same process: what the plan needs to price the placement (the fit leaves the
+    selective ones out until it has a term for it)."""
     u = BATCH_UNIT.get(preset, 1)
     return [{"preset": preset, "seq_len": seq_len, "batch_size": batch * u, "recompute": "all", "compile": compiled,
-             "momentum": None, "distill": False, "selective": True}
-            for compiled in ((True, False) if compile_probes else (False,)) for batch in (1, 2, 4)]
+             "momentum": None, "distill": False, "selective": selective}
+            for compiled in compiled_variants for batch in (1, 2, 4) for selective in (True, False)]
 
 
-def offload_grid(preset: str, seq_len: int, compile_probes: bool) -> list[dict]:
+def offload_grid(preset: str, seq_len: int, compiled_variants: tuple[bool, ...]) -> list[dict]:
     """Probes of activation offload (`--memory_placements all`'s placement, forced): the unique layers offloaded and
     the core steps recomputed, then every graph-building application offloaded, at batches 1, 2, 4 (units). Each
     record carries the placement program's prediction of its peak and step time (`predicted_*`): what the overlap
@@ -80,7 +80,7 @@ def offload_grid(preset: str, seq_len: int, compile_probes: bool) -> list[dict]:
     u = BATCH_UNIT.get(preset, 1)
     return [{"preset": preset, "seq_len": seq_len, "batch_size": batch * u, "recompute": name,
              "recompute_set": placement.to_dict(), "compile": compiled, "momentum": None, "distill": False}
-            for compiled in ((True, False) if compile_probes else (False,)) for name, placement in placements.items()
+            for compiled in compiled_variants for name, placement in placements.items()
             for batch in (1, 2, 4)]
 
 
@@ -524,6 +524,7 @@ def _run_all(args, specs_by_preset: dict | None = None) -> int:
     start = time.time()
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     compile_probes = not args.no_compile_probes
+    variants = (True,) if args.only_compile_probes else (True, False) if compile_probes else (False,)
     known = sum(TIME_SHARE.get(p, 0) for p in args.presets)
     unknown = [p for p in args.presets if p not in TIME_SHARE]
     share = {p: TIME_SHARE.get(p, (1 - min(known, 1)) / len(unknown) if unknown else 0) for p in args.presets}
@@ -532,9 +533,9 @@ def _run_all(args, specs_by_preset: dict | None = None) -> int:
         if specs_by_preset is not None:
             specs = specs_by_preset[preset]
         elif args.offload_probes:
-            specs = offload_grid(preset, args.seq_len, compile_probes)
+            specs = offload_grid(preset, args.seq_len, variants)
         elif args.selective_probes:
-            specs = selective_grid(preset, args.seq_len, compile_probes)
+            specs = selective_grid(preset, args.seq_len, variants)
         elif args.only_distill_probes:
             specs = distill_grid(preset, args.seq_len, args.vocab_sizes, compile_probes)
         else:

@@ -120,8 +120,11 @@ def test_selective_probes_are_left_out_of_the_fit_until_it_has_a_term_for_them()
     from benchmarks.memory_probe import selective_grid
     from trainer_ext.memory.estimator import usable_probes
 
-    specs = selective_grid("recurrent-3.3b", 2048, compile_probes=True)
-    assert specs and all(spec["selective"] and spec["recompute"] == "all" for spec in specs)
+    specs = selective_grid("recurrent-3.3b", 2048, (True, False))
+    assert specs and all(spec["recompute"] == "all" for spec in specs)
+    # each selective probe beside the same batch and compilation fully recomputed
+    twins = {(s["batch_size"], s["compile"], s["selective"]) for s in specs}
+    assert len(twins) == len(specs) == 12 and all((b, c, not sel) in twins for b, c, sel in twins)
     ran = {"status": "ok", "peak_reserved_bytes": 2**34, "step_seconds": [1.0, 0.5]}
     full = {**ran, "recompute_set": {"prelude": [0], "core_steps": [0], "coda": [0]}}
     selective = {**ran, "recompute_set": {**full["recompute_set"], "selective": True}}
@@ -139,7 +142,7 @@ def test_offload_probes_train_the_forced_placement_and_carry_the_programs_predic
     from trainer_ext.memory.estimator import usable_probes
     from trainer_ext.memory.recompute import RecomputeSet
 
-    specs = offload_grid("recurrent-7b", 2048, compile_probes=True)
+    specs = offload_grid("recurrent-7b", 2048, (True, False))
     assert {spec["recompute"] for spec in specs} == {"offload_unique", "offload_all"} and len(specs) == 12
     assert all(RecomputeSet.from_dict(spec["recompute_set"]).offload for spec in specs)
     output = tmp_path / "offload.jsonl"
