@@ -20,6 +20,7 @@
 #   bash benchmarks/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M):
 #       each --runs config x --learning_rates x --seeds (default 0 1 2); results.jsonl + summary.md in $OUT/quality
 #   bash benchmarks/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
+#       (--compute_baseline_preset transformer-125m-compute: also against a Transformer of equal compute)
 #   bash benchmarks/bench_gpu.sh stability PRESET [find_lr args]   threshold test, then 300 steps at its rate with the
 #       defaults and with pre-norm blocks + the old init, both at the memory plan's batch size for --cap_gib 24 (the
 #       test's trials too, under that cap: benchmarks/capped.py), the held-out loss every EVAL_STEPS (25) steps, a

@@ -23,7 +23,7 @@ from hub_server import HubTestServer
 from trainer_ext import files
 from trainer_ext.comparison.arguments import parse_args
 from trainer_ext.comparison.pipeline import ComparisonRun
-from trainer_ext.comparison.state import CYCLE_STAGES, MODELS, STATE_NAME, CompareState
+from trainer_ext.comparison.state import CYCLE_STAGES, STATE_NAME, CompareState
 from trainer_ext.data.prepare import PrepareDataArguments, prepare
 from trainer_ext.data.shards import ShardedTokenDataset, file_sha256, read_manifest
 from trainer_ext.evaluation.metrics import unigram_cross_entropy
@@ -38,6 +38,8 @@ TINY = ["--num_cycles", "2", "--cycle_tokens", "512", "--per_device_train_batch_
         "--max_documents", "40", "--vocab_size", "300", "--eval_tokens", "528", "--eval_depths", "1", "4", "24",
         "--warmup_steps", "2", "--learning_rate", "3e-3", "--logging_steps", "1"]
 METRICS = ("ce", "perplexity", "top1", "top5", "tokens")
+MODELS = ("recurrent", "baseline")  # a run's models without --compute_baseline_preset
+STAGES = tuple(s for s in CYCLE_STAGES if s != "train_compute_baseline")  # the stages of such a run
 
 
 def compare(argv):
@@ -223,7 +225,7 @@ def test_killed_mid_cycle_resumes_without_redoing_stages_and_pushes_cycles(refer
         push = ["--push_to_hub", "--hub_model_id", "test-org/cmp"]  # hub options may change between starts
         result = compare(argv(out, *push))
         after = stage_times(read_state(out))
-        assert len(after) == 1 + 2 * (len(CYCLE_STAGES) - 1)  # every stage but the teacher cache
+        assert len(after) == 1 + 2 * (len(STAGES) - 1)  # every stage but the teacher cache
         assert {key: after[key] for key in before} == before  # nothing finished was redone
         expected = numbers(reference[1]["results"])  # the uninterrupted run's, to float rounding
         assert numbers(result["results"]).keys() == expected.keys()
@@ -391,7 +393,7 @@ def test_teacher_cache_per_cycle_distils_both_models_and_goes_with_the_shards(re
     assert re.search(r"Cycle 1's teacher cache: \d+ bytes per token \(compact codec, k = 8\), about", caplog.text)
     cycle = read_state(out)["cycles"]["1"]
     assert cycle["cache_teacher"]["topk"] == 8 and cycle["cache_teacher"]["teacher"]["name_or_path"] == teacher_dir
-    assert list(cycle) == [*CYCLE_STAGES]  # the cache is built between preparation and training
+    assert list(cycle) == [*STAGES]  # the cache is built between preparation and training
     for model in MODELS:  # both trained on CE plus KD from the cache
         with open(out / model / "cycle-001" / "log_history.json") as f:
             steps = [entry for entry in json.load(f) if "loss" in entry]
@@ -552,3 +554,41 @@ def test_trust_remote_code_reaches_the_teacher_cache_and_both_trainings(tmp_path
         # Consent to running code changes no result: a run continues when the flag is added later.
         assert "trust_remote_code" not in json.dumps(run.identity())
     assert not (tmp_path / "run").exists()  # checked and set up, nothing written
+
+
+def test_a_second_baseline_of_equal_compute_trains_in_the_same_run(reference, tmp_path):
+    """--compute_baseline_preset adds a third model to the run: trained on the same tokens after the baseline, its
+    layers matched to the recurrent model's training compute, evaluated and reported beside the other two, which it
+    leaves exactly as a run without it gives them (so one run reports both views)."""
+    from benchmarks.compare_seeds import summarize
+
+    out = tmp_path / "run"
+    result = compare(argv(out, "--compute_baseline_preset", "transformer-debug-compute"))
+    records = result["results"]
+    assert [(r["arch"], r["num_steps"]) for r in records if r["cycle"] == 2] == [
+        ("recurrent", 1), ("recurrent", 4), ("baseline", None), ("compute_baseline", None)]
+    expected = numbers(reference[1]["results"])
+    got = numbers(r for r in records if r["arch"] != "compute_baseline")
+    assert got.keys() == expected.keys()
+    for key, values in got.items():
+        assert values == pytest.approx(expected[key], rel=1e-5), key
+    layers = presets.compute_matched_layers(presets.get("debug"), seq_len=32)
+    matched = [r for r in records if r["arch"] == "compute_baseline"]
+    assert {r["layers"] for r in matched} == {layers} and {r["preset"] for r in matched} == {"transformer-debug-compute"}
+    flops = {r["arch"]: r["train_flops"] for r in records if r["cycle"] == 2 and r["num_steps"] in (None, 4)}
+    assert flops["baseline"] < flops["compute_baseline"] and flops["compute_baseline"] > 0.5 * flops["recurrent"]
+    assert list(read_state(out)["cycles"]["2"]) == [s for s in CYCLE_STAGES if s != "cache_teacher"]
+
+    table = (out / "results.md").read_text()
+    assert "transformer-debug-compute CE" in table and "compute_baseline FLOPs" in table
+    card = (out / "recurrent" / "cycle-002" / "final" / "README.md").read_text()
+    assert "with `transformer-debug` and `transformer-debug-compute`" in card
+    card = (out / "compute_baseline" / "cycle-002" / "final" / "README.md").read_text()
+    assert "with `debug`" in card and "transformer-debug`" not in card
+    _, _, differences = summarize([records])  # both views, as the seeds' summary reads one run
+    assert {"debug n=4 minus transformer-debug", "debug n=4 minus transformer-debug-compute"} <= differences.keys()
+
+    for bad, message in (("transformer-debug", "is the baseline itself"), ("debug", "is not a Transformer")):
+        with pytest.raises(ValueError, match=f"--compute_baseline_preset='{bad}' {message}"):
+            compare(argv(tmp_path / "bad", "--compute_baseline_preset", bad))
+    assert not (tmp_path / "bad").exists()

@@ -1,9 +1,10 @@
 """The arguments of a same-data comparison, parsed from one command line into typed dataclasses:
 
-    CompareArguments        the comparison itself: cycles, the two models, evaluation, per-model learning rates,
-                            the per-cycle teacher cache, the baseline's Hub repo
+    CompareArguments        the comparison itself: cycles, the models (a recurrent one, a baseline, optionally a
+                            second baseline), evaluation, per-model learning rates, the per-cycle teacher cache,
+                            the baseline's Hub repo
     CompareDataArguments    the data stream, as `trainer_ext.data.prepare` reads it
-    TrainingOptions         the options both trainings share: `ModelArguments`, `DataArguments` and
+    TrainingOptions         the options the trainings share: `ModelArguments`, `DataArguments` and
                             `RecurrentTrainingArguments` of `trainer_ext.training` (any of their flags), with
                             the comparison's defaults; `--output_dir`, `--seed`, the batch size and the Hub options
                             are theirs, used by the comparison as a whole
@@ -84,7 +85,7 @@ RUN_TRAINING_ARGS = ("per_device_train_batch_size", "gradient_accumulation_steps
 # Options added after state files were first written: part of a run's identity only when set, so a run started
 # before they existed still continues.
 OPTIONAL_IDENTITY_ARGS = ("recurrent_learning_rate", "baseline_learning_rate", "teacher_cache_model",
-                          "teacher_cache_topk", "teacher_cache_quantization")
+                          "teacher_cache_topk", "teacher_cache_quantization", "compute_baseline_preset")
 
 
 @dataclass
@@ -102,6 +103,11 @@ class CompareArguments:
                                                        "unique parameters, or with -compute (transformer-125m-compute) "
                                                        "of equal training FLOPs per token at the recurrent model's "
                                                        "mean depth (as --recurrent_config_overrides sets it)."})
+    compute_baseline_preset: str | None = field(
+        default=None, metadata={"help": "A second Transformer baseline trained on the same data, so that one "
+                                        "comparison reports both views: e.g. transformer-125m-compute beside "
+                                        "transformer-125m. It takes --baseline_learning_rate and no config overrides "
+                                        "(a -compute preset's layers are derived as for --baseline_preset)."})
     recurrent_config_overrides: str | None = field(
         default=None, metadata={"help": "Config fields of the recurrent model, e.g. 'mean_recurrence=8'."})
     baseline_config_overrides: str | None = field(default=None, metadata={"help": "Config fields of the baseline."})
@@ -111,7 +117,7 @@ class CompareArguments:
     baseline_learning_rate: float | None = field(
         default=None, metadata={"help": "Learning rate of the baseline only (default: --learning_rate)."})
     teacher_cache_model: str | None = field(
-        default=None, metadata={"help": "Distil both models from this teacher through a top-k cache built for each "
+        default=None, metadata={"help": "Distil every model from this teacher through a top-k cache built for each "
                                         "cycle's shards and deleted with them (needs --tokenizer of the teacher)."})
     teacher_cache_topk: int | None = field(default=None, metadata={"help": "Token ids per position (default 64)."})
     teacher_cache_quantization: str | None = field(
@@ -150,13 +156,19 @@ class CompareArguments:
                              f"choose one of {list(QUANTIZATIONS)}.")
         if self.max_depth_factor <= 0:
             raise ValueError(f"--max_depth_factor must be > 0, got {self.max_depth_factor}.")
-        for name, recurrent in (("recurrent_preset", True), ("baseline_preset", False)):
+        for name, recurrent in (("recurrent_preset", True), ("baseline_preset", False),
+                                ("compute_baseline_preset", False)):
             preset = getattr(self, name)
+            if preset is None:  # only the second baseline is optional
+                continue
             if preset not in presets.NAMES:
                 raise ValueError(f"--{name}={preset!r} is not a preset; choose one of {list(presets.NAMES)}.")
             if presets.is_recurrent(presets.get(preset)) != recurrent:
                 kind = "a recurrent-depth" if recurrent else "a Transformer (transformer-*)"
                 raise ValueError(f"--{name}={preset!r} is not {kind} preset.")
+        if self.compute_baseline_preset == self.baseline_preset:
+            raise ValueError(f"--compute_baseline_preset={self.compute_baseline_preset!r} is the baseline itself; give "
+                             "another preset (e.g. the -compute one) or leave it unset.")
         if self.eval_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"--eval_dtype={self.eval_dtype!r}: choose one of ['auto', 'bfloat16', 'float32'].")
 
@@ -201,7 +213,7 @@ class CompareDataArguments:
 
 @dataclass
 class TrainingOptions:
-    """What both trainings share, before the pipeline sets the CYCLE_FIELDS of each model and cycle."""
+    """What the trainings share, before the pipeline sets the CYCLE_FIELDS of each model and cycle."""
 
     model: ModelArguments
     data: DataArguments
@@ -231,18 +243,25 @@ def schedule_depends_on_length(training: RecurrentTrainingArguments) -> bool:
             or (warmup is not None and 0 < warmup < 1))
 
 
+def model_option(args: CompareArguments, model: str, name: str):
+    """`model`'s preset, config_overrides or learning_rate (--<model>_<name>); the second baseline has no config
+    overrides of its own and takes the baseline's learning rate."""
+    if model == "compute_baseline" and name != "preset":
+        return args.baseline_learning_rate if name == "learning_rate" else None
+    return getattr(args, f"{model}_{name}")
+
+
 def model_config_overrides(args: CompareArguments, model: str, seq_len: int) -> str | None:
     """`model`'s --config_overrides. A baseline of equal compute (a -compute preset) takes the layers that match the
     training FLOPs per token of the recurrent model as `args` override it (its depths, its widths) at `seq_len`,
-    unless --baseline_config_overrides sets num_hidden_layers itself."""
-    given = getattr(args, f"{model}_config_overrides")
-    if model != "baseline" or not args.baseline_preset.endswith("-compute") \
-            or "num_hidden_layers" in parse_overrides(given):
+    unless its config overrides set num_hidden_layers themselves."""
+    given, preset = model_option(args, model, "config_overrides"), model_option(args, model, "preset")
+    if model == "recurrent" or not preset.endswith("-compute") or "num_hidden_layers" in parse_overrides(given):
         return given
     recurrent = presets.get(args.recurrent_preset, **parse_overrides(args.recurrent_config_overrides))
     layers = presets.compute_matched_layers(recurrent, seq_len=seq_len)
     logger.info("Baseline %s: %d layers, the training FLOPs per token of %s at mean depth %d (gradients through %s "
-                "steps) at seq %d.", args.baseline_preset, layers, args.recurrent_preset, recurrent.mean_recurrence,
+                "steps) at seq %d.", preset, layers, args.recurrent_preset, recurrent.mean_recurrence,
                 recurrent.backprop_depth or "every", seq_len)
     return ",".join(filter(None, [given, f"num_hidden_layers={layers}"]))
 

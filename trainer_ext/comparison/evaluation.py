@@ -1,4 +1,4 @@
-"""A cycle's evaluation: both final checkpoints on the one held-out set, the recurrent model at each depth.
+"""A cycle's evaluation: every final checkpoint on the one held-out set, the recurrent model at each depth.
 
 Each record holds the cycle, the tokens seen, the model (arch, preset, kind, depth, unrolled layers), the
 checkpoint, the held-out metrics and the frequency-only CE of the same tokens (what a model that ignores the

@@ -1,4 +1,5 @@
-"""The same-data comparison: a recurrent-depth model against a Transformer baseline, trained in token cycles.
+"""The same-data comparison: a recurrent-depth model against a Transformer baseline (or two: one of equal parameters,
+one of equal compute), trained in token cycles.
 
 Every cycle takes the next `cycle_tokens` training tokens of one data stream and, in this order:
 
@@ -7,8 +8,9 @@ Every cycle takes the next `cycle_tokens` training tokens of one data stream and
     cache_teacher    only with --teacher_cache_model: the teacher's top-k log-probs over the cycle's shards
     train_recurrent  `pretrain`: cycle 1 from the recurrent preset, later cycles continue the previous cycle's
                      training from its last checkpoint (weights, optimizer state, learning-rate schedule)
-    train_baseline   the same for the baseline (a LlamaForCausalLM): same tokenizer, data, order and seed
-    evaluate         both models on one fixed held-out set (the recurrent one at each evaluation depth),
+    train_baseline   the same for the baseline (a LlamaForCausalLM): same tokenizer, data, order and seed; then
+                     the second baseline's (train_compute_baseline), with --compute_baseline_preset
+    evaluate         every model on one fixed held-out set (the recurrent one at each evaluation depth),
                      appended to the results files; model cards rewritten; pushes submitted
     cleanup          the cycle's shards, teacher cache and intermediate checkpoints deleted, and the previous
                      cycle's last checkpoint (final weights stay, and the cycle's last checkpoint until the next ends)
@@ -26,7 +28,7 @@ cycles; more only under a schedule whose rate does not depend on its length (con
 Progress lives in `<output_dir>/compare_state.json` (`CompareState`): killed at any point, the same run continues
 where it stopped; finished stages are not redone, an interrupted training resumes from its last checkpoint.
 
-Under torchrun / accelerate launch both trainings run data-parallel on every process, with a global batch of the
+Under torchrun / accelerate launch the trainings run data-parallel on every process, with a global batch of the
 processes x batch x gradient accumulation; every other stage, and the state and results files, are written by one
 process while the others wait, then read the state it recorded (`trainer_ext.files.one_process_writes`).
 """
@@ -55,6 +57,7 @@ from trainer_ext.comparison.arguments import (
     changed_options,
     check_training_options,
     model_config_overrides,
+    model_option,
     schedule_depends_on_length,
 )
 from trainer_ext.comparison.evaluation import HeldoutEvaluation, write_cycle_card
@@ -62,7 +65,7 @@ from trainer_ext.comparison.progress import RunProgress, StepProgress, inner_bar
 from trainer_ext.comparison.pushes import CyclePushes
 from trainer_ext.comparison.report import RESULT_FILES, write_results
 from trainer_ext.comparison.state import CYCLE_STAGES, MODELS, STATE_NAME, CompareState
-from trainer_ext.comparison.training import CycleEnd, CycleTraining, whole_run_train_loss
+from trainer_ext.comparison.training import CycleEnd, CycleTraining, training_compute, whole_run_train_loss
 from trainer_ext.data.corpus import hub_datasets, source_text
 from trainer_ext.data.prepare import prepare
 from trainer_ext.data.shards import read_manifest
@@ -103,12 +106,13 @@ class ComparisonRun:
         self.stream_per_cycle = self.steps_per_cycle * self.global_batch * self.sample_len
         self.eval_samples = data_args.eval_tokens // self.sample_len
         self.depths = self._eval_depths()
-        self.repos = {"recurrent": training.hub_model_id,
-                      "baseline": args.hub_baseline_model_id or (f"{training.hub_model_id}-baseline"
-                                                                 if training.hub_model_id else None)}
+        self.models = tuple(m for m in MODELS if model_option(args, m, "preset") is not None)
+        hub = training.hub_model_id
+        self.repos = {"recurrent": hub, "baseline": args.hub_baseline_model_id or (hub and f"{hub}-baseline"),
+                      "compute_baseline": hub and f"{hub}-compute-baseline"}
         self.state: CompareState | None = None
-        self.overrides = {model: model_config_overrides(args, model, data_args.seq_len) for model in MODELS}
-        for model in MODELS:  # cycle 1's jobs, so a bad option fails in seconds, not after data preparation
+        self.overrides = {model: model_config_overrides(args, model, data_args.seq_len) for model in self.models}
+        for model in self.models:  # cycle 1's jobs, so a bad option fails in seconds, not after data preparation
             TrainingJob.resolve(*self.training(model, 1).arguments(args, options))
         self.writer = True  # this process writes the run's files (the first of a launch of several)
         self.pushes: CyclePushes | None = None
@@ -145,7 +149,9 @@ class ComparisonRun:
         return os.path.join(self.out, model, f"cycle-{cycle:03d}")
 
     def stages_per_cycle(self) -> tuple[str, ...]:
-        return tuple(s for s in CYCLE_STAGES if s != "cache_teacher" or self.args.teacher_cache_model is not None)
+        skipped = {"cache_teacher": self.args.teacher_cache_model is None,
+                   "train_compute_baseline": "compute_baseline" not in self.models}
+        return tuple(s for s in CYCLE_STAGES if not skipped.get(s))
 
     # -- what the run is
 
@@ -176,11 +182,11 @@ class ComparisonRun:
         return {"compare": compare, "data": data, "train_args": train_args}
 
     def teacher(self) -> str | None:
-        """The teacher both models are distilled from (a per-cycle cache or an online teacher), if any."""
+        """The teacher the models are distilled from (a per-cycle cache or an online teacher), if any."""
         return self.args.teacher_cache_model or self.options.model.teacher_model_name_or_path
 
     def distillation(self) -> dict:
-        """How both models were distilled, for the results: the teacher (None without one) and how it was used."""
+        """How the models were distilled, for the results: the teacher (None without one) and how it was used."""
         teacher, training = self.teacher(), self.options.training
         if teacher is None:
             return {"teacher": None}
@@ -334,40 +340,31 @@ class ComparisonRun:
         heldout = HeldoutEvaluation(self.heldout_dir(), self.state.heldout["tokenizer_hash"], self.depths,
                                     self.args.eval_batch_size, self.args.eval_max_batches, self.args.device,
                                     self.args.eval_dtype)
-        checkpoints = {model: (getattr(self.args, f"{model}_preset"),
-                               self.state.stage(cycle, f"train_{model}")["final_dir"]) for model in MODELS}
-        records = [{**record, **self.training_compute(cycle, record["arch"]), **self.distillation()}
-                   for record in heldout.evaluate(cycle, cycle * self.tokens_per_cycle, checkpoints, self.progress)]
-        for model in MODELS:
+        checkpoints = {model: (model_option(self.args, model, "preset"),
+                               self.state.stage(cycle, f"train_{model}")["final_dir"]) for model in self.models}
+        evaluated = heldout.evaluate(cycle, cycle * self.tokens_per_cycle, checkpoints, self.progress)
+        records = [{**record, **training_compute(self.state, record["arch"], cycle, self.tokens_per_cycle),
+                    **self.distillation()} for record in evaluated]
+        for model in self.models:
             self.write_card(cycle, model, records)
         self.state.mark_done(cycle, "evaluate", results=records)
         write_results(self.out, self.all_records())
 
-    def training_compute(self, cycle: int, model: str) -> dict:
-        """What `model`'s training cost up to the end of `cycle`: wall seconds in training and FLOPs at the depths
-        its steps ran (`RecurrentTrainer.floating_point_ops`), the one training's own counts over cycles 1..cycle,
-        and this cycle's tokens/s. None where the training recorded none."""
-        stage = self.state.stage(cycle, f"train_{model}")
-        seconds = stage.get("train_seconds")
-        before = self.state.stage(cycle - 1, f"train_{model}").get("train_seconds") if cycle > 1 else 0.0
-        cycle_seconds = seconds - before if seconds is not None and before is not None else None
-        return {"train_seconds": seconds, "train_flops": stage.get("train_flops"),
-                "train_tokens_per_second": round(self.tokens_per_cycle / cycle_seconds, 1) if cycle_seconds else None}
-
     def write_card(self, cycle: int, model: str, records: list[dict]) -> None:
         """The model card of a cycle's final checkpoint, with its held-out results (rewritten before a push, so
         it names the repo pushed to)."""
-        other = self.args.baseline_preset if model == "recurrent" else self.args.recurrent_preset
+        other = " and ".join(f"`{model_option(self.args, m, 'preset')}`" for m in self.models if m != model
+                             and "recurrent" in (m, model))
         tokens_seen, sources = cycle * self.tokens_per_cycle, self.sources()
         info = ModelCardInfo(
-            repo_id=self.repos[model], preset=getattr(self.args, f"{model}_preset"), teacher=self.teacher(),
+            repo_id=self.repos[model], preset=model_option(self.args, model, "preset"), teacher=self.teacher(),
             tokens_seen=tokens_seen, datasets=hub_datasets(sources), example_prompt=data_prompt(self.heldout_dir()),
             training_data=f"{'; '.join(map(source_text, sources))}, cycle {cycle}: {tokens_seen:,} tokens in cycles "
                           f"of {self.tokens_per_cycle:,}",
-            training_details={"Comparison": f"same-data comparison with `{other}` (same tokenizer, data, order and "
+            training_details={"Comparison": f"same-data comparison with {other} (same tokenizer, data, order and "
                                             "seed); evaluated on a fixed held-out set of "
                                             f"{self.state.heldout['num_samples'] * self.data_args.seq_len:,} tokens"})
-        compute = self.training_compute(cycle, model)
+        compute = training_compute(self.state, model, cycle, self.tokens_per_cycle)
         if compute["train_flops"] is not None:
             seconds = compute["train_seconds"]
             info.training_details["Training compute"] = (
@@ -378,7 +375,7 @@ class ComparisonRun:
     def cleanup(self, cycle: int) -> None:
         shutil.rmtree(self.data_dir(cycle), ignore_errors=True)
         shutil.rmtree(self.teacher_cache_dir(cycle), ignore_errors=True)
-        for model in MODELS:  # resume checkpoints, but the last one, which the next cycle (or a longer run) resumes
+        for model in self.models:  # resume checkpoints, but the last one, which the next cycle (or a longer run) takes
             keep = self.state.stage(cycle, f"train_{model}")["checkpoint"]
             folders = [self.train_dir(model, c) for c in (cycle - 1, cycle) if c >= 1]
             for checkpoint in (path for folder in folders for path in glob.glob(os.path.join(folder, "checkpoint-*"))):
@@ -392,7 +389,7 @@ class ComparisonRun:
     # -- driver
 
     def submit_pushes(self, cycle: int) -> None:
-        for model in MODELS:
+        for model in self.models:
             if not self.state.is_pushed(cycle, model):
                 self.write_card(cycle, model, self.state.stage(cycle, "evaluate")["results"])
                 stage = self.state.stage(cycle, f"train_{model}")
@@ -435,7 +432,8 @@ class ComparisonRun:
                 self.state = CompareState.read(path)
         self.writer = writes
         if self.writer and self.options.training.push_to_hub:
-            self.pushes = CyclePushes(self.repos, self.options.training.hub_private_repo, self.state)
+            self.pushes = CyclePushes({m: self.repos[m] for m in self.models}, self.options.training.hub_private_repo,
+                                      self.state)
         total = 1 + len(self.stages_per_cycle()) * args.num_cycles
         with logging_redirect_tqdm():
             self.progress = RunProgress(total, self.state.stages_done(), shown=self.writer)
@@ -493,11 +491,11 @@ class ComparisonRun:
             self._stage(cycle, "-", "prepare", self.prepare_cycle, cycle)
         if "cache_teacher" in self.stages_per_cycle() and not state.is_done(cycle, "cache_teacher"):
             self._stage(cycle, "-", "cache_teacher", self.cache_teacher, cycle)
-        for model in MODELS:
+        for model in self.models:
             if not state.is_done(cycle, f"train_{model}"):
                 self._stage(cycle, model, f"train_{model}", self.train, model, cycle, every_process=True)
         if not state.is_done(cycle, "evaluate"):
-            self._stage(cycle, "both", "evaluate", self.evaluate, cycle)
+            self._stage(cycle, "all", "evaluate", self.evaluate, cycle)
             if self.pushes is not None:
                 self.submit_pushes(cycle)  # uploads while the next cycle trains
         if not state.is_done(cycle, "cleanup"):

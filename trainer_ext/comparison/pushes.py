@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from trainer_ext.comparison.state import MODELS, CompareState
+from trainer_ext.comparison.state import CompareState
 from trainer_ext.hub.push import BackgroundPusher, cycle_commit_message
 
 logger = logging.getLogger(__name__)
@@ -23,8 +23,8 @@ class CyclePushes:
         self.repos = repos
         self.private = private
         self.pushers: dict[str, BackgroundPusher] = {}
-        self.jobs: dict[str, list[tuple[int, str]]] = {model: [] for model in MODELS}  # (cycle, commit message)
-        self.recorded: dict[str, int] = {model: 0 for model in MODELS}
+        self.jobs: dict[str, list[tuple[int, str]]] = {model: [] for model in repos}  # (cycle, commit message)
+        self.recorded: dict[str, int] = {model: 0 for model in repos}
 
     def submit(self, cycle: int, model: str, final_dir: str, tokens_seen: int) -> None:
         if model not in self.pushers:

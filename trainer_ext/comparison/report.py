@@ -34,7 +34,7 @@ def render_results(records: list[dict]) -> str:
     labels = list(dict.fromkeys(r["model"] for r in sorted(records, key=lambda r: (r["arch"] != "recurrent",
                                                                                      r["num_steps"] or 0))))
     text = ["# Same-data comparison", "",
-            "Held-out cross-entropy (nats/token, lower is better) after each cycle; both models saw the same tokens "
+            "Held-out cross-entropy (nats/token, lower is better) after each cycle; every model saw the same tokens "
             "in the same order."]
     frequency_only = next((r["frequency_only_ce"] for r in records if "frequency_only_ce" in r), None)
     if frequency_only is not None:  # records written before it was recorded lack it

@@ -27,10 +27,12 @@ from trainer_ext.files import check_same_run, differing_fields, write_json
 # they cannot be continued as one training and are refused, naming the fix.
 FORMAT_VERSION = 2
 STATE_NAME = "compare_state.json"
-MODELS = ("recurrent", "baseline")
+# The models a comparison may train: "compute_baseline" only with --compute_baseline_preset (a second baseline).
+MODELS = ("recurrent", "baseline", "compute_baseline")
 # Per cycle, in order. The held-out set is prepared once, before the first cycle ("heldout"); "cache_teacher" runs
-# only when the comparison distils from a per-cycle teacher cache.
-CYCLE_STAGES = ("prepare", "cache_teacher", "train_recurrent", "train_baseline", "evaluate", "cleanup")
+# only when the comparison distils from a per-cycle teacher cache, "train_compute_baseline" only with that baseline.
+CYCLE_STAGES = ("prepare", "cache_teacher", "train_recurrent", "train_baseline", "train_compute_baseline", "evaluate",
+                "cleanup")
 
 
 def _now() -> dict:

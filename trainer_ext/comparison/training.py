@@ -1,4 +1,5 @@
-"""The trainings of a comparison cycle: the typed arguments of one model's training, where it stops, and its loss.
+"""The trainings of a comparison cycle: the typed arguments of one model's training, where it stops, its loss and
+its compute.
 
 Each model's cycles are one training cut into pieces. The Trainer of every cycle is given the whole schedule
 (`max_steps`: the steps of every planned cycle, so one warm-up and one learning-rate schedule span the run) and
@@ -21,7 +22,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trainer_ext.checkpoints import checkpoint_step, last_complete_checkpoint
-from trainer_ext.comparison.arguments import RUN_WARMUP_STEPS, CompareArguments, TrainingOptions
+from trainer_ext.comparison.arguments import RUN_WARMUP_STEPS, CompareArguments, TrainingOptions, model_option
 from trainer_ext.training.arguments import DataArguments, ModelArguments, RecurrentTrainingArguments
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 class CycleTraining:
     """Where one model's training of one cycle starts, reads, stops and writes."""
 
-    model: str  # "recurrent" or "baseline"
+    model: str  # "recurrent", "baseline" or "compute_baseline"
     output_dir: str
     data_dir: str
     first_step: int  # optimizer steps of the cycles before this one
@@ -61,14 +62,14 @@ class CycleTraining:
                   ) -> tuple[ModelArguments, DataArguments, RecurrentTrainingArguments]:
         """The typed arguments of `trainer_ext.run.pretrain.pretrain` for this training."""
         if self.previous_final is None:
-            model_args = dataclasses.replace(options.model, preset=getattr(args, f"{self.model}_preset"),
+            model_args = dataclasses.replace(options.model, preset=model_option(args, self.model, "preset"),
                                              config_overrides=self.config_overrides)
         else:  # the weights are the checkpoint's, which the resume loads again with the optimizer state
             model_args = dataclasses.replace(options.model, model_name_or_path=self.previous_final)
         data_args = dataclasses.replace(options.data, data_dir=self.data_dir, teacher_cache_dir=self.teacher_cache_dir,
                                         save_final=True)
         shared = options.training
-        learning_rate = getattr(args, f"{self.model}_learning_rate")
+        learning_rate = model_option(args, self.model, "learning_rate")
         # The cycle's folder is the pipeline's own: without a checkpoint to resume (cycle 1), started afresh whatever
         # an interrupted start left there.
         checkpoint = self.checkpoint()
@@ -116,3 +117,15 @@ def whole_run_train_loss(log_history: list[dict], resumed_step: int | None, trai
         weighted += loss * (step - previous)
         previous = step
     return weighted / (previous - first_step)
+
+
+def training_compute(state, model: str, cycle: int, tokens_per_cycle: int) -> dict:
+    """What `model`'s training cost up to the end of `cycle` (`state`: the run's `CompareState`): wall seconds in
+    training and FLOPs at the depths its steps ran (`RecurrentTrainer.floating_point_ops`), the one training's own
+    counts over cycles 1..cycle, and this cycle's tokens/s. None where the training recorded none."""
+    stage = state.stage(cycle, f"train_{model}")
+    seconds = stage.get("train_seconds")
+    before = state.stage(cycle - 1, f"train_{model}").get("train_seconds") if cycle > 1 else 0.0
+    cycle_seconds = seconds - before if seconds is not None and before is not None else None
+    return {"train_seconds": seconds, "train_flops": stage.get("train_flops"),
+            "train_tokens_per_second": round(tokens_per_cycle / cycle_seconds, 1) if cycle_seconds else None}
