@@ -262,7 +262,7 @@ def model_config_overrides(args: CompareArguments, model: str, seq_len: int) -> 
     layers = presets.compute_matched_layers(recurrent, seq_len=seq_len)
     logger.info("Baseline %s: %d layers, the training FLOPs per token of %s at mean depth %d (gradients through %s "
                 "steps) at seq %d.", preset, layers, args.recurrent_preset, recurrent.mean_recurrence,
-                recurrent.backprop_depth or "every", seq_len)
+                recurrent.backprop_depth or "all", seq_len)
     return ",".join(filter(None, [given, f"num_hidden_layers={layers}"]))
 
 
