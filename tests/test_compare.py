@@ -527,6 +527,12 @@ def test_the_baseline_of_equal_compute_matches_the_recurrent_model_as_overridden
     assert baseline_overrides("--baseline_config_overrides", "num_hidden_layers=3") == "num_hidden_layers=3"
     assert baseline_overrides("--baseline_config_overrides", "rms_norm_eps=1e-5") == \
         f"rms_norm_eps=1e-5,num_hidden_layers={presets.compute_matched_layers(default, seq_len=32)}"
+    # The same rule for a second baseline beside a parameter-matched one; the baseline's overrides stay its own.
+    run = ComparisonRun(*parse_args(argv(tmp_path / "run", "--compute_baseline_preset", "transformer-debug-compute",
+                                         "--recurrent_config_overrides", "mean_recurrence=16,backprop_depth=8",
+                                         "--baseline_config_overrides", "num_hidden_layers=3")))
+    assert run.overrides == {"recurrent": "mean_recurrence=16,backprop_depth=8", "baseline": "num_hidden_layers=3",
+                             "compute_baseline": f"num_hidden_layers={matched}"}
     assert not (tmp_path / "run").exists()
 
 
