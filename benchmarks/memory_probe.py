@@ -66,22 +66,25 @@ def selective_grid(preset: str, seq_len: int, compiled_variants: tuple[bool, ...
 
 def offload_grid(preset: str, seq_len: int, compiled_variants: tuple[bool, ...]) -> list[dict]:
     """Probes of activation offload (`--memory_placements all`'s placement, forced): the unique layers offloaded and
-    the core steps recomputed, then every graph-building application offloaded, at batches 1, 2, 4 (units). Each
-    record carries the placement program's prediction of its peak and step time (`predicted_*`): what the overlap
-    of the copies with compute has to meet (the fit leaves these records out)."""
+    the core steps recomputed, then every graph-building application offloaded, at batches 1, 2, 4 (units), each
+    batch beside every application recomputed (`recompute_reference`: the step the offloaded ones are set against on
+    the device they run on, whatever device the calibration's step times come from). Each record carries the placement
+    program's prediction of its peak and step time (`predicted_*`): what the overlap of the copies with compute has to
+    meet (the fit leaves the offload records out)."""
     from hf_recurrent import presets
     from trainer_ext.memory.recompute import Applications, RecomputeSet
 
     config = presets.get(preset)
     prelude, coda = tuple(range(config.n_prelude_layers)), tuple(range(config.n_coda_layers))
     steps = tuple(range(config.backprop_depth or config.mean_recurrence))
-    placements = {"offload_unique": RecomputeSet(core_steps=steps, offload=Applications(prelude, (), coda)),
+    placements = {"recompute_reference": RecomputeSet(prelude, steps, coda),
+                  "offload_unique": RecomputeSet(core_steps=steps, offload=Applications(prelude, (), coda)),
                   "offload_all": RecomputeSet(offload=Applications(prelude, steps, coda))}
     u = BATCH_UNIT.get(preset, 1)
     return [{"preset": preset, "seq_len": seq_len, "batch_size": batch * u, "recompute": name,
-             "recompute_set": placement.to_dict(), "compile": compiled, "momentum": None, "distill": False}
-            for compiled in compiled_variants for name, placement in placements.items()
-            for batch in (1, 2, 4)]
+             "recompute_set": placement.to_dict(), "compile": compiled, "momentum": None, "distill": False,
+             "predict": True}
+            for compiled in compiled_variants for name, placement in placements.items() for batch in (1, 2, 4)]
 
 
 def predicted_figures(record: dict) -> dict:
@@ -370,7 +373,7 @@ def child(specs_path: str, output: str, deadline: float, steps: int, compile_ste
                     machine["model_build_seconds"] = round(time.perf_counter() - started, 2)
                 run_steps = compile_steps if spec["compile"] else steps
                 record = run_probe(model, spec, run_steps, device, output_dir)
-                if spec["recompute"].startswith("offload") and record["status"] == "ok":
+                if spec.get("predict") and record["status"] == "ok":
                     record.update(predicted_figures({**spec, **record}))
             _append(output, {**spec, **record, **machine})
             print(json.dumps({k: v for k, v in {**spec, **record}.items() if k not in ("config", "recompute_set")}),

@@ -136,19 +136,26 @@ def test_selective_probes_are_left_out_of_the_fit_until_it_has_a_term_for_them()
 
 def test_offload_probes_train_the_forced_placement_and_carry_the_programs_prediction(tmp_path):
     """memory_probe --offload_probes (a CPU dry run of the GPU path): each probe trains with its offload placement
-    through the hooks and its record holds the program's predicted peak and step time beside what was measured; the
-    calibration's fit leaves such records out."""
+    through the hooks, beside the same batch fully recomputed, and its record holds the program's predicted peak and
+    step time beside what was measured; the calibration's fit leaves the offloaded records out."""
     from benchmarks.memory_probe import main, offload_grid
     from trainer_ext.memory.estimator import usable_probes
     from trainer_ext.memory.recompute import RecomputeSet
 
     specs = offload_grid("recurrent-7b", 2048, (True, False))
-    assert {spec["recompute"] for spec in specs} == {"offload_unique", "offload_all"} and len(specs) == 12
-    assert all(RecomputeSet.from_dict(spec["recompute_set"]).offload for spec in specs)
+    names = {spec["recompute"] for spec in specs}
+    assert names == {"recompute_reference", "offload_unique", "offload_all"} and len(specs) == 18
+    for spec in specs:  # the reference recomputes every graph-building application, the others offload some
+        placement = RecomputeSet.from_dict(spec["recompute_set"])
+        assert bool(placement.offload) == (spec["recompute"] != "recompute_reference")
     output = tmp_path / "offload.jsonl"
     assert main(["--presets", "debug", "--device", "cpu", "--offload_probes", "--no_compile_probes", "--seq_len",
                  "32", "--steps", "2", "--output", str(output)]) == 0
     records = [json.loads(line) for line in output.read_text().splitlines()]
-    assert len(records) == 6 and all(r["status"] == "ok" for r in records)
-    assert all(r["predicted_step_seconds"] > 0 and r["predicted_host_gib"] > 0 for r in records)
-    assert usable_probes([{**r, "peak_reserved_bytes": 2**30} for r in records]) == []
+    assert len(records) == 9 and all(r["status"] == "ok" and r["predicted_step_seconds"] > 0 for r in records)
+    offloaded = [r for r in records if r["recompute"] != "recompute_reference"]
+    assert all(r["predicted_host_gib"] > 0 for r in offloaded)
+    assert {r["predicted_host_gib"] for r in records if r not in offloaded} == {0}
+    # the fit takes the references (plain recompute probes) and leaves the offloaded ones out
+    usable = usable_probes([{**r, "peak_reserved_bytes": 2**30} for r in records])
+    assert [r["recompute"] for r in usable] == ["recompute_reference"] * 3
