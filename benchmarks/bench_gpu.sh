@@ -52,7 +52,7 @@
 #       of PRESETS (default "recurrent-125m transformer-125m") at SEQ (default 1024), within SECONDS_LIMIT (300);
 #       $OUT/probes.jsonl, to fit with the committed ones: cat results/memory-probes/probes.jsonl probes.jsonl > all.jsonl;
 #       python3 -m benchmarks.memory_probe --fit all.jsonl; -- --only_distill_probes: a cached teacher at --vocab_sizes;
-#       -- --selective_probes: selective recomputation (not fitted yet: the records to price it); -- --offload_probes:
+#       -- --selective_probes: selective recomputation beside full (the pairs --fit prices it from); -- --offload_probes:
 #       activation offload forced, each record with the placement program's predicted peak and step time, beside the
 #       same batch fully recomputed; -- --only_compile_probes with either: the compiled probes alone
 #   bash benchmarks/bench_gpu.sh waits [host_waits / run_pretrain args]   a 125M run's waits for the GPU (their Python

@@ -116,7 +116,7 @@ def test_offload_on_cuda_moves_tensors_to_pinned_host_memory_and_frees_the_devic
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_selective_probes_are_left_out_of_the_fit_until_it_has_a_term_for_them():
+def test_selective_and_offload_probes_are_left_out_of_the_peak_fit():
     from benchmarks.memory_probe import selective_grid
     from trainer_ext.memory.estimator import usable_probes
 
@@ -132,6 +132,50 @@ def test_selective_probes_are_left_out_of_the_fit_until_it_has_a_term_for_them()
     placed = [{**ran, "recompute_set": {**full["recompute_set"], key: {"prelude": [1], "core_steps": [], "coda": []}}}
               for key in ("selective_recompute", "offload")]
     assert usable_probes([full, selective, *placed]) == [full]
+
+
+def test_selective_probe_pairs_price_the_selective_placement_in_the_calibration():
+    """A selective probe beside its fully recomputed twin (as `--selective_probes` writes them) gives the bytes a
+    selective application holds beyond a recomputed one (a multiple of the analytic S) and the share of the
+    recomputation's time it still costs; the fit stores both, the peak and time fits stay as without the pair, and
+    the placement program prices selective recomputation with them."""
+    import dataclasses
+    import os
+
+    from trainer_ext.memory.estimator import (ModelShape, fit_calibration, load_calibration, probe_recomputed,
+                                              read_probes, steady_step_seconds)
+    from trainer_ext.memory.placement import Program, bytes_per_token, fit_selective, selective_saved_bytes
+    from trainer_ext.memory.recompute import RECOMPUTE, SELECTIVE
+
+    probes = read_probes(os.path.join(os.path.dirname(__file__), os.pardir, "results", "memory-probes",
+                                      "probes.jsonl"))
+    twin = next(p for p in probes if p["preset"] == "recurrent-3.3b" and p.get("recompute") == "all"
+                and p.get("compile") and p["status"] == "ok" and not p.get("distill_topk"))
+    committed = load_calibration()
+    shape, applications = ModelShape.from_record(twin), probe_recomputed(twin)
+    tokens, full_seconds = twin["batch_size"] * twin["seq_len"], steady_step_seconds(twin)
+    predicted = [committed.step_seconds(shape, twin["batch_size"], twin["seq_len"], n, True) for n in (0, applications)]
+    recompute_seconds = full_seconds * (predicted[1] - predicted[0]) / predicted[1]
+    selective = {**twin, "recompute_set": {**twin["recompute_set"], "selective": True},
+                 "peak_reserved_bytes": twin["peak_reserved_bytes"] + 1.2 * selective_saved_bytes(shape) * applications
+                 * tokens, "step_seconds": [s - 0.75 * recompute_seconds for s in twin["step_seconds"]]}
+    fitted = fit_selective([selective, twin], committed)
+    assert fitted == {"saved_multiple": pytest.approx(1.2, rel=1e-3), "time_fraction": pytest.approx(0.25, abs=1e-3),
+                      "pairs": 1}
+    assert fit_selective([selective], committed) is None  # no twin, no term
+    assert fit_selective([selective, {**twin, "batch_size": twin["batch_size"] + 1}], committed) is None
+
+    calibration = fit_calibration([*probes, selective, twin], leave_one_out=False)
+    assert calibration.info["selective"] == fitted
+    assert calibration.families == fit_calibration([*probes, twin], leave_one_out=False).families
+    program, analytic = (Program(shape, c, 4, 2048, True, choices="all") for c in
+                         (calibration, dataclasses.replace(calibration, info={})))
+    per_token = bytes_per_token(shape, calibration, True)
+    assert per_token[SELECTIVE] == min(per_token["keep"], per_token[RECOMPUTE] + 1.2 * selective_saved_bytes(shape))
+    assert program.memory[SELECTIVE] == pytest.approx((per_token[SELECTIVE] - per_token["keep"]) * 4 * 2048)
+    assert program.seconds[SELECTIVE] == pytest.approx(fitted["time_fraction"] * program.seconds[RECOMPUTE])
+    assert analytic.seconds[SELECTIVE] == pytest.approx(0.1 * analytic.seconds[RECOMPUTE])  # the analytic default
+    assert analytic.memory[SELECTIVE] < program.memory[SELECTIVE] < 0  # holds more than S, less than keeping
 
 
 def test_offload_probes_train_the_forced_placement_and_carry_the_programs_prediction(tmp_path):

@@ -279,7 +279,8 @@ def default_allocator(settings: str) -> bool:
 
 def usable_probes(records: list[dict]) -> list[dict]:
     """Records that ran (status ok) and carry memory figures (a CUDA probe), of placements the features carry (keep
-    and recompute: selective recomputation and offload have no terms yet), under the allocator's default settings
+    and recompute: selective recomputation is priced apart, by `placement.fit_selective`, and offload has no terms
+    yet), under the allocator's default settings
     (`trainer_ext.devices.allocator_settings`: expandable segments hold other peaks)."""
     def fitted(placement: dict) -> bool:
         return not (placement.get("selective") or placement.get("selective_recompute") or placement.get("offload"))
@@ -383,6 +384,9 @@ def fit_calibration(records: list[dict], probe_command: str | None = None, fit_c
         memory, theta = _fit_memory(shapes, members, objective=objective)
         time, compile_factor = _fit_time(shapes, members)
         families[family] = FamilyFit(memory, theta, time, compile_factor)
+    from trainer_ext.memory.placement import fit_selective  # placement builds on this module
+
+    selective = fit_selective(records, Calibration(families, {}))
     first = probes[0]
     info = {"device_name": first.get("device_name"), "device_total_bytes": first.get("device_total_bytes"),
             "torch": first.get("torch"), "transformers": first.get("transformers"),
@@ -392,6 +396,8 @@ def fit_calibration(records: list[dict], probe_command: str | None = None, fit_c
             "probes_per_preset": {}}
     for p in probes:
         info["probes_per_preset"][p["preset"]] = info["probes_per_preset"].get(p["preset"], 0) + 1
+    if selective is not None:  # the selective placement's measured terms (placement.fit_selective)
+        info["selective"] = selective
     calibration = Calibration(families, info)
     calibration.info["residuals"] = residuals(calibration, probes, leave_one_out)
     return calibration

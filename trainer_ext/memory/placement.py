@@ -25,8 +25,12 @@ Per layer application of N tokens (K, R, S bytes per token):
                 This cost form is what the runtime does: at each layer boundary the compute stream waits for the
                 copies of the application before, so a copy stream slower than compute stalls it by the difference.
 
-Until GPU probes calibrate them (the selective probes exist: `memory_probe --selective_probes`; offload has none yet),
-S, SELECTIVE_TIME_FRACTION, the overlap and OFFLOAD_SECONDS_PER_APPLICATION are this analytic model, not measurements.
+Selective recomputation is calibrated by probe pairs (`memory_probe --selective_probes`: each batch recomputed
+selectively and in full in one process; `fit_selective`, run by the calibration's fit): the bytes a selective
+application holds over a full recompute's input, as a multiple of S (the largest over the pairs, an upper bound like
+the peaks), and the share of a full recompute's time it still costs (the median), kept in the calibration's
+`selective` entry. Without pairs S and SELECTIVE_TIME_FRACTION stand as above; the overlap and
+OFFLOAD_SECONDS_PER_APPLICATION are this analytic model until `memory_probe --offload_probes` measures them.
 So the program chooses between keep and recompute unless asked for more (`--memory_placements all`, PLACEMENT_CHOICES):
 a training run's default placement stays the measured one until probes price the other two.
 The bandwidths are the device profile's (`--device_profile`), or for the calibration's own device the datasheet link
@@ -48,12 +52,14 @@ OFFLOAD_SECONDS_PER_APPLICATION = 5e-4
 OFFLOAD_WINDOW_APPLICATIONS = 2
 BF16_BYTES = 2
 HOST_FRACTION = 0.5
-# What the program may choose: keep / recompute (calibrated), or all four (selective and offload: the analytic terms).
+# What the program may choose: keep / recompute (calibrated), or all four (selective: calibrated from probe pairs where
+# the calibration has them, else analytic; offload: analytic).
 PLACEMENT_CHOICES = ("recompute", "all")
 DEFAULT_PLACEMENTS = "recompute"
 PLACEMENTS_HELP = ("The placements the memory plan may choose per layer application: recompute (keep or recompute, "
                    "the calibrated ones, the default) or all (also selective recomputation and offload to pinned "
-                   "host memory, priced by an analytic model that GPU probes have not calibrated yet).")
+                   "host memory: selective priced by the calibration's probe pairs where it has them, offload by an "
+                   "analytic model that GPU probes have not calibrated yet).")
 # PCIe 5.0 x16: 32 GT/s per lane, 128b/130b encoding (PCI-SIG, PCI Express Base Specification 5.0), each way.
 CALIBRATION_DEVICE_HOST_DEVICE_BYTES_PER_SECOND = {"NVIDIA H200": 32e9 * 16 * 128 / 130 / 8}
 HOST_HELP = ("Pinned host memory, GiB, that activation offload may use on this machine, all processes together "
@@ -101,6 +107,13 @@ def host_device_rates(calibration: Calibration) -> tuple[float, float] | None:
     return (rate, rate) if rate else None
 
 
+def selective_saved_bytes(shape: ModelShape) -> int:
+    """S: the bytes per token of what `offload.selective_checkpoint` saves of one layer application (module
+    docstring), before the calibration's multiple."""
+    q_dim, kv_dim = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    return BF16_BYTES * (2 * q_dim + 2 * kv_dim + 2 * shape.hidden_size + 2 * shape.intermediate_size)
+
+
 def bytes_per_token(shape: ModelShape, calibration: Calibration, compiled: bool) -> dict[str, float]:
     """Device bytes one layer application holds per token under each placement but offload (module docstring)."""
     c = dict(zip(MEMORY_FEATURES, calibration.fit_for(shape).memory_coefficients))
@@ -108,9 +121,46 @@ def bytes_per_token(shape: ModelShape, calibration: Calibration, compiled: bool)
     h, i = shape.hidden_size, shape.intermediate_size
     keep = c[f"{prefix}kept_intermediate"] * i + c[f"{prefix}kept_hidden"] * h
     recompute = c[f"{prefix}recomputed_hidden"] * h
-    q_dim, kv_dim = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
-    saved = BF16_BYTES * (2 * q_dim + 2 * kv_dim + 2 * h + 2 * i)
+    saved = calibration.info.get("selective", {}).get("saved_multiple", 1.0) * selective_saved_bytes(shape)
     return {"keep": keep, RECOMPUTE: recompute, SELECTIVE: min(keep, recompute + saved)}
+
+
+def fit_selective(records: list[dict], calibration: Calibration) -> dict | None:
+    """The selective placement's terms (module docstring) from the probe pairs in `records`: a selective probe and,
+    next to it in the file, the same preset, batch, length, compilation, momentum and teacher recomputed in full
+    (`memory_probe --selective_probes` writes them so, in one process), with `calibration`'s step times for the
+    share of a full step its recomputation takes; None without a pair."""
+    from trainer_ext.memory.estimator import probe_recomputed, steady_step_seconds
+
+    def key(r):
+        return (r["preset"], r["batch_size"], r["seq_len"], bool(r.get("compile")), r.get("distill_topk", 0),
+                r.get("momentum"), r.get("config", {}).get("vocab_size"))
+
+    def ran(r):
+        return r.get("status") == "ok" and r.get("peak_reserved_bytes") and r.get("step_seconds")
+
+    multiples, shares = [], []
+    for index, r in enumerate(records):
+        if not (ran(r) and r.get("recompute_set", {}).get("selective")):
+            continue
+        neighbours = [records[j] for j in (index + 1, index - 1) if 0 <= j < len(records)]
+        twin = next((t for t in neighbours if ran(t) and t.get("recompute") == "all"
+                     and not t["recompute_set"].get("selective") and key(t) == key(r)), None)
+        if twin is None:
+            continue
+        shape, applications = ModelShape.from_record(r), probe_recomputed(r)
+        tokens = r["batch_size"] * r["seq_len"]
+        extra = (r["peak_reserved_bytes"] - twin["peak_reserved_bytes"]) / (applications * tokens)
+        multiples.append(max(extra, 0.0) / selective_saved_bytes(shape))
+        predicted = [calibration.step_seconds(shape, r["batch_size"], r["seq_len"], n, bool(r.get("compile")))
+                     for n in (0, applications)]
+        full_seconds = steady_step_seconds(twin)  # the recompute's share of the step, on the device measured
+        recompute_seconds = full_seconds * (predicted[1] - predicted[0]) / predicted[1]
+        shares.append(1.0 - (full_seconds - steady_step_seconds(r)) / recompute_seconds)
+    if not multiples:
+        return None
+    return {"saved_multiple": round(max(multiples), 4), "time_fraction": round(float(np.median(shares)), 4),
+            "pairs": len(multiples)}
 
 
 def _groups(shape: ModelShape) -> list[tuple[str, int, int]]:
@@ -150,7 +200,8 @@ class Program:
         recompute_time = calibration.step_seconds(shape, batch, seq_len, 1, compiled) - self.time0
         self.memory = {RECOMPUTE: calibration.peak_bytes(shape, batch, seq_len, 1, distill_topk, compiled) - self.peak0,
                        SELECTIVE: (per_token[SELECTIVE] - per_token["keep"]) * tokens, OFFLOAD: -self.keep_bytes}
-        self.seconds = {RECOMPUTE: recompute_time, SELECTIVE: SELECTIVE_TIME_FRACTION * recompute_time}
+        fraction = calibration.info.get("selective", {}).get("time_fraction", SELECTIVE_TIME_FRACTION)
+        self.seconds = {RECOMPUTE: recompute_time, SELECTIVE: max(fraction, 0.0) * recompute_time}
         self.window_bytes = OFFLOAD_WINDOW_APPLICATIONS * self.keep_bytes
         rates = host_device_rates(calibration)
         self.offload_seconds = None if rates is None else self._offload_seconds(*rates)
