@@ -154,6 +154,8 @@ case $STAGE in
     RECURRENT=$(ls -d $DIR/recurrent/cycle-*/final | tail -1) BASELINE=$(ls -d $DIR/baseline/cycle-*/final | tail -1)
     [ $CODE = 0 ] || exit $CODE
     cp $RECURRENT/README.md "$OUT/compare/model_card_recurrent.md"; cp $BASELINE/README.md "$OUT/compare/model_card_baseline.md"
+    SECOND=$(ls -d $DIR/compute_baseline/cycle-*/final 2>/dev/null | tail -1)  # with --compute_baseline_preset
+    [ -z "$SECOND" ] || cp $SECOND/README.md "$OUT/compare/model_card_compute_baseline.md"
     python3 -m scripts.evaluate_checkpoints --checkpoints $RECURRENT $BASELINE --labels recurrent baseline \
       --data_dir $DIR/data/heldout --depths 1 3 6 12 24 --cache_cost_depths 3 6 12 --output_dir "$OUT/compare/eval" \
       > "$OUT/evaluate.log" 2>&1; echo "evaluate exit code $?"; cat "$OUT"/compare/eval/*.md ;;
