@@ -7,7 +7,7 @@ over the runs, and the paired differences the depth and comparison claims rest o
 Each argument is one run's `--output_dir` of `hf-recurrent-compare` (its results.jsonl), the runs differing only in
 --seed. The table is taken at --cycle (default: the last cycle every run finished). Paired differences subtract
 within a run (same seed: the same data order and initial weights): the recurrent model at each depth against each
-baseline, and its deepest evaluated depth against each shallower one.
+baseline, and each evaluated depth against each shallower one.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ def summarize(runs: list[list[dict]], cycle: int | None = None) -> tuple[int, di
     for r in recurrent:
         for baseline in baselines:
             differences[f"{r['model']} minus {baseline}"] = [a - b for a, b in zip(ce[r["model"]], ce[baseline])]
-    if recurrent:
-        deepest = recurrent[-1]["model"]
-        for r in recurrent[:-1]:
-            differences[f"{deepest} minus {r['model']}"] = [a - b for a, b in zip(ce[deepest], ce[r["model"]])]
+    for i, deeper in enumerate(recurrent):  # every depth against each shallower one (n = 12 minus n = 4, ...)
+        for shallower in recurrent[:i]:
+            differences[f"{deeper['model']} minus {shallower['model']}"] = [
+                a - b for a, b in zip(ce[deeper["model"]], ce[shallower["model"]])]
     return cycle, ce, differences
 
 

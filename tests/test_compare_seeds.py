@@ -23,7 +23,7 @@ def test_three_seeds_give_means_spreads_and_paired_differences(tmp_path, capsys)
     runs = []
     for seed, (n4, n12, base) in enumerate([(3.33, 3.30, 3.42), (3.24, 3.21, 3.45), (3.30, 3.28, 3.40)]):
         write_run(tmp_path / f"s{seed}", {"recurrent-125m n=4": n4, "recurrent-125m n=12": n12,
-                                          "transformer-125m": base})
+                                          "recurrent-125m n=24": n12 + 0.001, "transformer-125m": base})
         runs.append(str(tmp_path / f"s{seed}"))
     out = tmp_path / "seeds.md"
     assert compare_seeds.main([*runs, "--output", str(out)]) == 0
@@ -31,7 +31,10 @@ def test_three_seeds_give_means_spreads_and_paired_differences(tmp_path, capsys)
     assert cycle == 2 and ce["transformer-125m"] == pytest.approx([3.42, 3.45, 3.40])
     gap = differences["recurrent-125m n=12 minus transformer-125m"]
     assert gap == pytest.approx([-0.12, -0.24, -0.12])
+    # every depth against each shallower one: n = 12 against n = 4 also where a deeper one was evaluated
     assert differences["recurrent-125m n=12 minus recurrent-125m n=4"] == pytest.approx([-0.03, -0.03, -0.02])
+    assert differences["recurrent-125m n=24 minus recurrent-125m n=12"] == pytest.approx([0.001] * 3)
+    assert len([name for name in differences if name.count("recurrent") == 2]) == 3
     text = out.read_text()
     assert f"{statistics.mean(gap):+.4f} | {statistics.stdev(gap):.4f} | 0.1200" in text
     assert text == capsys.readouterr().out.rstrip("\n") + "\n"
