@@ -57,7 +57,7 @@ TOPK = 64  # a teacher cache's default top-k
 def selective_grid(preset: str, seq_len: int, compiled_variants: tuple[bool, ...]) -> list[dict]:
     """Probes of selective recomputation (every layer application, the matrix products' outputs kept), each beside the
     same batch fully recomputed in the same process: the pairs the fit prices the placement from
-    (`trainer_ext.memory.placement.fit_selective`; the peak fit leaves the selective ones out)."""
+    (`trainer_ext.memory.estimator.fit_selective`; the peak fit leaves the selective ones out)."""
     u = BATCH_UNIT.get(preset, 1)
     return [{"preset": preset, "seq_len": seq_len, "batch_size": batch * u, "recompute": "all", "compile": compiled,
              "momentum": None, "distill": False, "selective": selective}

@@ -142,9 +142,9 @@ def test_selective_probe_pairs_price_the_selective_placement_in_the_calibration(
     import dataclasses
     import os
 
-    from trainer_ext.memory.estimator import (ModelShape, fit_calibration, load_calibration, probe_recomputed,
-                                              read_probes, steady_step_seconds)
-    from trainer_ext.memory.placement import Program, bytes_per_token, fit_selective, selective_saved_bytes
+    from trainer_ext.memory.estimator import (ModelShape, fit_calibration, fit_selective, load_calibration,
+                                              probe_recomputed, read_probes, steady_step_seconds)
+    from trainer_ext.memory.placement import Program, bytes_per_token
     from trainer_ext.memory.recompute import RECOMPUTE, SELECTIVE
 
     probes = read_probes(os.path.join(os.path.dirname(__file__), os.pardir, "results", "memory-probes",
@@ -157,7 +157,7 @@ def test_selective_probe_pairs_price_the_selective_placement_in_the_calibration(
     predicted = [committed.step_seconds(shape, twin["batch_size"], twin["seq_len"], n, True) for n in (0, applications)]
     recompute_seconds = full_seconds * (predicted[1] - predicted[0]) / predicted[1]
     selective = {**twin, "recompute_set": {**twin["recompute_set"], "selective": True},
-                 "peak_reserved_bytes": twin["peak_reserved_bytes"] + 1.2 * selective_saved_bytes(shape) * applications
+                 "peak_reserved_bytes": twin["peak_reserved_bytes"] + 1.2 * shape.selective_saved_bytes * applications
                  * tokens, "step_seconds": [s - 0.75 * recompute_seconds for s in twin["step_seconds"]]}
     fitted = fit_selective([selective, twin], committed)
     assert fitted == {"saved_multiple": pytest.approx(1.2, rel=1e-3), "time_fraction": pytest.approx(0.25, abs=1e-3),
@@ -171,7 +171,7 @@ def test_selective_probe_pairs_price_the_selective_placement_in_the_calibration(
     program, analytic = (Program(shape, c, 4, 2048, True, choices="all") for c in
                          (calibration, dataclasses.replace(calibration, info={})))
     per_token = bytes_per_token(shape, calibration, True)
-    assert per_token[SELECTIVE] == min(per_token["keep"], per_token[RECOMPUTE] + 1.2 * selective_saved_bytes(shape))
+    assert per_token[SELECTIVE] == min(per_token["keep"], per_token[RECOMPUTE] + 1.2 * shape.selective_saved_bytes)
     assert program.memory[SELECTIVE] == pytest.approx((per_token[SELECTIVE] - per_token["keep"]) * 4 * 2048)
     assert program.seconds[SELECTIVE] == pytest.approx(fitted["time_fraction"] * program.seconds[RECOMPUTE])
     assert analytic.seconds[SELECTIVE] == pytest.approx(0.1 * analytic.seconds[RECOMPUTE])  # the analytic default

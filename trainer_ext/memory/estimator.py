@@ -124,6 +124,13 @@ class ModelShape:
         """Layer applications that build a graph: prelude, coda and the core layers of each graph step."""
         return self.n_prelude_layers + self.n_coda_layers + self.n_core_layers * self.graph_steps
 
+    @property
+    def selective_saved_bytes(self) -> int:
+        """S: the bytes per token of what selective recomputation saves of one layer application (the matrix
+        products' and attention's outputs in bf16, `offload.selective_checkpoint`; `placement`'s docstring)."""
+        q_dim, kv_dim = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return 2 * (2 * q_dim + 2 * kv_dim + 2 * self.hidden_size + 2 * self.intermediate_size)
+
     def layer_flops(self, seq_len: int) -> float:
         """Forward FLOPs per token of one layer application (as `hf_recurrent.cost`)."""
         q_dim, kv_dim = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
@@ -279,7 +286,7 @@ def default_allocator(settings: str) -> bool:
 
 def usable_probes(records: list[dict]) -> list[dict]:
     """Records that ran (status ok) and carry memory figures (a CUDA probe), of placements the features carry (keep
-    and recompute: selective recomputation is priced apart, by `placement.fit_selective`, and offload has no terms
+    and recompute: selective recomputation is priced apart, by `fit_selective`, and offload has no terms
     yet), under the allocator's default settings
     (`trainer_ext.devices.allocator_settings`: expandable segments hold other peaks)."""
     def fitted(placement: dict) -> bool:
@@ -359,6 +366,42 @@ def _fit_time(shapes, probes):
     return coefficients.tolist(), (statistics.median(compiled) if compiled else 1.0)
 
 
+def fit_selective(records: list[dict], calibration: Calibration) -> dict | None:
+    """The selective placement's terms (`placement`'s docstring) from the probe pairs in `records`: a selective probe
+    and, next to it in the file, the same preset, batch, length, compilation, momentum and teacher recomputed in full
+    (`memory_probe --selective_probes` writes them so, in one process), with `calibration`'s step times for the
+    share of a full step its recomputation takes; None without a pair."""
+    def key(r):
+        return (r["preset"], r["batch_size"], r["seq_len"], bool(r.get("compile")), r.get("distill_topk", 0),
+                r.get("momentum"), r.get("config", {}).get("vocab_size"))
+
+    def ran(r):
+        return r.get("status") == "ok" and r.get("peak_reserved_bytes") and r.get("step_seconds")
+
+    multiples, shares = [], []
+    for index, r in enumerate(records):
+        if not (ran(r) and r.get("recompute_set", {}).get("selective")):
+            continue
+        neighbours = [records[j] for j in (index + 1, index - 1) if 0 <= j < len(records)]
+        twin = next((t for t in neighbours if ran(t) and t.get("recompute") == "all"
+                     and not t["recompute_set"].get("selective") and key(t) == key(r)), None)
+        if twin is None:
+            continue
+        shape, applications = ModelShape.from_record(r), probe_recomputed(r)
+        tokens = r["batch_size"] * r["seq_len"]
+        extra = (r["peak_reserved_bytes"] - twin["peak_reserved_bytes"]) / (applications * tokens)
+        multiples.append(max(extra, 0.0) / shape.selective_saved_bytes)
+        predicted = [calibration.step_seconds(shape, r["batch_size"], r["seq_len"], n, bool(r.get("compile")))
+                     for n in (0, applications)]
+        full_seconds = steady_step_seconds(twin)  # the recompute's share of the step, on the device measured
+        recompute_seconds = full_seconds * (predicted[1] - predicted[0]) / predicted[1]
+        shares.append(1.0 - (full_seconds - steady_step_seconds(r)) / recompute_seconds)
+    if not multiples:
+        return None
+    return {"saved_multiple": round(max(multiples), 4), "time_fraction": round(statistics.median(shares), 4),
+            "pairs": len(multiples)}
+
+
 def fit_calibration(records: list[dict], probe_command: str | None = None, fit_command: str | None = None,
                     source: str = "probes", leave_one_out: bool = True, objective: str = "bytes") -> Calibration:
     """A calibration fitted to the usable probe records, each model family's coefficients to its own probes, with
@@ -384,8 +427,6 @@ def fit_calibration(records: list[dict], probe_command: str | None = None, fit_c
         memory, theta = _fit_memory(shapes, members, objective=objective)
         time, compile_factor = _fit_time(shapes, members)
         families[family] = FamilyFit(memory, theta, time, compile_factor)
-    from trainer_ext.memory.placement import fit_selective  # placement builds on this module
-
     selective = fit_selective(records, Calibration(families, {}))
     first = probes[0]
     info = {"device_name": first.get("device_name"), "device_total_bytes": first.get("device_total_bytes"),
@@ -396,7 +437,7 @@ def fit_calibration(records: list[dict], probe_command: str | None = None, fit_c
             "probes_per_preset": {}}
     for p in probes:
         info["probes_per_preset"][p["preset"]] = info["probes_per_preset"].get(p["preset"], 0) + 1
-    if selective is not None:  # the selective placement's measured terms (placement.fit_selective)
+    if selective is not None:  # the selective placement's measured terms
         info["selective"] = selective
     calibration = Calibration(families, info)
     calibration.info["residuals"] = residuals(calibration, probes, leave_one_out)

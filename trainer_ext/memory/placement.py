@@ -26,10 +26,10 @@ Per layer application of N tokens (K, R, S bytes per token):
                 copies of the application before, so a copy stream slower than compute stalls it by the difference.
 
 Selective recomputation is calibrated by probe pairs (`memory_probe --selective_probes`: each batch recomputed
-selectively and in full in one process; `fit_selective`, run by the calibration's fit): the bytes a selective
-application holds over a full recompute's input, as a multiple of S (the largest over the pairs, an upper bound like
-the peaks), and the share of a full recompute's time it still costs (the median), kept in the calibration's
-`selective` entry. Without pairs S and SELECTIVE_TIME_FRACTION stand as above; the overlap and
+selectively and in full in one process; `estimator.fit_selective`, run by the calibration's fit): the bytes a
+selective application holds over a full recompute's input, as a multiple of S (the largest over the pairs, an upper
+bound like the peaks), and the share of a full recompute's time it still costs (the median), kept in the
+calibration's `selective` entry. Without pairs S and SELECTIVE_TIME_FRACTION stand as above; the overlap and
 OFFLOAD_SECONDS_PER_APPLICATION are this analytic model until `memory_probe --offload_probes` measures them.
 So the program chooses between keep and recompute unless asked for more (`--memory_placements all`, PLACEMENT_CHOICES):
 a training run's default placement stays the measured one until probes price the other two.
@@ -50,7 +50,6 @@ from trainer_ext.memory.recompute import KEEP, OFFLOAD, PLACEMENTS, RECOMPUTE, S
 SELECTIVE_TIME_FRACTION = 0.1
 OFFLOAD_SECONDS_PER_APPLICATION = 5e-4
 OFFLOAD_WINDOW_APPLICATIONS = 2
-BF16_BYTES = 2
 HOST_FRACTION = 0.5
 # What the program may choose: keep / recompute (calibrated), or all four (selective: calibrated from probe pairs where
 # the calibration has them, else analytic; offload: analytic).
@@ -107,13 +106,6 @@ def host_device_rates(calibration: Calibration) -> tuple[float, float] | None:
     return (rate, rate) if rate else None
 
 
-def selective_saved_bytes(shape: ModelShape) -> int:
-    """S: the bytes per token of what `offload.selective_checkpoint` saves of one layer application (module
-    docstring), before the calibration's multiple."""
-    q_dim, kv_dim = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
-    return BF16_BYTES * (2 * q_dim + 2 * kv_dim + 2 * shape.hidden_size + 2 * shape.intermediate_size)
-
-
 def bytes_per_token(shape: ModelShape, calibration: Calibration, compiled: bool) -> dict[str, float]:
     """Device bytes one layer application holds per token under each placement but offload (module docstring)."""
     c = dict(zip(MEMORY_FEATURES, calibration.fit_for(shape).memory_coefficients))
@@ -121,46 +113,8 @@ def bytes_per_token(shape: ModelShape, calibration: Calibration, compiled: bool)
     h, i = shape.hidden_size, shape.intermediate_size
     keep = c[f"{prefix}kept_intermediate"] * i + c[f"{prefix}kept_hidden"] * h
     recompute = c[f"{prefix}recomputed_hidden"] * h
-    saved = calibration.info.get("selective", {}).get("saved_multiple", 1.0) * selective_saved_bytes(shape)
+    saved = calibration.info.get("selective", {}).get("saved_multiple", 1.0) * shape.selective_saved_bytes
     return {"keep": keep, RECOMPUTE: recompute, SELECTIVE: min(keep, recompute + saved)}
-
-
-def fit_selective(records: list[dict], calibration: Calibration) -> dict | None:
-    """The selective placement's terms (module docstring) from the probe pairs in `records`: a selective probe and,
-    next to it in the file, the same preset, batch, length, compilation, momentum and teacher recomputed in full
-    (`memory_probe --selective_probes` writes them so, in one process), with `calibration`'s step times for the
-    share of a full step its recomputation takes; None without a pair."""
-    from trainer_ext.memory.estimator import probe_recomputed, steady_step_seconds
-
-    def key(r):
-        return (r["preset"], r["batch_size"], r["seq_len"], bool(r.get("compile")), r.get("distill_topk", 0),
-                r.get("momentum"), r.get("config", {}).get("vocab_size"))
-
-    def ran(r):
-        return r.get("status") == "ok" and r.get("peak_reserved_bytes") and r.get("step_seconds")
-
-    multiples, shares = [], []
-    for index, r in enumerate(records):
-        if not (ran(r) and r.get("recompute_set", {}).get("selective")):
-            continue
-        neighbours = [records[j] for j in (index + 1, index - 1) if 0 <= j < len(records)]
-        twin = next((t for t in neighbours if ran(t) and t.get("recompute") == "all"
-                     and not t["recompute_set"].get("selective") and key(t) == key(r)), None)
-        if twin is None:
-            continue
-        shape, applications = ModelShape.from_record(r), probe_recomputed(r)
-        tokens = r["batch_size"] * r["seq_len"]
-        extra = (r["peak_reserved_bytes"] - twin["peak_reserved_bytes"]) / (applications * tokens)
-        multiples.append(max(extra, 0.0) / selective_saved_bytes(shape))
-        predicted = [calibration.step_seconds(shape, r["batch_size"], r["seq_len"], n, bool(r.get("compile")))
-                     for n in (0, applications)]
-        full_seconds = steady_step_seconds(twin)  # the recompute's share of the step, on the device measured
-        recompute_seconds = full_seconds * (predicted[1] - predicted[0]) / predicted[1]
-        shares.append(1.0 - (full_seconds - steady_step_seconds(r)) / recompute_seconds)
-    if not multiples:
-        return None
-    return {"saved_multiple": round(max(multiples), 4), "time_fraction": round(float(np.median(shares)), 4),
-            "pairs": len(multiples)}
 
 
 def _groups(shape: ModelShape) -> list[tuple[str, int, int]]:
