@@ -20,7 +20,8 @@
 #   bash benchmarks/bench_gpu.sh quality [bench_optimizer_quality args]   optimizer quality at equal tokens (121M):
 #       each --runs config x --learning_rates x --seeds (default 0 1 2); results.jsonl + summary.md in $OUT/quality
 #   bash benchmarks/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
-#       (--compute_baseline_preset transformer-125m-compute: also against a Transformer of equal compute)
+#       (--compute_baseline_preset transformer-125m-compute: also against a Transformer of equal compute), then the
+#       last cycle's checkpoints through scripts/evaluate_checkpoints.py (EVALUATE=0: not)
 #   bash benchmarks/bench_gpu.sh stability PRESET [find_lr args]   threshold test, then 300 steps at its rate with the
 #       defaults and with pre-norm blocks + the old init, both at the memory plan's batch size for --cap_gib 24 (the
 #       test's trials too, under that cap: benchmarks/capped.py), the held-out loss every EVAL_STEPS (25) steps, a
@@ -156,6 +157,7 @@ case $STAGE in
     cp $RECURRENT/README.md "$OUT/compare/model_card_recurrent.md"; cp $BASELINE/README.md "$OUT/compare/model_card_baseline.md"
     SECOND=$(ls -d $DIR/compute_baseline/cycle-*/final 2>/dev/null | tail -1)  # with --compute_baseline_preset
     [ -z "$SECOND" ] || cp $SECOND/README.md "$OUT/compare/model_card_compute_baseline.md"
+    [ "${EVALUATE:-1}" = 1 ] || exit 0  # EVALUATE=0: the comparison's own results only (e.g. the later seeds)
     python3 -m scripts.evaluate_checkpoints --checkpoints $RECURRENT $BASELINE --labels recurrent baseline \
       --data_dir $DIR/data/heldout --depths 1 3 6 12 24 --cache_cost_depths 3 6 12 --output_dir "$OUT/compare/eval" \
       > "$OUT/evaluate.log" 2>&1; echo "evaluate exit code $?"; cat "$OUT"/compare/eval/*.md ;;
