@@ -593,6 +593,8 @@ def test_a_second_baseline_of_equal_compute_trains_in_the_same_run(reference, tm
     assert "with `debug`" in card and "transformer-debug`" not in card
     _, _, differences = summarize([records])  # both views, as the seeds' summary reads one run
     assert {"debug n=4 minus transformer-debug", "debug n=4 minus transformer-debug-compute"} <= differences.keys()
+    with pytest.raises(ValueError, match=r"differs in: compute_baseline_preset"):  # part of the run once set
+        compare(argv(out))
 
     for bad, message in (("transformer-debug", "is the baseline itself"), ("debug", "is not a Transformer")):
         with pytest.raises(ValueError, match=f"--compute_baseline_preset='{bad}' {message}"):
