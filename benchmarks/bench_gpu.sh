@@ -55,7 +55,8 @@
 #       python3 -m benchmarks.memory_probe --fit all.jsonl; -- --only_distill_probes: a cached teacher at --vocab_sizes;
 #       -- --selective_probes: selective recomputation beside full (the pairs --fit prices it from); -- --offload_probes:
 #       activation offload forced, each record with the placement program's predicted peak and step time, beside the
-#       same batch fully recomputed; -- --only_compile_probes with either: the compiled probes alone
+#       same batch fully recomputed; -- --only_compile_probes with either: the compiled probes alone; then
+#       python3 -m benchmarks.placement_report $OUT/probes.jsonl: measured against predicted
 #   bash benchmarks/bench_gpu.sh waits [host_waits / run_pretrain args]   a 125M run's waits for the GPU (their Python
 #       stacks), batch fetch times and garbage collections (benchmarks/host_waits.py; seq 1024 data)
 #   bash benchmarks/bench_gpu.sh scaleout [bench_scaleout args]   tokens/s, MFU and peak memory of recurrent-3.3b and

@@ -160,6 +160,9 @@ def test_selective_probe_pairs_price_the_selective_placement_in_the_calibration(
                  "peak_reserved_bytes": twin["peak_reserved_bytes"] + 1.2 * shape.selective_saved_bytes * applications
                  * tokens, "step_seconds": [s - 0.75 * recompute_seconds for s in twin["step_seconds"]]}
     fitted = fit_selective([selective, twin], committed)
+    from benchmarks.placement_report import render
+
+    assert "1.200 x the analytic saved bytes, 0.250 of a recompute's time, from 1 pair(s)" in render([], fitted)
     assert fitted == {"saved_multiple": pytest.approx(1.2, rel=1e-3), "time_fraction": pytest.approx(0.25, abs=1e-3),
                       "pairs": 1}
     assert fit_selective([selective], committed) is None  # no twin, no term
@@ -207,3 +210,20 @@ def test_offload_probes_train_the_forced_placement_and_carry_the_programs_predic
     # the fit takes the references (plain recompute probes) and leaves the offloaded ones out
     usable = usable_probes([{**r, "peak_reserved_bytes": 2**30} for r in records])
     assert [r["recompute"] for r in usable] == ["recompute_reference"]
+    # The report sets each offloaded step against its reference, measured and predicted.
+    from benchmarks.placement_report import main as report, offload_rows
+    from trainer_ext.memory.estimator import steady_step_seconds
+
+    reference = next(r for r in records if r["recompute"] == "recompute_reference")
+    rows = offload_rows(records)
+    assert [row["placement"] for row in rows] == [r["recompute"] for r in offloaded]
+    for row, r in zip(rows, offloaded):
+        measured = steady_step_seconds(r) / steady_step_seconds(reference)
+        predicted = r["predicted_step_seconds"] / reference["predicted_step_seconds"]
+        assert (row["measured_ratio"], row["predicted_ratio"]) == (round(measured, 4), round(predicted, 4))
+        assert row["ratio_error"] == round(predicted / measured - 1, 4) and row["measured_peak_gib"] is None
+    assert report([str(output), "--output", str(tmp_path / "report.md")]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| debug | no | 1 | offload_all |" in text and "no pairs in these files" in text
+    with pytest.raises(SystemExit, match="not found"):
+        report([str(tmp_path / "missing.jsonl")])
