@@ -122,6 +122,14 @@ def test_the_usage_snippet_prompts_in_the_language_of_the_data(tmp_path):
     assert f'inputs = tokenizer("{prompt}", return_tensors="pt")' in card
     assert 'tokenizer("In the beginning"' in render_model_card(presets.get("debug"))  # no data: the default
     assert data_prompt(str(tmp_path / "nothing")) is None
+    # The same folder prepared again from other text (as --overwrite does) is read again, not taken from before.
+    (tmp_path / "ja.jsonl").write_text("".join(json.dumps({"text": f"第{i}節 別の文書です。" * 9}, ensure_ascii=False)
+                                               + "\n" for i in range(60)), encoding="utf-8")
+    shutil.rmtree(data)
+    prepare(PrepareDataArguments(files=[str(tmp_path / "ja.jsonl")], output_dir=str(data), vocab_size=400, seq_len=64,
+                                 eval_samples=8, disable_tqdm=True))
+    again = data_prompt(str(data))
+    assert again and again.startswith("第") and "節" in again and again != prompt
 
 
 def test_card_variants_and_validation(tmp_path):

@@ -315,12 +315,20 @@ def render_model_card(model_or_config, info: ModelCardInfo | None = None) -> str
     return _template("recurrent_depth" if recurrent else "transformer_baseline").substitute(values)
 
 
-@functools.lru_cache(maxsize=16)
 def data_prompt(data_dir: str, max_chars: int = 40) -> str | None:
     """A prompt for the usage snippet in the language of prepared data: the start of the first document that begins
     in the first 256 samples of its eval, then train split (after an end-of-sequence token), on one line, at most
-    `max_chars` characters; None where the data cannot be read or no document begins there. Read once per folder in
-    a process (a comparison writes two cards a cycle from the same held-out data; prepared data is not rewritten)."""
+    `max_chars` characters; None where the data cannot be read or no document begins there. Read once per folder and
+    preparation in a process (a comparison writes several cards a cycle from the same held-out data; a folder
+    prepared again, e.g. by --overwrite, writes a new manifest and is read again)."""
+    from trainer_ext.data.shards import MANIFEST_NAME
+
+    manifest = os.path.join(data_dir, MANIFEST_NAME)
+    return _data_prompt(data_dir, max_chars, os.stat(manifest).st_mtime_ns if os.path.isfile(manifest) else None)
+
+
+@functools.lru_cache(maxsize=16)
+def _data_prompt(data_dir: str, max_chars: int, manifest_stamp: int | None) -> str | None:
     from transformers import AutoTokenizer
 
     from trainer_ext.data.shards import ShardedTokenDataset
