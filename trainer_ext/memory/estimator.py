@@ -284,16 +284,20 @@ def default_allocator(settings: str) -> bool:
     return "expandable_segments:true" not in settings.replace(" ", "").lower()
 
 
+def measured(record: dict) -> bool:
+    """Whether a probe record ran (status ok) with memory figures (a CUDA probe) and a step after its warm-up."""
+    return (record.get("status") == "ok" and bool(record.get("peak_reserved_bytes"))
+            and len(record.get("step_seconds", ())) >= 2)
+
+
 def usable_probes(records: list[dict]) -> list[dict]:
-    """Records that ran (status ok) and carry memory figures (a CUDA probe), of placements the features carry (keep
-    and recompute: selective recomputation is priced apart, by `fit_selective`, and offload has no terms
-    yet), under the allocator's default settings
+    """`measured` records of placements the features carry (keep and recompute: selective recomputation is priced
+    apart, by `fit_selective`, and offload has no terms yet), under the allocator's default settings
     (`trainer_ext.devices.allocator_settings`: expandable segments hold other peaks)."""
     def fitted(placement: dict) -> bool:
         return not (placement.get("selective") or placement.get("selective_recompute") or placement.get("offload"))
 
-    return [r for r in records if r.get("status") == "ok" and r.get("peak_reserved_bytes")
-            and len(r.get("step_seconds", ())) >= 2 and fitted(r.get("recompute_set", {}))
+    return [r for r in records if measured(r) and fitted(r.get("recompute_set", {}))
             and default_allocator(r.get("allocator", ""))]
 
 
@@ -375,15 +379,12 @@ def fit_selective(records: list[dict], calibration: Calibration) -> dict | None:
         return (r["preset"], r["batch_size"], r["seq_len"], bool(r.get("compile")), r.get("distill_topk", 0),
                 r.get("momentum"), r.get("config", {}).get("vocab_size"))
 
-    def ran(r):
-        return r.get("status") == "ok" and r.get("peak_reserved_bytes") and r.get("step_seconds")
-
     multiples, shares = [], []
     for index, r in enumerate(records):
-        if not (ran(r) and r.get("recompute_set", {}).get("selective")):
+        if not (measured(r) and r.get("recompute_set", {}).get("selective")):
             continue
         neighbours = [records[j] for j in (index + 1, index - 1) if 0 <= j < len(records)]
-        twin = next((t for t in neighbours if ran(t) and t.get("recompute") == "all"
+        twin = next((t for t in neighbours if measured(t) and t.get("recompute") == "all"
                      and not t["recompute_set"].get("selective") and key(t) == key(r)), None)
         if twin is None:
             continue
