@@ -93,17 +93,18 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             self._stored[key] = ("kept", tensor)
             return key
         stream = self._copy_stream(tensor.device)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=stream is not None)  # dense: numel's bytes
         if stream is None:  # CPU: the same bookkeeping, a plain copy
-            self._stored[key] = (tensor.detach().clone(), tensor.device, None)
+            host.copy_(tensor)
+            self._stored[key] = (host, tensor.device, None, tensor.stride())
         else:
-            host = torch.empty_like(tensor, device="cpu", pin_memory=True)
             stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is written before it is copied
             with torch.cuda.stream(stream):
                 host.copy_(tensor, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
             tensor.record_stream(stream)  # its block is not reused before the copy has read it
-            self._stored[key] = (host, tensor.device, event)
+            self._stored[key] = (host, tensor.device, event, tensor.stride())
         self.host_bytes += size
         self.offloaded += 1
         return key
@@ -117,15 +118,18 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return tensor
 
     def _fetch(self, key: int) -> None:
-        host, device, event = self._stored.pop(key)
+        """Back to the device with the strides it was saved with: a compiled backward checks them, and a saved view
+        (a slice of a fused projection's output) is not dense. Such a view comes back in a block of its span."""
+        host, device, event, stride = self._stored.pop(key)
         self.host_bytes -= host.numel() * host.element_size()
         stream = self._copy_stream(device)
         if stream is None:
-            self._fetched[key] = (host.to(device), None)
+            self._fetched[key] = (torch.empty_strided(host.shape, stride, dtype=host.dtype).copy_(host), None)
             return
         with torch.cuda.stream(stream):
             stream.wait_event(event)
-            back = host.to(device, non_blocking=True)
+            back = torch.empty_strided(host.shape, stride, dtype=host.dtype, device=device)
+            back.copy_(host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         self._fetched[key] = (back, done)
