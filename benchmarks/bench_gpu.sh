@@ -21,7 +21,8 @@
 #       each --runs config x --learning_rates x --seeds (default 0 1 2); results.jsonl + summary.md in $OUT/quality
 #   bash benchmarks/bench_gpu.sh compare [compare args]   recurrent-125m against transformer-125m in token cycles
 #       (--compute_baseline_preset transformer-125m-compute: also against a Transformer of equal compute), then the
-#       last cycle's checkpoints through scripts/evaluate_checkpoints.py (EVALUATE=0: not)
+#       last cycle's checkpoints through scripts/evaluate_checkpoints.py (EVALUATE=0: not); SEEDS="0 1 2": one run per
+#       seed at once on the GPU, in $COMPARE_DIR-s<seed>, then benchmarks/compare_seeds.py ($OUT/seeds.md)
 #   bash benchmarks/bench_gpu.sh stability PRESET [find_lr args]   threshold test, then 300 steps at its rate with the
 #       defaults and with pre-norm blocks + the old init, both at the memory plan's batch size for --cap_gib 24 (the
 #       test's trials too, under that cap: benchmarks/capped.py), the held-out loss every EVAL_STEPS (25) steps, a
@@ -150,6 +151,24 @@ case $STAGE in
   compare)  # then the last cycle's checkpoints through scripts/evaluate_checkpoints.py (generation speed, depth plots)
     DIR=${COMPARE_DIR:-outputs/compare-125m}
     PURELIB=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")  # more real text
+    if [ -n "${SEEDS:-}" ]; then
+      # SEEDS="0 1 2": one comparison per seed at once (a 125M model leaves the GPU mostly idle), in $DIR-s<seed>,
+      # then benchmarks/compare_seeds.py over them; a call that runs out of time resumes each in the next
+      CODE=0 PIDS=()
+      trap 'kill -TERM "${PIDS[@]}" 2>/dev/null; wait' TERM INT  # (timeout) each run saves its checkpoint and stops
+      for seed in $SEEDS; do
+        python3 -m scripts.compare --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" --output_dir $DIR-s$seed "$@" \
+          --seed $seed > "$OUT/compare-s$seed.log" 2>&1 & PIDS+=($!)
+      done
+      for pid in "${PIDS[@]}"; do wait $pid || CODE=$?; done
+      for seed in $SEEDS; do
+        echo "== seed $seed"; tr '\r' '\n' < "$OUT/compare-s$seed.log" | grep -E "Error|rror:|Wrote" | tail -4
+        mkdir -p "$OUT/compare-s$seed"; cp $DIR-s$seed/results.* $DIR-s$seed/compare_state.json "$OUT/compare-s$seed/"
+      done
+      [ $CODE = 0 ] || exit $CODE
+      python3 -m benchmarks.compare_seeds $(for seed in $SEEDS; do echo $DIR-s$seed; done) --output "$OUT/seeds.md"
+      cat "$OUT/seeds.md"; exit 0
+    fi
     python3 -m scripts.compare --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" --output_dir $DIR "$@" > "$OUT/compare.log" 2>&1
     CODE=$?; echo "compare exit code $CODE"; tr '\r' '\n' < "$OUT/compare.log" | grep -E "Error|rror:|Wrote" | tail -8
     mkdir -p "$OUT/compare"; cp $DIR/results.* $DIR/*.png $DIR/compare_state.json "$OUT/compare/" 2>/dev/null
