@@ -155,7 +155,7 @@ case $STAGE in
       # SEEDS="0 1 2": one comparison per seed at once (a 125M model leaves the GPU mostly idle), in $DIR-s<seed>,
       # then benchmarks/compare_seeds.py over them; a call that runs out of time resumes each in the next
       CODE=0 PIDS=()
-      trap 'kill -TERM "${PIDS[@]}" 2>/dev/null; wait' TERM INT  # (timeout) each run saves its checkpoint and stops
+      trap wait TERM INT  # timeout signals the whole group: each run saves a checkpoint and stops, waited for here
       for seed in $SEEDS; do
         python3 -m scripts.compare --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" --output_dir $DIR-s$seed "$@" \
           --seed $seed > "$OUT/compare-s$seed.log" 2>&1 & PIDS+=($!)
@@ -167,7 +167,7 @@ case $STAGE in
       done
       [ $CODE = 0 ] || exit $CODE
       python3 -m benchmarks.compare_seeds $(for seed in $SEEDS; do echo $DIR-s$seed; done) --output "$OUT/seeds.md"
-      cat "$OUT/seeds.md"; exit 0
+      exit $?
     fi
     python3 -m scripts.compare --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" --output_dir $DIR "$@" > "$OUT/compare.log" 2>&1
     CODE=$?; echo "compare exit code $CODE"; tr '\r' '\n' < "$OUT/compare.log" | grep -E "Error|rror:|Wrote" | tail -8
