@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from trainer_ext.memory.offload import OffloadActivations, selective_checkpoint
+from trainer_ext.memory.offload import OffloadActivations, compiled_selective_checkpoint, selective_checkpoint
 
 
 class Block(torch.nn.Module):
@@ -108,6 +108,49 @@ def test_recomputation_gives_the_same_gradients_and_selective_repeats_no_matrix_
         assert counted.count == plain.count  # every product's output was saved, none computed again
     else:
         assert counted.count > plain.count  # the whole forward ran again
+
+
+class CountingCompiler:
+    """A torch.compile backend (AOTAutograd, graphs run as traced) counting the matrix products its forward and
+    backward graphs run."""
+
+    def __init__(self):
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.run = {"forward": 0, "backward": 0}
+        self.backend = aot_autograd(fw_compiler=self.counting("forward"), bw_compiler=self.counting("backward"))
+
+    def counting(self, kind):
+        def compiler(graph, inputs):
+            products = sum(1 for n in graph.graph.nodes if n.op == "call_function" and "mm" in str(n.target))
+
+            def run(args):
+                self.run[kind] += products
+                return graph(*args)
+            run._boxed_call = True
+            return run
+        return compiler
+
+
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is unavailable here")
+def test_a_compiled_layer_checkpointed_from_outside_runs_its_products_once_only_with_the_compiled_policy():
+    """transformers 5.17 calls a layer's checkpoint function around the compiled layer: the policy as a plain
+    function sees none of the compiled ops (the forward runs again); compiled, it holds the checkpoint in the traced
+    region and the products run once, with the same gradients."""
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(2, 16, 32)
+    reference = grads(block, x, block)
+    runs = {}
+    for name in ("plain", "compiled"):
+        torch._dynamo.reset()
+        compiler = CountingCompiler()
+        block.compile(backend=compiler.backend)
+        function = selective_checkpoint if name == "plain" else compiled_selective_checkpoint(backend=compiler.backend)
+        got = grads(block, x, lambda inputs: function(block, inputs))
+        for a, b in zip(got, reference):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        runs[name] = compiler.run["forward"]
+    assert runs == {"plain": 8, "compiled": 4}  # Block's four products, run twice / once
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned host memory and a copy stream")

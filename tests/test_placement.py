@@ -3,6 +3,7 @@ offload written and read (old plan files too), carried out in the model with the
 everything, chosen by the program where the card's balance favours them, and host memory bounded."""
 
 import contextlib
+import dataclasses
 import json
 import re
 
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_recurrent import presets
 from test_memory_plan import SYNTHETIC, fake_24gb_cuda, loss_and_grads
+from test_offload import CountingCompiler
 from trainer_ext.compat import set_checkpointing
 from trainer_ext.memory import placement as placements
 from trainer_ext.memory.device_profile import SPEC_PROFILES
@@ -229,3 +231,39 @@ def test_by_default_the_plan_keeps_or_recomputes_and_asked_for_all_it_may_place_
     assert "--memory_placements" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"--memory_placements='some'.*\['recompute', 'all'\]"):
         RecurrentTrainingArguments(output_dir=str(tmp_path), memory_placements="some")
+
+
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is unavailable here")
+def test_compiled_layers_placed_selective_run_no_product_again_and_give_the_same_gradients():
+    """Under torch.compile the selective policy applies inside the compiled region: the forward's matrix products run
+    once, with the loss and gradients of keeping everything, whether transformers checkpoints a layer's `__call__`
+    (5.17: from outside the compiled layer, where the policy alone saw none of its ops and the whole forward ran
+    again, 0.95 of a recompute's time on the GPU) or its `forward` (later 5.x: inside it)."""
+    from trainer_ext.training.trainer import compile_decoder_layers
+
+    torch.manual_seed(0)
+    config = presets.get("debug", depth_distribution="fixed")
+    model = AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    reference_loss, reference, _ = loss_and_grads(model, ids, None)
+    every = RecomputeSet.named("all", config, min(config.backprop_depth or 4, 4))  # depth 4 below
+    counted = {}
+    for name, placement in (("keep", RecomputeSet()), ("recompute", every),
+                            ("selective", dataclasses.replace(every, selective=True))):
+        torch._dynamo.reset()
+        compiler = CountingCompiler()
+        compile_decoder_layers(model, backend=compiler.backend)
+        model.zero_grad(set_to_none=True)
+        set_checkpointing(model, True)
+        placement.apply(model)
+        loss = model(ids, labels=ids, num_steps=4).loss  # no dispatch mode here: under one, dynamo runs no graph
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        counted[name] = dict(compiler.run)
+        torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=1e-6)
+        for key in reference:
+            torch.testing.assert_close(grads[key], reference[key], rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+    assert counted["keep"]["forward"] > 0
+    # a full recompute runs the products again, in the forward graph (5.17) or in the backward one (later)
+    assert sum(counted["recompute"].values()) > sum(counted["keep"].values())
+    assert counted["selective"]["forward"] == counted["keep"]["forward"]  # no product ran again

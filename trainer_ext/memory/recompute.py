@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 
 from hf_recurrent.presets import is_recurrent
-from trainer_ext.memory.offload import MIN_OFFLOAD_BYTES, OffloadedForward, selective_checkpoint
+from trainer_ext.memory.offload import MIN_OFFLOAD_BYTES, OffloadedForward, compiled_selective_checkpoint, \
+    selective_checkpoint
 
 # Named sets the memory probes and the command line use, for a model with P prelude, C coda layers and G graph steps.
 NAMED_SETS = ("all", "none", "prelude_coda", "core", "half_core")
@@ -153,10 +154,13 @@ class RecomputeSet:
         def function_of(kind: str, layer):
             if kind == RECOMPUTE:
                 if layer._full_checkpointing_func is None:
-                    raise ValueError("Recomputation needs checkpointing enabled on the model first "
-                                     "(trainer_ext.compat.set_checkpointing(model, True), or --activation_checkpointing true).")
+                    raise ValueError("Recomputation needs checkpointing enabled on the model first (trainer_ext."
+                                     "compat.set_checkpointing(model, True), or --activation_checkpointing true).")
                 return layer._full_checkpointing_func
-            return selective_checkpoint if kind == SELECTIVE else offloaded
+            if kind == SELECTIVE:
+                options = getattr(layer, "compile_options", None)  # set where the layer was compiled
+                return selective_checkpoint if options is None else compiled_selective_checkpoint(**options)
+            return offloaded
 
         for section in ("prelude", "coda"):
             for index, layer in enumerate(getattr(base, section)):

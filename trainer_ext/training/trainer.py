@@ -64,10 +64,12 @@ COMPILE_WARMUP_STEPS = 2
 
 
 def compile_decoder_layers(model, mode: str = "default", backend: str = "inductor") -> int:
-    """`torch.compile` each decoder layer in place; returns how many were compiled."""
+    """`torch.compile` each decoder layer in place (its options kept as `compile_options`, for the checkpoint function a
+    memory plan may give it); returns how many were compiled."""
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     for layer in layers:
         layer.compile(mode=mode, backend=backend)
+        layer.compile_options = {"mode": mode, "backend": backend}
     return len(layers)
 
 
