@@ -107,10 +107,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             self._stored[key] = ("kept", tensor)
             return key
         stream = self._copy_stream(tensor.device)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=stream is not None)  # dense: numel's bytes
+        host, event = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=stream is not None), None  # dense
         if stream is None:  # CPU: the same bookkeeping, a plain copy
             host.copy_(tensor)
-            self._stored[key] = (host, tensor.device, None, tensor.stride())
         else:
             stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is written before it is copied
             with torch.cuda.stream(stream):
@@ -118,7 +117,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 event = torch.cuda.Event()
                 event.record(stream)
             tensor.record_stream(stream)  # its block is not reused before the copy has read it
-            self._stored[key] = (host, tensor.device, event, tensor.stride())
+        self._stored[key] = (host, tensor.device, event, tensor.stride())
         self.host_bytes += size
         self.offloaded += 1
         return key
