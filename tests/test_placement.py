@@ -253,12 +253,7 @@ def test_compiled_layers_placed_selective_run_no_product_again_and_give_the_same
         torch._dynamo.reset()
         compiler = CountingCompiler()
         compile_decoder_layers(model, backend=compiler.backend)
-        model.zero_grad(set_to_none=True)
-        set_checkpointing(model, True)
-        placement.apply(model)
-        loss = model(ids, labels=ids, num_steps=4).loss  # no dispatch mode here: under one, dynamo runs no graph
-        loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        loss, grads, _ = loss_and_grads(model, ids, placement, count_products=False)
         counted[name] = dict(compiler.run)
         torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=1e-6)
         for key in reference:
