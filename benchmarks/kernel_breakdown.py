@@ -5,6 +5,9 @@ of training it records the CUDA kernels with torch.profiler and, when training e
 category (`CATEGORIES`: matrix products, attention, the loss kernels (plain CE and the distillation kernels), the
 optimizer's kernels, other elementwise / norm work (compiled or eager), copies). `idle` is the profiled wall time
 (synchronized at both ends) the GPU ran no kernel: the host's share (Python, launches, the data loader, waits).
+`idle_gaps` says where in the step it idled: the gaps of at least `GAP_US` between kernels, summed by the kinds of
+the kernels on either side (e.g. `loss_kernels -> matmul`: between the forward's loss and the backward's first product,
+where the host reads the loss for the stability guard), with the names of the longest such gap's kernels.
 
     python3 -m benchmarks.memory_probe --verify --breakdown ...   # a breakdown of each verified plan's steps
 
@@ -35,6 +38,8 @@ CATEGORIES = (
     ("copies", r"memcpy|memset|copy_kernel|Memcpy|Memset"),
 )
 COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
+GAP_US = 50.0  # shorter gaps are a launch's latency, not the host falling behind
+TOP_GAPS = 8
 
 
 def category(name: str) -> str:
@@ -45,33 +50,54 @@ def category(name: str) -> str:
     return "other"
 
 
-def _busy_us(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of (start, end) intervals."""
-    busy, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
+def _busy_and_gaps(kernels: list[tuple[float, float, str]]) -> tuple[float, list[tuple[float, str, str]]]:
+    """Length of the union of the kernels' (start, end) intervals, and each gap of at least GAP_US in it as
+    (microseconds, the name of the kernel that ended last before it, the name of the kernel after it)."""
+    busy, end, last, gaps = 0.0, float("-inf"), "", []
+    for start, stop, name in sorted(kernels):
+        if last and start - end >= GAP_US:
+            gaps.append((start - end, last, name))
         if stop > end:
             busy += stop - max(start, end)
-            end = stop
-    return busy
+            end, last = stop, name
+    return busy, gaps
+
+
+def _idle_gaps(gaps: list[tuple[float, str, str]], steps: int) -> list[dict]:
+    """The gaps summed by the kinds of the kernels around them, longest total first (TOP_GAPS of them)."""
+    groups = {}
+    for micros, before, after in gaps:
+        key = f"{category(before)} -> {category(after)}"
+        group = groups.setdefault(key, {"between": key, "seconds_per_step": 0.0, "per_step": 0, "longest": None})
+        group["seconds_per_step"] += micros / 1e6 / steps
+        group["per_step"] += 1 / steps
+        if group["longest"] is None or micros > group["longest"]["micros"]:
+            group["longest"] = {"micros": round(micros, 1), "before": before[:80], "after": after[:80]}
+    ranked = sorted(groups.values(), key=lambda g: -g["seconds_per_step"])[:TOP_GAPS]
+    return [{**g, "seconds_per_step": round(g["seconds_per_step"], 7), "per_step": round(g["per_step"], 2)}
+            for g in ranked]
 
 
 def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
-    """Seconds per step by category, their shares of the wall time, and the idle share, from a Chrome trace."""
-    seconds, intervals = {}, []
+    """Seconds per step by category, their shares of the wall time, the idle share and where the idle gaps lie,
+    from a Chrome trace."""
+    seconds, kernels = {}, []
     for event in trace.get("traceEvents", ()):
         kind = event.get("cat")
         if kind not in ("kernel", *COPY_CATEGORIES) or "dur" not in event:
             continue
-        label = "copies" if kind in COPY_CATEGORIES else category(event.get("name", ""))
+        name = event.get("name", "")
+        label = "copies" if kind in COPY_CATEGORIES else category(name)
         seconds[label] = seconds.get(label, 0.0) + event["dur"] / 1e6
-        intervals.append((float(event["ts"]), float(event["ts"]) + float(event["dur"])))
-    busy = _busy_us(intervals) / 1e6
+        kernels.append((float(event["ts"]), float(event["ts"]) + float(event["dur"]), name))
+    busy_us, gaps = _busy_and_gaps(kernels)
+    busy = busy_us / 1e6
     wall = max(wall_seconds, busy)
     per_step = {label: round(value / steps, 7) for label, value in sorted(seconds.items(), key=lambda kv: -kv[1])}
     shares = {label: round(value / wall, 4) for label, value in seconds.items()}
     shares["idle"] = round(1 - busy / wall, 4) if wall else 0.0
     return {"steps": steps, "step_seconds": round(wall / steps, 7) if steps else None,
-            "kernel_seconds_per_step": per_step, "shares": shares}
+            "kernel_seconds_per_step": per_step, "shares": shares, "idle_gaps": _idle_gaps(gaps, max(steps, 1))}
 
 
 class KernelProfile(TrainerCallback):

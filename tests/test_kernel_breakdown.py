@@ -28,6 +28,16 @@ def test_a_trace_is_summed_by_kind_and_the_gpu_idle_time_is_what_no_kernel_cover
     busy = 500 + 100 + 50 + 20 + 10 + 10  # the union: 0-500, 600-700, 800-850, 900-920, 950-960, 980-990
     assert result["shares"]["idle"] == pytest.approx(1 - busy / 2000)
     assert result["step_seconds"] == pytest.approx(1000e-6)
+    # Gaps of 50 us or more, by the kernels around them (the kernel that ended last before each: attention, not the
+    # product it overlaps)
+    gaps = {g["between"]: g for g in result["idle_gaps"]}
+    assert set(gaps) == {"attention -> loss_kernels", "loss_kernels -> optimizer_kernels",
+                         "optimizer_kernels -> compiled_elementwise"}
+    assert gaps["attention -> loss_kernels"]["seconds_per_step"] == pytest.approx(50e-6)
+    assert gaps["attention -> loss_kernels"]["per_step"] == pytest.approx(0.5)
+    assert gaps["attention -> loss_kernels"]["longest"] == {"micros": 100.0, "before": "flash_fwd_kernel",
+                                                            "after": "_ce_kernel"}
+    assert [g["between"] for g in result["idle_gaps"]][-1] == "optimizer_kernels -> compiled_elementwise"
 
 
 def test_every_triton_kernel_of_ours_has_its_kind():
