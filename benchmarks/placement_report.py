@@ -6,7 +6,8 @@ Offload (`memory_probe --offload_probes`): per preset, compilation and batch, ea
 over the same batch fully recomputed in the same process (`recompute_reference`), measured and predicted: the copies
 overlap compute as the program assumes where the two ratios agree (issue bar: within 10%); ratios, not seconds, so a
 card other than the calibration's can judge the overlap. Selective (`--selective_probes`): the pairs' terms as
-`--fit` would store them (`estimator.fit_selective`, against the committed calibration).
+`--fit` would store them (`estimator.fit_selective`, against the committed calibration). Probes that did not run are
+listed with their status and error.
 """
 
 import argparse
@@ -38,7 +39,15 @@ def offload_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict], selective: dict | None) -> str:
+def failed_rows(records: list[dict]) -> list[dict]:
+    """The probes that did not run (out of memory, an error, skipped for time), with the reason each record gives."""
+    return [{"preset": r.get("preset", "?"), "compile": bool(r.get("compile")), "batch_size": r.get("batch_size"),
+             "placement": r.get("recompute", "?"), "status": r.get("status"),
+             "error": " ".join(str(r.get("error") or "").split())[:160]}
+            for r in records if r.get("status") != "ok"]
+
+
+def render(rows: list[dict], selective: dict | None, failed: list[dict] = ()) -> str:
     lines = ["# Placement probes against the program's predictions", "",
              "| preset | compiled | batch | placement | step / recomputed, measured | predicted | error | peak GiB, "
              "measured | predicted |", "|---|---|---:|---|---:|---:|---:|---:|---:|"]
@@ -51,6 +60,11 @@ def render(rows: list[dict], selective: dict | None) -> str:
         errors = [abs(r["ratio_error"]) for r in rows]
         lines += ["", f"Step-time ratio error: median {statistics.median(errors):.1%}, largest {max(errors):.1%} "
                       f"over {len(rows)} offloaded probes."]
+    if failed:
+        lines += ["", f"{len(failed)} probe(s) did not run:", "", "| preset | compiled | batch | placement | status | "
+                  "reason |", "|---|---|---:|---|---|---|"]
+        lines += [f"| {r['preset']} | {'yes' if r['compile'] else 'no'} | {r['batch_size']} | {r['placement']} | "
+                  f"{r['status']} | {r['error'].replace('|', '/')} |" for r in failed]
     lines += ["", "Selective recomputation, the terms `--fit` would store: " + (
         f"{selective['saved_multiple']:.3f} x the analytic saved bytes, {selective['time_fraction']:.3f} of a "
         f"recompute's time, from {selective['pairs']} pair(s)." if selective else "no pairs in these files.")]
@@ -66,7 +80,7 @@ def main(argv=None) -> int:
         records = [r for path in args.probes for r in read_probes(path)]
     except ValueError as error:
         raise SystemExit(str(error)) from error
-    text = render(offload_rows(records), fit_selective(records, load_calibration()))
+    text = render(offload_rows(records), fit_selective(records, load_calibration()), failed_rows(records))
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)

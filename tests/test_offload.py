@@ -279,6 +279,15 @@ def test_offload_probes_train_the_forced_placement_and_carry_the_programs_predic
     assert report([str(output), "--output", str(tmp_path / "report.md")]) == 0
     text = (tmp_path / "report.md").read_text()
     assert "| debug | no | 1 | offload_all |" in text and "no pairs in these files" in text
+    assert "did not run" not in text
+    # A probe that failed is named with its reason, not left out of the tables in silence
+    failed = {**offloaded[0], "status": "error", "error": "RuntimeError: expected size 2048==2048,\nstride 4096==5120"}
+    output.write_text("\n".join(json.dumps(r) for r in [*records, failed]) + "\n")
+    assert report([str(output), "--output", str(tmp_path / "report.md")]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "1 probe(s) did not run" in text
+    assert (f"| debug | no | 1 | {failed['recompute']} | error | RuntimeError: expected size 2048==2048, stride "
+            "4096==5120 |") in text
     with pytest.raises(SystemExit, match="not found"):
         report([str(tmp_path / "missing.jsonl")])
 
