@@ -238,6 +238,9 @@ def test_selective_probe_pairs_price_the_selective_placement_in_the_calibration(
 
     probes = read_probes(os.path.join(os.path.dirname(__file__), os.pardir, "results", "memory-probes",
                                       "probes.jsonl"))
+    committed_pairs = fit_selective(probes, load_calibration())
+    assert committed_pairs == load_calibration().info["selective"] and committed_pairs["pairs"] >= 6
+    probes = [p for p in probes if not p.get("recompute_set", {}).get("selective")]  # this test's pair alone
     twin = next(p for p in probes if p["preset"] == "recurrent-3.3b" and p.get("recompute") == "all"
                 and p.get("compile") and p["status"] == "ok" and not p.get("distill_topk"))
     committed = load_calibration()
