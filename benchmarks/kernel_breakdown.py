@@ -7,7 +7,8 @@ optimizer's kernels, other elementwise / norm work (compiled or eager), copies).
 (synchronized at both ends) the GPU ran no kernel: the host's share (Python, launches, the data loader, waits).
 `idle_gaps` says where in the step it idled: the gaps of at least `GAP_US` between kernels, summed by the kinds of
 the kernels on either side (e.g. `loss_kernels -> matmul`: between the forward's loss and the backward's first product,
-where the host reads the loss for the stability guard), with the names of the longest such gap's kernels.
+where the host reads the loss for the stability guard), with the names of the longest such gap's kernels; `top_kernels`
+names the kernels that take the most time outside the matrix products (what a fused kernel could take next).
 
     python3 -m benchmarks.memory_probe --verify --breakdown ...   # a breakdown of each verified plan's steps
 
@@ -40,6 +41,7 @@ CATEGORIES = (
 COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
 GAP_US = 50.0  # shorter gaps are a launch's latency, not the host falling behind
 TOP_GAPS = 8
+TOP_KERNELS = 12
 
 
 def category(name: str) -> str:
@@ -81,7 +83,7 @@ def _idle_gaps(gaps: list[tuple[float, str, str]], steps: int) -> list[dict]:
 def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
     """Seconds per step by category, their shares of the wall time, the idle share and where the idle gaps lie,
     from a Chrome trace."""
-    seconds, kernels = {}, []
+    seconds, kernels, by_name = {}, [], {}
     for event in trace.get("traceEvents", ()):
         kind = event.get("cat")
         if kind not in ("kernel", *COPY_CATEGORIES) or "dur" not in event:
@@ -89,6 +91,9 @@ def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
         name = event.get("name", "")
         label = "copies" if kind in COPY_CATEGORIES else category(name)
         seconds[label] = seconds.get(label, 0.0) + event["dur"] / 1e6
+        if label != "matmul":
+            key = (label, name[:100])
+            by_name[key] = by_name.get(key, 0.0) + event["dur"] / 1e6
         kernels.append((float(event["ts"]), float(event["ts"]) + float(event["dur"]), name))
     busy_us, gaps = _busy_and_gaps(kernels)
     busy = busy_us / 1e6
@@ -97,7 +102,9 @@ def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
     shares = {label: round(value / wall, 4) for label, value in seconds.items()}
     shares["idle"] = round(1 - busy / wall, 4) if wall else 0.0
     return {"steps": steps, "step_seconds": round(wall / steps, 7) if steps else None,
-            "kernel_seconds_per_step": per_step, "shares": shares, "idle_gaps": _idle_gaps(gaps, max(steps, 1))}
+            "kernel_seconds_per_step": per_step, "shares": shares, "idle_gaps": _idle_gaps(gaps, max(steps, 1)),
+            "top_kernels": [{"kind": label, "name": name, "seconds_per_step": round(value / max(steps, 1), 7)}
+                            for (label, name), value in sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]]}
 
 
 class KernelProfile(TrainerCallback):

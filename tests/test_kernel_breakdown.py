@@ -38,6 +38,12 @@ def test_a_trace_is_summed_by_kind_and_the_gpu_idle_time_is_what_no_kernel_cover
     assert gaps["attention -> loss_kernels"]["longest"] == {"micros": 100.0, "before": "flash_fwd_kernel",
                                                             "after": "_ce_kernel"}
     assert [g["between"] for g in result["idle_gaps"]][-1] == "optimizer_kernels -> compiled_elementwise"
+    # The kernels outside the products that take the most time, by name, longest first
+    top = result["top_kernels"]
+    assert [(k["kind"], k["name"]) for k in top[:3]] == [("attention", "flash_fwd_kernel"),
+                                                         ("loss_kernels", "_ce_kernel"),
+                                                         ("optimizer_kernels", "_apply_kernel")]
+    assert top[0]["seconds_per_step"] == pytest.approx(100e-6) and "matmul" not in {k["kind"] for k in top}
 
 
 def test_every_triton_kernel_of_ours_has_its_kind():
