@@ -151,14 +151,14 @@ case $STAGE in
   compare)  # then the last cycle's checkpoints through scripts/evaluate_checkpoints.py (generation speed, depth plots)
     DIR=${COMPARE_DIR:-outputs/compare-125m}
     PURELIB=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")  # more real text
+    COMPARE=(python3 -m scripts.compare --files "$STDLIB/**/*.py" "$PURELIB/**/*.py")
     if [ -n "${SEEDS:-}" ]; then
       # SEEDS="0 1 2": one comparison per seed at once (a 125M model leaves the GPU mostly idle), in $DIR-s<seed>,
       # then benchmarks/compare_seeds.py over them; a call that runs out of time resumes each in the next
       CODE=0 PIDS=()
       trap wait TERM INT  # timeout signals the whole group: each run saves a checkpoint and stops, waited for here
       for seed in $SEEDS; do
-        python3 -m scripts.compare --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" --output_dir $DIR-s$seed "$@" \
-          --seed $seed > "$OUT/compare-s$seed.log" 2>&1 & PIDS+=($!)
+        "${COMPARE[@]}" --output_dir $DIR-s$seed "$@" --seed $seed > "$OUT/compare-s$seed.log" 2>&1 & PIDS+=($!)
       done
       for pid in "${PIDS[@]}"; do wait $pid || CODE=$?; done
       for seed in $SEEDS; do
@@ -169,7 +169,7 @@ case $STAGE in
       python3 -m benchmarks.compare_seeds $(for seed in $SEEDS; do echo $DIR-s$seed; done) --output "$OUT/seeds.md"
       exit $?
     fi
-    python3 -m scripts.compare --files "$STDLIB/**/*.py" "$PURELIB/**/*.py" --output_dir $DIR "$@" > "$OUT/compare.log" 2>&1
+    "${COMPARE[@]}" --output_dir $DIR "$@" > "$OUT/compare.log" 2>&1
     CODE=$?; echo "compare exit code $CODE"; tr '\r' '\n' < "$OUT/compare.log" | grep -E "Error|rror:|Wrote" | tail -8
     mkdir -p "$OUT/compare"; cp $DIR/results.* $DIR/*.png $DIR/compare_state.json "$OUT/compare/" 2>/dev/null
     RECURRENT=$(ls -d $DIR/recurrent/cycle-*/final | tail -1) BASELINE=$(ls -d $DIR/baseline/cycle-*/final | tail -1)
