@@ -6,9 +6,10 @@ goes on), and come back in backward on that stream, each one prefetched while th
 computed: backward unpacks saved tensors in about the reverse order of saving, so the tensor saved just before the one
 being unpacked is the next one needed. No block changes hands between the streams' pools of the caching allocator
 (with `record_stream` and device blocks allocated on the copy stream, 16 compiled MLP blocks on an H100 held 1.4 GiB
-allocated in 20 GiB reserved, against 12 GiB reserved when keeping everything): a saved tensor is held until its copy is known done (its event, or the compute stream's wait at a layer
-boundary) and then released on the compute stream; a tensor coming back is allocated on the compute stream, which the
-copy waits for. One still on its way out when backward asks for it is used as it is. Tensors
+allocated in 20 GiB reserved, against 12 GiB reserved when keeping everything): a saved tensor is held until its
+copy is known done (its event, or the compute stream's wait at a layer boundary) and then released on the compute
+stream; a tensor coming back is allocated on the compute stream, which the copy waits for. One still on its way out
+when backward asks for it is used as it is. Tensors
 under `min_bytes` (scalars, indices, norms' statistics) stay where they are: their copies would cost more launches
 than they free. On a CPU the "host" copy is a plain copy, so the bookkeeping and the gradients are tested anywhere.
 Host memory in use is bounded (`max_host_bytes`): a tensor that would pass it stays on the device. Under WSL2 the
@@ -161,7 +162,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             self._fetched[key] = (torch.empty_strided(host.shape, stride, dtype=host.dtype).copy_(host), None)
             return
         current = torch.cuda.current_stream(device)
-        back = torch.empty_strided(host.shape, stride, dtype=host.dtype, device=device)  # from the compute stream's pool
+        back = torch.empty_strided(host.shape, stride, dtype=host.dtype, device=device)  # the compute stream's pool
         stream.wait_stream(current)  # the block's earlier uses on the compute stream come first
         with torch.cuda.stream(stream):
             stream.wait_event(event)
