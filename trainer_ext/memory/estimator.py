@@ -431,8 +431,8 @@ def fit_calibration(records: list[dict], probe_command: str | None = None, fit_c
                              f"figures); a fit needs at least {len(MEMORY_FEATURES)}. Measure more with "
                              f"`{PROBE_COMMAND}`, or leave that family's presets out of the probe file.")
         memory, theta = _fit_memory(shapes, members, objective=objective)
-        timed = [(s, p) for s, p in zip(shapes, members) if p.get("device_name") == device]
-        time, compile_factor = _fit_time(*zip(*timed)) if timed else _fit_time(shapes, members)
+        timed = [(s, p) for s, p in zip(shapes, members) if p.get("device_name") == device] or zip(shapes, members)
+        time, compile_factor = _fit_time(*zip(*timed))
         families[family] = FamilyFit(memory, theta, time, compile_factor)
     selective = fit_selective(records, Calibration(families, {}))
     first = probes[0]
@@ -481,8 +481,7 @@ def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool 
                             / p["peak_reserved_bytes"] - 1)
     peak = [abs(r["peak_error"]) for r in rows]
     device = calibration.info.get("device_name")
-    time = ([abs(r["step_time_error"]) for r in rows if r["device_name"] == device]
-            or [abs(r["step_time_error"]) for r in rows])
+    time = [abs(r["step_time_error"]) for r in [r for r in rows if r["device_name"] == device] or rows]
     summary = {"peak_max_relative_error": round(max(peak), 4),
                "peak_mean_relative_error": round(statistics.mean(peak), 4),
                "peak_largest_under_prediction": round(min(0.0, *(r["peak_error"] for r in rows)), 4),

@@ -118,8 +118,8 @@ def bytes_per_token(shape: ModelShape, calibration: Calibration, compiled: bool)
 
 
 def _groups(shape: ModelShape) -> list[tuple[str, int, int]]:
-    """(section, index, layer applications) of each choice, in tie-break order: unique layers first, then core steps
-    from the last one."""
+    """(section, index, layer applications) of each choice: unique layers first (the program's tie-break prefers
+    their class), then core steps from the last one."""
     groups = [("prelude", i, 1) for i in range(shape.n_prelude_layers)]
     groups += [("coda", i, 1) for i in range(shape.n_coda_layers)]
     return groups + [("core_steps", s, shape.n_core_layers) for s in reversed(range(shape.graph_steps))]
