@@ -21,7 +21,7 @@ import sys
 
 from benchmarks.memory_probe import config_fields
 from hf_recurrent import presets
-from trainer_ext.memory.plan import plan_for_preset, training_shape
+from trainer_ext.memory.plan import PLAN_FILE, plan_for_preset, training_shape
 
 ROUNDING_GIB = 0.005
 
@@ -35,7 +35,23 @@ def read_log(path: str) -> list[dict]:
     return [ast.literal_eval(line) for line in text.splitlines() if line.startswith("{'")]
 
 
+def run_vocab_size(log: str, given: int | None) -> int:
+    """The vocabulary the run's model had: its plan file's (beside the log), which `given` must match; else `given`."""
+    path = os.path.join(os.path.dirname(os.path.abspath(log)), PLAN_FILE)
+    planned = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            planned = json.load(f).get("vocab_size")
+    if planned is None and given is None:
+        raise SystemExit(f"--log {log}: no {PLAN_FILE} with the run's vocab_size beside it; give --vocab_size, the "
+                         "size of the run's head (its data tokenizer's, padded to a multiple of 64).")
+    if planned is not None and given is not None and presets.pad_vocab(given) != planned:
+        raise SystemExit(f"--vocab_size {given} is not the run's: {path} says {planned}; leave --vocab_size out.")
+    return planned if planned is not None else given
+
+
 def run_record(args) -> dict:
+    args.vocab_size = run_vocab_size(args.log, args.vocab_size)
     plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, distill_topk=args.distill_topk,
                            vocab_size=args.vocab_size)
     if args.batch_size is not None and plan.per_device_train_batch_size != args.batch_size:
@@ -67,7 +83,8 @@ def run_record(args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", required=True, choices=presets.NAMES)
-    parser.add_argument("--vocab_size", type=int, default=None)
+    parser.add_argument("--vocab_size", type=int, default=None,
+                        help="The run's head size (default: its memory_plan.json's; required without one).")
     parser.add_argument("--distill_topk", type=int, default=0)
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--cap_gib", type=float, default=24.0)

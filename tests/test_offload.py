@@ -34,6 +34,32 @@ def grads(model, x, run):
     return [x.grad] + [p.grad.clone() for p in model.parameters()]
 
 
+class Recording(OffloadActivations):
+    """Remembers the storage of each saved tensor it was given."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.storages = {}
+
+    def _pack(self, tensor):
+        key = super()._pack(tensor)
+        self.storages[key] = tensor.untyped_storage().data_ptr()
+        return key
+
+
+def assert_no_weight_moved(model, run, x):
+    """Under offload, activations go to the host and no parameter does (the device keeps it anyway)."""
+    context = Recording(1024)
+    with context:
+        output = run(x.clone().requires_grad_())
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    moved = {key for key, entry in context._stored.items() if entry[0] != "kept"}
+    assert moved and not any(context.storages[key] in weights for key in moved)
+    assert any(context.storages[key] in weights for key in context._stored if key not in moved)  # weights were saved
+    output.sum().backward()
+    assert context.host_bytes == 0
+
+
 def two_blocks(device="cpu"):
     torch.manual_seed(0)
     return torch.nn.Sequential(Block(), Block()).to(device), torch.randn(2, 16, 32, device=device)
@@ -52,6 +78,8 @@ def test_offloaded_activations_give_the_same_gradients_and_come_back():
     for a, b in zip(got, reference):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert context.offloaded > 4  # the blocks' large saved tensors moved
+    assert context.host_bytes == 0 and not (context._stored or context._fetched or context._leaving)  # none left
+    assert_no_weight_moved(model, lambda inputs: model(inputs), x)
     assert context.host_bytes == 0 and not (context._stored or context._fetched or context._leaving)  # none left
 
     bounded = OffloadActivations(min_bytes=1024, max_host_bytes=8192)
@@ -344,3 +372,4 @@ def test_compiled_layers_under_offload_on_cuda_give_the_same_gradients():
     for a, b in zip(got, reference):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert context.offloaded > 4 and context.host_bytes == 0
+    assert_no_weight_moved(model, compiled, x)  # the compiled graphs' saved weights too

@@ -73,3 +73,26 @@ def test_the_fit_bounds_a_training_run_above_its_probes(tmp_path):
     with_run = fit_calibration(probes + [record], leave_one_out=False)
     assert with_run.peak_bytes(*args) >= record["peak_reserved_bytes"]
     assert without.peak_bytes(*args) < record["peak_reserved_bytes"]
+
+
+def test_the_runs_vocabulary_comes_from_its_plan_file(tmp_path):
+    """A run on other data trains a head of its tokenizer's size: the record takes it from memory_plan.json beside
+    the log, refuses a --vocab_size that disagrees, and asks for one where no plan file says it."""
+    plan = plan_for_preset("recurrent-3.3b", 2048, 24.0, None, vocab_size=59296)
+    assert plan.to_dict()["vocab_size"] == 59328  # padded to a multiple of 64
+    run = tmp_path / "run"
+    run.mkdir()
+    history = run / "log_history.json"
+    history.write_text(json.dumps(_log_entries([20.0, 20.0], [1000.0, 1000.0])))
+    output = tmp_path / "runs.jsonl"
+    base = ["--preset", "recurrent-3.3b", "--calibration", CALIBRATION_FILE, "--log", str(history),
+            "--output", str(output)]
+    with pytest.raises(SystemExit, match="give --vocab_size"):
+        main(base)
+    (run / "memory_plan.json").write_text(json.dumps(plan.to_dict()))
+    with pytest.raises(SystemExit, match="says 59328"):
+        main(base + ["--vocab_size", "65536"])
+    assert main(base + ["--batch_size", str(plan.per_device_train_batch_size)]) == 0
+    record = json.loads(output.read_text())
+    assert record["vocab_size"] == record["config"]["vocab_size"] == 59328
+    assert ModelShape.from_record(record).vocab_size == 59328

@@ -11,7 +11,9 @@ copy is known done (its event, or the compute stream's wait at a layer boundary)
 stream; a tensor coming back is allocated on the compute stream, which the copy waits for. One still on its way out
 when backward asks for it is used as it is. Tensors
 under `min_bytes` (scalars, indices, norms' statistics) stay where they are: their copies would cost more launches
-than they free. On a CPU the "host" copy is a plain copy, so the bookkeeping and the gradients are tested anywhere.
+than they free. So do parameters and views of them (the weights a matrix product saves for its input's gradient): the
+device keeps them anyway, so a host copy frees nothing, and the copy back is a second device copy of the weight and
+as many bytes moved each way as the layer's activations at a batch of a few thousand tokens. On a CPU the "host" copy is a plain copy, so the bookkeeping and the gradients are tested anywhere.
 Host memory in use is bounded (`max_host_bytes`): a tensor that would pass it stays on the device. Under WSL2 the
 pinned memory a CUDA application can hold is limited (NVIDIA's CUDA on WSL notes) and the VM has only part of the
 machine's RAM, which is why the bound exists.
@@ -69,6 +71,11 @@ def compiled_selective_checkpoint(mode: str = "default", backend: str = "inducto
     return torch.compile(selective_checkpoint, mode=mode, backend=backend)
 
 
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one (module docstring: such saved tensors stay on the device)."""
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+
+
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """Saved tensors of at least `min_bytes` go to host memory while the forward runs and come back, prefetched, in
     backward (module docstring). One context per forward; it may be entered again for the next one."""
@@ -119,7 +126,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         key, self._next_key = self._next_key, self._next_key + 1
         size = tensor.numel() * tensor.element_size()
         full = self.max_host_bytes is not None and self.host_bytes + size > self.max_host_bytes
-        if size < self.min_bytes or full:
+        if size < self.min_bytes or full or _is_parameter(tensor):
             self._stored[key] = ("kept", tensor)
             return key
         stream = self._copy_stream(tensor.device)

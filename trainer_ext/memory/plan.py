@@ -66,6 +66,7 @@ class MemoryPlan:
     placement: dict = field(default_factory=dict)  # each placement's applications (`placement.placement_table`)
     host_gib: float = 0.0  # pinned host memory the offloaded applications use
     host_cap_gib: float | None = None  # the bound on it, per process
+    vocab_size: int | None = None  # the head's rows the plan was made for (a training run's: its data tokenizer's)
 
     @property
     def placement_description(self) -> str:
@@ -118,7 +119,7 @@ class MemoryPlan:
                 "placement": self.placement, "placement_description": self.placement_description,
                 "host_gib": round(self.host_gib, 3),
                 "host_cap_gib": None if self.host_cap_gib is None else round(self.host_cap_gib, 3),
-                "candidates": self.candidates}
+                "vocab_size": self.vocab_size, "candidates": self.candidates}
 
     def describe(self) -> str:
         text = (f"batch {self.per_device_train_batch_size} x {self.seq_len} tokens, {self.recompute_description}, "
@@ -215,7 +216,8 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
                       calibration_path, candidates, transformer=not shape.n_core_layers,
                       num_processes=shape.num_processes, sharding=shape.sharding,
                       fixed_gib={name: round(size / GIB, 3) for name, size in fixed.items()},
-                      placement=table, host_gib=host / GIB, host_cap_gib=host_bytes / GIB)
+                      placement=table, host_gib=host / GIB, host_cap_gib=host_bytes / GIB,
+                      vocab_size=shape.vocab_size)
 
 
 def plan_for_preset(preset: str, seq_len: int, cap_gib: float | None, calibration_path: str | None = None,
