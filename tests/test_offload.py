@@ -92,6 +92,43 @@ def test_offloaded_activations_give_the_same_gradients_and_come_back():
     assert bounded.host_bytes == 0
 
 
+def test_backward_fetches_one_application_ahead_not_more():
+    """Backward brings back the application before the one it is in, whole, and nothing further: the tensors kept on
+    the device (small ones) are unpacked too, and fetching one tensor ahead per unpack ran far ahead of backward."""
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*(Block() for _ in range(4)))
+    x = torch.randn(2, 16, 32)
+    reference = grads(blocks, x, blocks)
+    ahead = []
+
+    class Watched(OffloadActivations):
+        def _unpack(self, key):
+            tensor = super()._unpack(key)
+            ahead.append(len(self._fetched))
+            return tensor
+
+    context = Watched(min_bytes=1024)
+    moved = []  # offloaded tensors per application
+
+    def offloaded(inputs):
+        for block in blocks:
+            with context:
+                context.layer_boundary()  # as OffloadedForward does before each application
+                inputs = block(inputs)
+        ends = context._starts[1:] + [context._next_key]
+        moved.extend(sum(1 for key in range(start, end) if context._stored[key][0] != "kept")
+                     for start, end in zip(context._starts, ends))
+        return inputs
+
+    got = grads(blocks, x, offloaded)
+    for a, b in zip(got, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(moved) == 4 and min(moved) >= 4 and context.offloaded == sum(moved)
+    # the rest of the application in use and the one before it at most (the plan's window of two), none at the end
+    assert max(moved) < max(ahead) < 2 * max(moved) and ahead[-1] == 0
+    assert context.host_bytes == 0 and not (context._stored or context._fetched or context._leaving)
+
+
 def test_a_saved_view_comes_back_with_the_strides_it_was_saved_with():
     """A compiled backward checks its saved tensors' strides: a slice of a fused projection's output (not dense) that
     came back contiguous failed every compiled offload probe on the GPU."""
