@@ -453,7 +453,7 @@ def main(argv=None) -> int:
               float(cap) if cap != "none" else None)
         return 0
     if args.fit:
-        from trainer_ext.memory.estimator import write_calibration_from_probes
+        from trainer_ext.memory.calibrate import write_calibration_from_probes
 
         command = " ".join(["python3 -m benchmarks.memory_probe", *(sys.argv[1:] if argv is None else argv)])
         path = write_calibration_from_probes(args.fit, args.calibration, command=command,

@@ -19,8 +19,9 @@ import argparse
 import json
 import sys
 
+from trainer_ext.memory.calibrate import write_calibration_from_probes
 from trainer_ext.memory.device_profile import SPEC_PROFILES, resolve_device_profile
-from trainer_ext.memory.estimator import load_calibration, write_calibration_from_probes
+from trainer_ext.memory.estimator import load_calibration
 from trainer_ext.memory.placement import DEFAULT_PLACEMENTS, HOST_HELP, PLACEMENT_CHOICES, PLACEMENTS_HELP
 from trainer_ext.memory.plan import DEFAULT_MARGIN_GIB, MAX_BATCH_SIZE, plan_for_preset
 
@@ -64,8 +65,7 @@ def main(argv=None) -> int:
             if not args.calibration:
                 raise ValueError("--calibrate needs --calibration PATH: where to write the fitted calibration.")
             command = " ".join(["hf-recurrent-plan-memory", *(sys.argv[1:] if argv is None else argv)])
-            path = write_calibration_from_probes(args.calibrate, args.calibration, command=command)
-            print(f"Wrote {path}")
+            print(f"Wrote {write_calibration_from_probes(args.calibrate, args.calibration, command=command)}")
             return 0
         if not args.preset:
             raise ValueError("--preset is required, e.g. --preset recurrent-3.3b.")

@@ -298,7 +298,9 @@ def test_cli_recalibrates_from_a_probe_file(tmp_path, capsys):
     out = tmp_path / "mine.json"
     (tmp_path / "bad.json").write_text("{}")
     assert main(["--calibrate", str(PROBES), "--calibration", str(out)]) == 0
-    assert load_calibration(str(out)).info["fit_command"].startswith("hf-recurrent-plan-memory --calibrate")
+    written = load_calibration(str(out)).info
+    assert written["fit_command"].startswith("hf-recurrent-plan-memory --calibrate")
+    assert written["offload"] == load_calibration().info["offload"]  # the offloaded probes' window, fitted too
     assert main(["--preset", "recurrent-3.3b", "--calibration", str(out), "--json"]) == 0
     assert main(["--preset", "recurrent-3.3b", "--calibration", str(tmp_path / "bad.json")]) != 0
     assert "not a memory calibration" in capsys.readouterr().err

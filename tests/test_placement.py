@@ -5,6 +5,7 @@ everything, chosen by the program where the card's balance favours them, and hos
 import contextlib
 import dataclasses
 import json
+import os
 import re
 
 import pytest
@@ -262,3 +263,29 @@ def test_compiled_layers_placed_selective_run_no_product_again_and_give_the_same
     # a full recompute runs the products again, in the forward graph (5.17) or in the backward one (later)
     assert sum(counted["recompute"].values()) > sum(counted["keep"].values())
     assert counted["selective"]["forward"] == counted["keep"]["forward"]  # no product ran again
+
+
+def test_the_committed_calibration_bounds_every_offloaded_probe():
+    """Offload's window is fitted to the offloaded probes (the two applications on their way to or from the host and
+    the allocator's cache of two streams): the committed calibration predicts none of them under its measured peak,
+    and a refit of the same records gives the same window."""
+    from trainer_ext.memory.calibrate import fit_offload, offloaded
+    from trainer_ext.memory.estimator import ModelShape, load_calibration, read_probes
+    from trainer_ext.memory.placement import OFFLOAD_WINDOW_APPLICATIONS, Program
+    from trainer_ext.memory.recompute import RecomputeSet
+
+    calibration = load_calibration()
+    records = read_probes(os.path.join(os.path.dirname(__file__), os.pardir, "results", "memory-probes",
+                                       "probes.jsonl"))
+    probes = [r for r in records if offloaded(r)]
+    assert len(probes) >= 12 and {r["preset"] for r in probes} == {"recurrent-3.3b", "recurrent-7b"}
+    window = calibration.info["offload"]["window_applications"]
+    assert window >= OFFLOAD_WINDOW_APPLICATIONS
+    without = dict(calibration.info)
+    without.pop("offload")
+    assert fit_offload(records, type(calibration)(calibration.families, without)) == calibration.info["offload"]
+    for r in probes:
+        program = Program(ModelShape.from_record(r), calibration, r["batch_size"], r["seq_len"], True, 0, "all")
+        assert program.window_bytes == window * program.keep_bytes
+        assert program.peak_bytes(RecomputeSet.from_dict(r["recompute_set"])) >= r["peak_reserved_bytes"]
+    assert fit_offload([r for r in records if not offloaded(r)], calibration) is None

@@ -494,15 +494,3 @@ def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool 
         name: round(max(abs(r["peak_error"]) for r, family in zip(rows, families) if family == name), 4)
         for name in calibration.families if name in families}
     return {**summary, "per_probe": rows}
-
-
-def write_calibration_from_probes(probes_path: str, output: str | None = None, command: str | None = None,
-                                  probe_command: str | None = None, objective: str = "bytes") -> str:
-    """Fit the probes of `probes_path` and write the calibration to `output` (default: the package's file)."""
-    calibration = fit_calibration(read_probes(probes_path), probe_command=probe_command, fit_command=command,
-                                  source=probes_path, objective=objective)
-    output = output or CALIBRATION_FILE
-    with open(output, "w") as f:
-        json.dump(calibration.to_dict(), f, indent=1)
-        f.write("\n")
-    return output

@@ -1,0 +1,52 @@
+"""The calibration from probe records, written to a file: the estimator's fit (`estimator.fit_calibration`: peaks,
+step times, selective recomputation's terms) and the placement program's measured offload window (`fit_offload`).
+
+Offload's window is the device memory an offloaded step holds beyond what the program removes: the two layer
+applications `OffloadActivations` keeps on their way out in forward or fetched ahead in backward, and the allocator's
+cache of blocks freed across its two streams. `memory_probe --offload_probes` measures offloaded steps; the window is
+the largest number of applications' kept bytes any of them needed (an upper bound, as the peaks): on an H100 the
+allocated bytes matched the two applications, the reserved ones needed up to 2.7 (recurrent-7b at batch 2)."""
+
+import json
+import math
+
+from trainer_ext.memory.estimator import CALIBRATION_FILE, Calibration, ModelShape, fit_calibration, measured, \
+    read_probes
+from trainer_ext.memory.placement import Program
+from trainer_ext.memory.recompute import RecomputeSet
+
+
+def offloaded(record: dict) -> bool:
+    """A probe that trained with some applications offloaded."""
+    offload = record.get("recompute_set", {}).get("offload", {})
+    return measured(record) and any(offload.values())
+
+
+def fit_offload(records: list[dict], calibration: Calibration) -> dict | None:
+    """The offload window (module docstring) from the offloaded probes in `records`, with `calibration`'s peaks of
+    the rest of each step; None without such a probe."""
+    windows = []
+    for record in filter(offloaded, records):
+        program = Program(ModelShape.from_record(record), calibration, record["batch_size"], record["seq_len"],
+                          bool(record.get("compile")), record.get("distill_topk", 0), "all")
+        peak = program.peak_bytes(RecomputeSet.from_dict(record["recompute_set"]))
+        windows.append((record["peak_reserved_bytes"] - (peak - program.window_bytes)) / program.keep_bytes)
+    if not windows:
+        return None
+    return {"window_applications": math.ceil(max(windows) * 1000) / 1000, "probes": len(windows)}  # rounded up
+
+
+def write_calibration_from_probes(probes_path: str, output: str | None = None, command: str | None = None,
+                                  probe_command: str | None = None, objective: str = "bytes") -> str:
+    """Fit the probes of `probes_path` and write the calibration to `output` (default: the package's file)."""
+    records = read_probes(probes_path)
+    calibration = fit_calibration(records, probe_command=probe_command, fit_command=command, source=probes_path,
+                                  objective=objective)
+    offload = fit_offload(records, calibration)
+    if offload is not None:
+        calibration.info["offload"] = offload
+    output = output or CALIBRATION_FILE
+    with open(output, "w") as f:
+        json.dump(calibration.to_dict(), f, indent=1)
+        f.write("\n")
+    return output
