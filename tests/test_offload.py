@@ -410,3 +410,21 @@ def test_compiled_layers_under_offload_on_cuda_give_the_same_gradients():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert context.offloaded > 4 and context.host_bytes == 0
     assert_no_weight_moved(model, compiled, x)  # the compiled graphs' saved weights too
+
+
+def test_the_trace_of_an_offloaded_step_shows_backward_one_application_ahead(tmp_path):
+    """benchmarks/offload_trace.py on the real model (a CPU dry run, every application offloaded): each layer
+    application starts at a boundary, backward never holds more fetched tensors than the rest of one application and
+    the one before it (the per-unpack prefetch it replaced held 115 of 290 here), and none is left at the end."""
+    from benchmarks.offload_trace import main
+
+    output = tmp_path / "trace.json"
+    assert main(["--preset", "debug", "--device", "cpu", "--seq_len", "32", "--steps", "2", "--placement",
+                 "offload_all", "--eager", "--min_bytes", "1024", "--output", str(output)]) == 0
+    trace = json.loads(output.read_text())
+    summary = trace["summary"]
+    assert trace["status"] == "ok" and summary["applications"] >= 4 and summary["unpacks"] == summary["saved_tensors"]
+    assert 0 < summary["offloaded_tensors"] < summary["saved_tensors"]  # the small ones stay
+    assert summary["largest_application"] <= summary["most_fetched_ahead"] < 2 * summary["largest_application"]
+    assert summary["fetched_at_the_end"] == 0
+    assert [event[0] for event in trace["events"]][:1] == ["B"] and trace["events"][-1][0] == "U"

@@ -1,21 +1,21 @@
 """Activation offload and selective recomputation: the two placements beside keep and recompute.
 
-`OffloadActivations` is a `torch.autograd.graph.saved_tensors_hooks` context: the tensors autograd saves for
-backward inside it move to pinned host memory on a copy stream of their own as they are saved (the compute stream
-goes on), and come back in backward on that stream, a layer application's ahead: when backward first unpacks a tensor of one
-application, the offloaded tensors of the application before it are fetched (backward runs the applications in
-reverse order), so at most two applications' tensors are on the device, the plan's window. (Prefetching one tensor per
-unpack ran away: the unpacks of tensors kept on the device fetched ahead too, and an H100's offload probe held 106
-fetched tensors, 5 GiB, half-way through backward.) No block changes hands between the streams' pools of the caching allocator
+`OffloadActivations` is a `torch.autograd.graph.saved_tensors_hooks` context: the tensors autograd saves for backward
+inside it move to pinned host memory on a copy stream of their own as they are saved (the compute stream goes on), and
+come back in backward on that stream, a layer application's ahead: when backward first unpacks a tensor of one
+application, the offloaded tensors of the application before it are fetched (backward runs the applications in reverse
+order), so at most two applications' tensors are on the device, the plan's window. (Prefetching one tensor per unpack
+ran away: the unpacks of tensors kept on the device fetched ahead too, and an H100's offload probe held 106 fetched
+tensors, 5 GiB, half-way through backward.) No block changes hands between the streams' pools of the caching allocator
 (with `record_stream` and device blocks allocated on the copy stream, 16 compiled MLP blocks on an H100 held 1.4 GiB
-allocated in 20 GiB reserved, against 12 GiB reserved when keeping everything): a saved tensor is held until its
-copy is known done (its event, or the compute stream's wait at a layer boundary) and then released on the compute
-stream; a tensor coming back is allocated on the compute stream, which the copy waits for. One still on its way out
-when backward asks for it is used as it is. Tensors
-under `min_bytes` (scalars, indices, norms' statistics) stay where they are: their copies would cost more launches
-than they free. So do parameters and views of them (the weights a matrix product saves for its input's gradient): the
-device keeps them anyway, so a host copy frees nothing, and the copy back is a second device copy of the weight and
-as many bytes moved each way as the layer's activations at a batch of a few thousand tokens. On a CPU the "host" copy is a plain copy, so the bookkeeping and the gradients are tested anywhere.
+allocated in 20 GiB reserved, against 12 GiB reserved when keeping everything): a saved tensor is held until its copy is
+known done (its event, or the compute stream's wait at a layer boundary) and then released on the compute stream; a
+tensor coming back is allocated on the compute stream, which the copy waits for. One still on its way out when backward
+asks for it is used as it is. Tensors under `min_bytes` (scalars, indices, norms' statistics) stay where they are: their
+copies would cost more launches than they free. So do parameters and views of them (the weights a matrix product saves
+for its input's gradient): the device keeps them anyway, so a host copy frees nothing, and the copy back is a second
+device copy of the weight and as many bytes moved each way as the layer's activations at a batch of a few thousand
+tokens. On a CPU the "host" copy is a plain copy, so the bookkeeping and the gradients are tested anywhere.
 Host memory in use is bounded (`max_host_bytes`): a tensor that would pass it stays on the device. Under WSL2 the
 pinned memory a CUDA application can hold is limited (NVIDIA's CUDA on WSL notes) and the VM has only part of the
 machine's RAM, which is why the bound exists.

@@ -19,10 +19,11 @@ Per layer application of N tokens (K, R, S bytes per token):
     offload:    nothing on the device but the offload window (two applications' K N, once if any application is
                 offloaded: `OffloadActivations.layer_boundary` lets the copies of one application run while the next
                 computes, and backward fetches one application ahead; the calibration's `offload` entry replaces two
-                by what offloaded probes measured, `calibrate.fit_offload`), K N in host memory. Its copies run on their own stream and overlap compute: the time added
-                is max(0, K N / device-to-host bandwidth - forward seconds) + max(0, K N / host-to-device bandwidth -
-                backward seconds) of that application, with forward seconds = the calibrated per-FLOP time x its
-                forward FLOPs and backward twice that, plus OFFLOAD_SECONDS_PER_APPLICATION (the hooks' launches).
+                by what offloaded probes measured, `calibrate.fit_offload`), K N in host memory. Its copies run on
+                their own stream and overlap compute: the time added is max(0, K N / device-to-host bandwidth -
+                forward seconds) + max(0, K N / host-to-device bandwidth - backward seconds) of that application,
+                with forward seconds = the calibrated per-FLOP time x its forward FLOPs and backward twice that, plus
+                OFFLOAD_SECONDS_PER_APPLICATION (the hooks' launches).
                 This cost form is what the runtime does: at each layer boundary the compute stream waits for the
                 copies of the application before, so a copy stream slower than compute stalls it by the difference.
 
