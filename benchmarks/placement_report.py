@@ -6,14 +6,16 @@ Offload (`memory_probe --offload_probes`): per preset, compilation and batch, ea
 over the same batch fully recomputed in the same process (`recompute_reference`), measured and predicted: the copies
 overlap compute as the program assumes where the two ratios agree (issue bar: within 10%); ratios, not seconds, so a
 card other than the calibration's can judge the overlap. Selective (`--selective_probes`): the pairs' terms as
-`--fit` would store them (`estimator.fit_selective`, against the committed calibration). Probes that did not run are
-listed with their status and error.
+`--fit` would store them (`estimator.fit_selective`, against the committed calibration), and offload's device window
+likewise (`calibrate.fit_offload`, from the offloaded probes with memory figures). Probes that did not run are listed
+with their status and error.
 """
 
 import argparse
 import statistics
 import sys
 
+from trainer_ext.memory.calibrate import fit_offload
 from trainer_ext.memory.estimator import GIB, fit_selective, load_calibration, read_probes, steady_step_seconds
 
 
@@ -47,7 +49,7 @@ def failed_rows(records: list[dict]) -> list[dict]:
             for r in records if r.get("status") != "ok"]
 
 
-def render(rows: list[dict], selective: dict | None, failed: list[dict] = ()) -> str:
+def render(rows: list[dict], selective: dict | None, failed: list[dict] = (), offload: dict | None = None) -> str:
     lines = ["# Placement probes against the program's predictions", "",
              "| preset | compiled | batch | placement | step / recomputed, measured | predicted | error | peak GiB, "
              "measured | predicted |", "|---|---|---:|---|---:|---:|---:|---:|---:|"]
@@ -68,6 +70,9 @@ def render(rows: list[dict], selective: dict | None, failed: list[dict] = ()) ->
     lines += ["", "Selective recomputation, the terms `--fit` would store: " + (
         f"{selective['saved_multiple']:.3f} x the analytic saved bytes, {selective['time_fraction']:.3f} of a "
         f"recompute's time, from {selective['pairs']} pair(s)." if selective else "no pairs in these files.")]
+    lines += ["", "Offload's device window, as `--fit` would store it: " + (
+        f"{offload['window_applications']:.3f} layer applications' kept bytes, from {offload['probes']} probe(s)."
+        if offload else "no offloaded probes with memory figures in these files.")]
     return "\n".join(lines) + "\n"
 
 
@@ -80,7 +85,9 @@ def main(argv=None) -> int:
         records = [r for path in args.probes for r in read_probes(path)]
     except ValueError as error:
         raise SystemExit(str(error)) from error
-    text = render(offload_rows(records), fit_selective(records, load_calibration()), failed_rows(records))
+    calibration = load_calibration()
+    text = render(offload_rows(records), fit_selective(records, calibration), failed_rows(records),
+                  fit_offload(records, calibration))
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)

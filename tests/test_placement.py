@@ -289,3 +289,18 @@ def test_the_committed_calibration_bounds_every_offloaded_probe():
         assert program.window_bytes == window * program.keep_bytes
         assert program.peak_bytes(RecomputeSet.from_dict(r["recompute_set"])) >= r["peak_reserved_bytes"]
     assert fit_offload([r for r in records if not offloaded(r)], calibration) is None
+
+
+def test_the_placement_report_gives_the_window_the_fit_would_store(tmp_path, capsys):
+    from benchmarks.placement_report import main as report
+    from trainer_ext.memory.calibrate import offloaded
+    from trainer_ext.memory.estimator import load_calibration, read_probes
+
+    records = read_probes(os.path.join(os.path.dirname(__file__), os.pardir, "results", "memory-probes",
+                                       "probes.jsonl"))
+    probes = tmp_path / "offload.jsonl"
+    probes.write_text("".join(json.dumps(r) + "\n" for r in records if offloaded(r)))
+    assert report([str(probes)]) == 0
+    window = load_calibration().info["offload"]
+    assert (f"Offload's device window, as `--fit` would store it: {window['window_applications']:.3f} layer "
+            f"applications' kept bytes, from {window['probes']} probe(s).") in capsys.readouterr().out
