@@ -17,9 +17,9 @@ from trainer_ext.memory.recompute import RecomputeSet
 
 
 def offloaded(record: dict) -> bool:
-    """A probe that trained with some applications offloaded."""
-    offload = record.get("recompute_set", {}).get("offload", {})
-    return measured(record) and any(offload.values())
+    """A probe that trained with some applications offloaded (`RecomputeSet.to_dict` writes `offload` only then, as
+    `estimator.usable_probes` reads it)."""
+    return measured(record) and bool(record.get("recompute_set", {}).get("offload"))
 
 
 def fit_offload(records: list[dict], calibration: Calibration) -> dict | None:
