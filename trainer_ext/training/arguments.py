@@ -7,6 +7,7 @@ steps suits the CPU demo and diverges at the billion scale. `COMMAND_LINE_DEFAUL
 """
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -91,6 +92,23 @@ class ModelArguments:
             raise ValueError(f"--dtype={self.dtype!r} is not allowed; choose one of ['auto', 'bfloat16', 'float32'].")
 
 
+def _check(args, name: str, ok: bool, allowed: str) -> None:
+    """ValueError naming --name, its value and what it must be, unless `ok` (checked as the command line is parsed)."""
+    if not ok:
+        raise ValueError(f"--{name}={getattr(args, name)!r} is not allowed; it must be {allowed}.")
+
+
+def _is_int(value, low: int | None = None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+
+
+def _is_number(value, low: float | None = None, strict: bool = False, high: float | None = None) -> bool:
+    """A finite number, not a bool, above `low` (or equal to it unless `strict`) and below `high`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return (low is None or (value > low if strict else value >= low)) and (high is None or value < high)
+
+
 @dataclass
 class DataArguments:
     data_dir: str | None = field(
@@ -100,15 +118,17 @@ class DataArguments:
     teacher_cache_dir: str | None = field(
         default=None, metadata={"help": "Offline teacher top-k cache (hf-recurrent-cache-teacher) aligned with "
                                         "--data_dir."})
+    teacher_cache_workers: int = field(
+        default=2, metadata={"help": "Processes that decode --teacher_cache_dir's samples ahead of the steps where "
+                                     "--dataloader_num_workers is 0 (its default); 0: in the training process."})
     save_final: bool = field(default=True, metadata={"help": "Save the final model to <output_dir>/final."})
 
     def __post_init__(self):
         # An empty evaluation set fails only at the final evaluation (no eval_loss), after the whole training.
-        if self.max_eval_samples is not None and (isinstance(self.max_eval_samples, bool)
-                                                  or not isinstance(self.max_eval_samples, int)
-                                                  or self.max_eval_samples < 1):
-            raise ValueError(f"--max_eval_samples={self.max_eval_samples!r} is not allowed; it must be an integer "
-                             ">= 1: the evaluation at the end of training needs samples.")
+        _check(self, "max_eval_samples", self.max_eval_samples is None or _is_int(self.max_eval_samples, 1),
+               "an integer >= 1: the evaluation at the end of training needs samples")
+        _check(self, "teacher_cache_workers", _is_int(self.teacher_cache_workers, 0),
+               "an integer >= 0 (0 decodes the cache in the training process)")
 
 
 @dataclass
@@ -345,15 +365,7 @@ class RecurrentTrainingArguments(TrainingArguments):
     def _check_ranges(self):
         """Our fields' ranges, checked here because otherwise they fail late: at the first step (a depth of 0, a
         distillation weight of 5) or only at the first evaluation, after that many steps of training are lost."""
-        def check(name: str, ok: bool, allowed: str):
-            if not ok:
-                raise ValueError(f"--{name}={getattr(self, name)!r} is not allowed; it must be {allowed}.")
-
-        def is_int(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        def is_number(value) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        check, is_int, is_number = functools.partial(_check, self), _is_int, _is_number
 
         for name in ("backprop_depth", "eval_num_steps"):
             value = getattr(self, name)
@@ -398,23 +410,13 @@ class RecurrentTrainingArguments(TrainingArguments):
         """The schedule's and the Trainer's step counts and rates, flag by flag, as they are parsed: TrainingArguments
         takes --max_steps 0 for one step and a negative one for whole epochs, and a negative --learning_rate fails
         only in the optimizer, after the data and the model are built and the output folder is made."""
-        def check(name: str, ok: bool, allowed: str):
-            if not ok:
-                raise ValueError(f"--{name}={getattr(self, name)!r} is not allowed; it must be {allowed}.")
-
-        def number(value, low: float, strict: bool = False, high: float | None = None) -> bool:
-            """A finite number, not a bool, above `low` (or equal to it unless `strict`) and below `high`."""
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                return False
-            return (value > low if strict else value >= low) and (high is None or value < high)
+        check, number = functools.partial(_check, self), _is_number
 
         def steps(value) -> bool:
             """TrainingArguments' interval: a whole number of steps >= 1, or a fraction in (0, 1) of the run."""
             return number(value, 0, strict=True) and (value < 1 or value == int(value))
 
-        def is_count(value, low: int) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
+        is_count = _is_int
         check("max_steps", self.max_steps is None or self.max_steps == -1 or is_count(self.max_steps, 1),
               "an integer >= 1 (optimizer steps), or -1 to train --num_train_epochs epochs")
         check("learning_rate", self.learning_rate is None or number(self.learning_rate, 0, strict=True),
