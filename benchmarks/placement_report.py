@@ -1,6 +1,6 @@
 """What the placement probes measured against what the placement program predicted.
 
-    python3 -m benchmarks.placement_report offload.jsonl selective.jsonl [--output placements.md]
+    python3 -m benchmarks.placement_report offload.jsonl selective.jsonl [--output placements.md] [--repredict]
 
 Offload (`memory_probe --offload_probes`): per preset, compilation and batch, each offloaded placement's step time
 over the same batch fully recomputed in the same process (`recompute_reference`), measured and predicted: the copies
@@ -8,7 +8,8 @@ overlap compute as the program assumes where the two ratios agree (issue bar: wi
 card other than the calibration's can judge the overlap. Selective (`--selective_probes`): the pairs' terms as
 `--fit` would store them (`estimator.fit_selective`, against the committed calibration), and offload's device window
 likewise (`calibrate.fit_offload`, from the offloaded probes with memory figures). Probes that did not run are listed
-with their status and error.
+with their status and error. The predictions are those each record carries (the calibration of its day);
+`--repredict` makes them again with the committed calibration (after a refit).
 """
 
 import argparse
@@ -17,6 +18,13 @@ import sys
 
 from trainer_ext.memory.calibrate import fit_offload
 from trainer_ext.memory.estimator import GIB, fit_selective, load_calibration, read_probes, steady_step_seconds
+
+
+def repredicted(records: list[dict]) -> list[dict]:
+    """The records, those carrying a prediction with it made again by the committed calibration."""
+    from benchmarks.memory_probe import predicted_figures
+
+    return [{**r, **predicted_figures(r)} if r.get("predicted_step_seconds") else r for r in records]
 
 
 def offload_rows(records: list[dict]) -> list[dict]:
@@ -80,11 +88,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("probes", nargs="+", help="Probe files (JSON lines) of --offload_probes / --selective_probes.")
     parser.add_argument("--output", default=None, help="Also write the Markdown here.")
+    parser.add_argument("--repredict", action="store_true", help="Predict with the committed calibration instead of "
+                        "taking the predictions the records carry.")
     args = parser.parse_args(argv)
     try:
         records = [r for path in args.probes for r in read_probes(path)]
     except ValueError as error:
         raise SystemExit(str(error)) from error
+    if args.repredict:
+        records = repredicted(records)
     calibration = load_calibration()
     text = render(offload_rows(records), fit_selective(records, calibration), failed_rows(records),
                   fit_offload(records, calibration))

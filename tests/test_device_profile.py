@@ -39,6 +39,9 @@ def test_a_profile_scales_the_step_times_by_the_matmul_rates_and_keeps_the_memor
     assert factor == pytest.approx(H200_MATMUL_FLOPS / 71e12)
     for name, fit in calibration.families.items():
         assert scaled.families[name].time_coefficients == pytest.approx([c * factor for c in fit.time_coefficients])
+        if fit.compiled_time_coefficients is not None:
+            assert scaled.families[name].compiled_time_coefficients == pytest.approx(
+                [c * factor for c in fit.compiled_time_coefficients])
         assert scaled.families[name].memory_coefficients == fit.memory_coefficients
     # The default placements (keep / recompute): their costs scale with the matmul rate alone.
     h200 = plan_for_preset("recurrent-7b", 2048, None)

@@ -137,6 +137,8 @@ def test_the_fit_recovers_known_coefficients_from_synthetic_probes():
     assert recurrent.memory_coefficients == pytest.approx(_ROUND.memory_coefficients, rel=1e-3, abs=1e-6)
     assert recurrent.time_coefficients == pytest.approx(_ROUND.time_coefficients, rel=1e-3, abs=1e-7)
     assert recurrent.compile_factor == pytest.approx(_ROUND.compile_factor)
+    assert recurrent.compiled_time_coefficients == pytest.approx(  # compiled probes: eager times x 0.8 here
+        [0.8 * c for c in _ROUND.time_coefficients], rel=1e-3, abs=1e-7)
     assert fitted.info["probes"] == len(records) and fitted.info["probe_records"] == len(records) + 1
     assert fitted.info["residuals"]["peak_max_relative_error"] < 1e-4
     # It plans recurrent presets and says what to do for a family it has no probes of.
@@ -203,6 +205,39 @@ def test_each_fit_objective_bounds_the_probes_and_minimises_its_own_error():
         fit_calibration(records, objective="squares")
 
 
+def test_compiled_steps_get_time_coefficients_of_their_own():
+    """An eager step's fixed launch time is not a compiled one's: each set is fitted to its own probes, and a
+    calibration written with one set (eager, times a compile factor) still reads and predicts as it did."""
+    split = FamilyFit(_ROUND.memory_coefficients, _ROUND.theta, _ROUND.time_coefficients, 0.8,
+                      compiled_time_coefficients=[0.0, 0.0016, 0.0015, 0.0, 0.0005, 0.004])
+    fitted = fit_calibration(_synthetic_probes(Calibration({"recurrent": split}, info={})),
+                             leave_one_out=False).families["recurrent"]
+    assert fitted.time_coefficients == pytest.approx(split.time_coefficients, rel=1e-3, abs=1e-7)
+    assert fitted.compiled_time_coefficients == pytest.approx(split.compiled_time_coefficients, rel=1e-3, abs=1e-7)
+    shape = _shape()
+    one = Calibration({"recurrent": fitted}, info={})
+    # Without the eager launch time, a compiled step gains less from a larger batch than eager x 0.8 says.
+    per_token = lambda calibration, batch: calibration.step_seconds(shape, batch, 2048, 20, True) / batch
+    assert per_token(one, 8) / per_token(one, 1) > per_token(SYNTHETIC, 8) / per_token(SYNTHETIC, 1)
+    older = fitted.to_dict()
+    del older["compiled_time_coefficients"]
+    read = FamilyFit.from_dict(older)
+    assert read.compiled_time_coefficients is None
+    assert Calibration({"recurrent": read}, {}).step_seconds(shape, 4, 2048, 20, True) == pytest.approx(
+        fitted.compile_factor * Calibration({"recurrent": read}, {}).step_seconds(shape, 4, 2048, 20, False))
+
+
+def test_the_committed_calibration_predicts_its_cards_compiled_training_runs_within_ten_percent():
+    calibration = load_calibration()
+    runs = [r for r in usable_probes(read_probes(str(PROBES))) if r.get("source") == "training run"
+            and r.get("device_name") == calibration.info["device_name"]]
+    errors = [row["step_time_error"] for row in calibration.info["residuals"]["per_probe"]
+              if row["device_name"] == calibration.info["device_name"] and row["recompute"] == "plan"
+              and row["momentum"] is None]  # the training runs' records (their momentum is the default's)
+    assert len(runs) == len(errors) == 4 and max(abs(e) for e in errors) < 0.10
+    assert calibration.info["residuals"]["step_time_median_relative_error"] < 0.08
+
+
 def test_step_times_are_fitted_to_the_calibrations_card_and_peaks_to_every_cards():
     """Probes of a second card: their step times leave the time fit alone (a calibration is of one card's speed),
     their peaks are covered like the first card's (a plan must hold on both)."""
@@ -215,6 +250,7 @@ def test_step_times_are_fitted_to_the_calibrations_card_and_peaks_to_every_cards
     for name, fit in alone.families.items():
         assert mixed.families[name].time_coefficients == fit.time_coefficients
         assert mixed.families[name].compile_factor == fit.compile_factor
+        assert mixed.families[name].compiled_time_coefficients == fit.compiled_time_coefficients
     for record in other:
         shape = ModelShape.from_record(record)
         assert mixed.peak_bytes(shape, record["batch_size"], record["seq_len"], probe_recomputed(record), 0, True) \

@@ -304,3 +304,17 @@ def test_the_placement_report_gives_the_window_the_fit_would_store(tmp_path, cap
     window = load_calibration().info["offload"]
     assert (f"Offload's device window, as `--fit` would store it: {window['window_applications']:.3f} layer "
             f"applications' kept bytes, from {window['probes']} probe(s).") in capsys.readouterr().out
+    # After a refit, the H100's offload probes with their references against the committed calibration's predictions
+    from benchmarks.memory_probe import predicted_figures
+    from benchmarks.placement_report import offload_rows, repredicted
+
+    run = os.path.join(os.path.dirname(__file__), os.pardir, "results", "gpu-2026-12-06b", "h100", "offload-3",
+                       "probes.jsonl")
+    assert report([run, "--repredict"]) == 0
+    written, again = read_probes(run), repredicted(read_probes(run))
+    assert [r.get("predicted_step_seconds") for r in again] == [
+        predicted_figures(r)["predicted_step_seconds"] if r.get("predicted_step_seconds") else None for r in written]
+    rows = offload_rows(again)
+    out = capsys.readouterr().out
+    assert len(rows) == 12 and all(f"| {row['measured_ratio']:.3f} | {row['predicted_ratio']:.3f} |" in out
+                                   for row in rows)

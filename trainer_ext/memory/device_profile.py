@@ -19,7 +19,7 @@ import os
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from trainer_ext.devices import synchronize
 from trainer_ext.memory.estimator import GIB, Calibration
@@ -229,6 +229,5 @@ def for_device(calibration: Calibration, profile: DeviceProfile,
     """(the calibration with its step times scaled to `profile`'s matmul rate, the factor); the memory terms as
     they were."""
     factor = reference_matmul_flops(calibration, calibration_path) / profile.matmul_flops
-    families = {name: replace(fit, time_coefficients=[c * factor for c in fit.time_coefficients])
-                for name, fit in calibration.families.items()}
+    families = {name: fit.scaled(factor) for name, fit in calibration.families.items()}
     return Calibration(families, {**calibration.info, "device_profile": profile.to_dict()}), factor

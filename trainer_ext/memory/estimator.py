@@ -33,10 +33,14 @@ a family shares them. The two families, our recurrent-depth model and a plain Tr
 other saved tensors), are fitted apart.
 
     step time = t . [1, N * training FLOPs / token, N * recompute FLOPs / token, training FLOPs / token,
-                     layer applications, parameters]          (x a fitted factor with torch.compile)
+                     layer applications, parameters]
 
 FLOPs per token from `hf_recurrent.cost`'s per-layer count (forward, backward at twice the forward, a recomputed
-layer one more forward); the per-token and per-application terms are the launch-bound part of small batches.
+layer one more forward); the per-token and per-application terms are the launch-bound part of small batches. Eager
+and compiled steps have coefficients of their own, each fitted to its probes: an eager step launches every kernel
+from Python and spends a fixed part of each step on it, which a compiled one does not. (Compiled times as the eager
+coefficients times one fitted factor, as before, put 0.17 s of eager overhead into every compiled step of the
+3.3b: 50% too long at batch 1 and 22% too short at batch 8, so plans leaned to large batches.)
 
 Every term is linear in the number of recomputed applications at a fixed batch size, which the planner's mixed-integer
 program relies on (`placement.py`). `fit_calibration` turns probe records (`benchmarks/memory_probe.py`) into a
@@ -63,6 +67,7 @@ MEMORY_FEATURES = _SHARED_FEATURES + tuple(f"compiled_{_SHARED_FEATURES[i]}" for
 TIME_FEATURES = ("constant", "training_flops", "recompute_flops", "flops_per_token", "layer_applications",
                  "parameters")
 FORMAT_VERSION = 4  # 3: least squares, fewer compiled terms, no weight-matrix term
+MIN_COMPILED_TIME_PROBES = 2 * len(TIME_FEATURES)  # compiled probes that get coefficients of their own
 _THETAS = tuple(round(0.01 * i, 2) for i in range(0, 801, 2))  # grid of the transient's V x H multiple
 # What the memory fit minimises under its bound (`_upper_bound`): "bytes" (the default: the probes of most memory, where
 # plans for a card land, weigh most), "relative" (every probe alike), "minimax" (the worst probe's relative error).
@@ -177,19 +182,38 @@ class FamilyFit:
 
     memory_coefficients: list[float]
     theta: float
-    time_coefficients: list[float]
-    compile_factor: float
+    time_coefficients: list[float]  # eager steps
+    compile_factor: float  # the median compiled step time over the eager prediction: whether compiling pays
+    # Compiled steps, fitted to the compiled probes; None (too few compiled probes, or a calibration written before
+    # they were fitted apart): the eager coefficients times compile_factor.
+    compiled_time_coefficients: list[float] | None = None
+
+    def time_for(self, compiled: bool) -> tuple[list[float], float]:
+        """(coefficients, factor) of a step's time: t . features x factor."""
+        if compiled and self.compiled_time_coefficients is not None:
+            return self.compiled_time_coefficients, 1.0
+        return self.time_coefficients, (self.compile_factor if compiled else 1.0)
+
+    def scaled(self, factor: float) -> "FamilyFit":
+        """The same fit with every step time multiplied by `factor` (another card's matmul rate)."""
+        compiled = self.compiled_time_coefficients
+        return FamilyFit(self.memory_coefficients, self.theta, [c * factor for c in self.time_coefficients],
+                         self.compile_factor, None if compiled is None else [c * factor for c in compiled])
 
     def to_dict(self) -> dict:
         return {"memory_coefficients": self.memory_coefficients, "transient_theta": self.theta,
-                "time_coefficients": self.time_coefficients, "compile_factor": self.compile_factor}
+                "time_coefficients": self.time_coefficients, "compile_factor": self.compile_factor,
+                "compiled_time_coefficients": self.compiled_time_coefficients}
 
     @classmethod
     def from_dict(cls, data: dict) -> "FamilyFit":
         memory, time = [float(c) for c in data["memory_coefficients"]], [float(c) for c in data["time_coefficients"]]
-        if len(memory) != len(MEMORY_FEATURES) or len(time) != len(TIME_FEATURES):
+        compiled = data.get("compiled_time_coefficients")
+        compiled = None if compiled is None else [float(c) for c in compiled]
+        if len(memory) != len(MEMORY_FEATURES) or len(time) != len(TIME_FEATURES) or (
+                compiled is not None and len(compiled) != len(TIME_FEATURES)):
             raise ValueError("its coefficients do not match this version's features")
-        return cls(memory, float(data["transient_theta"]), time, float(data["compile_factor"]))
+        return cls(memory, float(data["transient_theta"]), time, float(data["compile_factor"]), compiled)
 
 
 @dataclass
@@ -216,9 +240,8 @@ class Calibration:
     def step_seconds(self, shape: ModelShape, batch_size: int, seq_len: int, recomputed: float,
                      compiled: bool = False) -> float:
         """Predicted steady-state seconds of one optimizer step."""
-        fit = self.fit_for(shape)
-        seconds = float(time_features(shape, batch_size, seq_len, recomputed) @ fit.time_coefficients)
-        return seconds * (fit.compile_factor if compiled else 1.0)
+        coefficients, factor = self.fit_for(shape).time_for(compiled)
+        return float(time_features(shape, batch_size, seq_len, recomputed) @ coefficients) * factor
 
     def compile_is_faster(self, shape: ModelShape) -> bool:
         return self.fit_for(shape).compile_factor < 1.0
@@ -357,17 +380,22 @@ def _upper_bound(features, fixed, measured, objective: str):
     return float(over.sum()), coefficients
 
 
-def _fit_time(shapes, probes):
+def _fit_time(shapes, probes) -> tuple[list[float], float, list[float] | None]:
+    """(eager coefficients, compile factor, compiled coefficients or None), each set fitted to the relative error of
+    its own probes (non-negative least squares); compiled ones where at least MIN_COMPILED_TIME_PROBES were compiled."""
     from scipy.optimize import nnls
 
-    eager = [(s, p) for s, p in zip(shapes, probes) if not p.get("compile")]
-    features = np.array([time_features(s, p["batch_size"], p["seq_len"], probe_recomputed(p)) for s, p in eager])
-    measured = np.array([steady_step_seconds(p) for _, p in eager])
-    coefficients, _ = nnls(features / measured[:, None], np.ones(len(measured)))
-    compiled = [steady_step_seconds(p) / float(time_features(s, p["batch_size"], p["seq_len"],
-                                                             probe_recomputed(p)) @ coefficients)
-                for s, p in zip(shapes, probes) if p.get("compile")]
-    return coefficients.tolist(), (statistics.median(compiled) if compiled else 1.0)
+    def fit(rows):
+        features = np.array([time_features(s, p["batch_size"], p["seq_len"], probe_recomputed(p)) for s, p in rows])
+        measured = np.array([steady_step_seconds(p) for _, p in rows])
+        return nnls(features / measured[:, None], np.ones(len(measured)))[0]
+
+    eager = fit([(s, p) for s, p in zip(shapes, probes) if not p.get("compile")])
+    compiled = [(s, p) for s, p in zip(shapes, probes) if p.get("compile")]
+    ratios = [steady_step_seconds(p) / float(time_features(s, p["batch_size"], p["seq_len"], probe_recomputed(p))
+                                             @ eager) for s, p in compiled]
+    own = fit(compiled).tolist() if len(compiled) >= MIN_COMPILED_TIME_PROBES else None
+    return eager.tolist(), (statistics.median(ratios) if ratios else 1.0), own
 
 
 def fit_selective(records: list[dict], calibration: Calibration) -> dict | None:
@@ -432,8 +460,7 @@ def fit_calibration(records: list[dict], probe_command: str | None = None, fit_c
                              f"`{PROBE_COMMAND}`, or leave that family's presets out of the probe file.")
         memory, theta = _fit_memory(shapes, members, objective=objective)
         timed = [(s, p) for s, p in zip(shapes, members) if p.get("device_name") == device] or zip(shapes, members)
-        time, compile_factor = _fit_time(*zip(*timed))
-        families[family] = FamilyFit(memory, theta, time, compile_factor)
+        families[family] = FamilyFit(memory, theta, *_fit_time(*zip(*timed)))
     selective = fit_selective(records, Calibration(families, {}))
     first = probes[0]
     info = {"device_name": first.get("device_name"), "device_total_bytes": first.get("device_total_bytes"),
@@ -475,7 +502,7 @@ def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool 
             memory, theta = _fit_memory([shapes[j] for j in others], [probes[j] for j in others],
                                         thetas=(full.theta,), objective=calibration.info.get("memory_objective",
                                                                                               "bytes"))
-            fit = Calibration({family: FamilyFit(memory, theta, full.time_coefficients, 1.0)}, {})
+            fit = Calibration({family: FamilyFit(memory, theta, full.time_coefficients, 1.0)}, {})  # peaks only
             held_out.append(fit.peak_bytes(shape, p["batch_size"], p["seq_len"], recomputed,
                                            p.get("distill_topk", 0), bool(p.get("compile")))
                             / p["peak_reserved_bytes"] - 1)

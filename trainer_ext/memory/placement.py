@@ -32,8 +32,8 @@ selectively and in full in one process; `estimator.fit_selective`, run by the ca
 selective application holds over a full recompute's input, as a multiple of S (the largest over the pairs, an upper
 bound like the peaks), and the share of a full recompute's time it still costs (the median), kept in the
 calibration's `selective` entry. Without pairs S and SELECTIVE_TIME_FRACTION stand as above. Offload's time is the
-analytic model above (on an H100, 12 offloaded probes of recurrent-3.3b and 7b at batch 1-4 measured within 7.3% of it,
-median, 11.6% at most, as a ratio to the same step recomputed); its window is measured (above).
+analytic model above (on an H100, 12 offloaded probes of recurrent-3.3b and 7b at batch 1-4 measured within 5.0% of it,
+median, 10.5% at most, as a ratio to the same step recomputed); its window is measured (above).
 So the program chooses between keep and recompute unless asked for more (`--memory_placements all`, PLACEMENT_CHOICES):
 a training run's default placement stays the measured one until probes price the other two.
 The bandwidths are the device profile's (`--device_profile`), or for the calibration's own device the datasheet link
@@ -165,10 +165,9 @@ class Program:
         self.offload_seconds = None if rates is None else self._offload_seconds(*rates)
 
     def _offload_seconds(self, to_host: float, to_device: float) -> float:
-        fit = self.calibration.fit_for(self.shape)
-        per_flop = dict(zip(TIME_FEATURES, fit.time_coefficients))["training_flops"] / 1e12
+        coefficients, factor = self.calibration.fit_for(self.shape).time_for(self.compiled)
+        per_flop = dict(zip(TIME_FEATURES, coefficients))["training_flops"] / 1e12 * factor
         forward = per_flop * self.batch * self.seq_len * self.shape.layer_flops(self.seq_len)
-        forward *= fit.compile_factor if self.compiled else 1.0
         return (max(0.0, self.keep_bytes / to_host - forward) + max(0.0, self.keep_bytes / to_device - 2 * forward)
                 + OFFLOAD_SECONDS_PER_APPLICATION)
 
