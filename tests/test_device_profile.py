@@ -145,3 +145,45 @@ def test_a_measured_profile_of_this_card_is_plausible():
     profile = profiles.measure_profile()
     assert 1e12 < profile.matmul_flops < 5e15 and 1e9 < profile.host_device_bytes_per_second < 1e12
     assert profile.name == torch.cuda.get_device_name() and profile.source.startswith("measured")
+
+
+def test_a_training_plan_with_every_placement_is_made_for_the_card_it_runs_on(tmp_path, monkeypatch, caplog):
+    """On a 3090, `--memory_placements all` prices offload at the 3090's compute and link (its profile measured once),
+    as `hf-recurrent-plan-memory --device_profile rtx3090` prints; keep / recompute alone needs no profile."""
+    from hf_recurrent import presets
+    from trainer_ext.memory.device_profile import training_profile
+    from trainer_ext.memory.plan import MemoryPlanCallback, apply_memory_plan
+    from trainer_ext.training.arguments import RecurrentTrainingArguments
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    calibration = load_calibration()
+    spec = SPEC_PROFILES["rtx3090"]
+
+    def args(**kwargs):
+        return RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True,
+                                          memory_cap_gib=24, memory_host_gib=16, **kwargs)
+
+    with pytest.raises(ValueError, match="--memory_device_profile 'rtx9090' is neither a known card"):
+        args(memory_device_profile="rtx9090")
+    every, default = args(memory_placements="all"), args()  # set up on the CPU before CUDA is faked
+    measured = _fake_card(monkeypatch, flops=spec.matmul_flops)
+    assert training_profile(None, "recompute", calibration) is None and measured == []
+    assert training_profile("rtx3090", "recompute", calibration) is spec
+    profile = training_profile(None, "all", calibration)
+    assert profile.name == "NVIDIA GeForce RTX 3090" and len(measured) == 1
+    plan = next(c for c in apply_memory_plan(every, presets.get("recurrent-7b"), 2048, 2)
+                if isinstance(c, MemoryPlanCallback)).plan
+    assert plan.device_profile["name"] == "NVIDIA GeForce RTX 3090" and len(measured) == 1  # from the cache now
+    assert plan.host_gib > 0 and plan.recompute.offload.prelude  # offload where a 3090's balance favours it
+    kept = next(c for c in apply_memory_plan(default, presets.get("recurrent-7b"), 2048, 2)
+                if isinstance(c, MemoryPlanCallback)).plan
+    assert kept.device_profile is None and kept.host_gib == 0
+    # The calibration's own card needs no profile; a measurement that fails leaves the plan at its speed, logged.
+    _fake_card(monkeypatch, name=calibration.info["device_name"])
+    assert training_profile(None, "all", calibration) is None
+    _fake_card(monkeypatch, name="Another card")
+    monkeypatch.setattr(profiles, "measure_profile", lambda device="cuda": (_ for _ in ()).throw(
+        RuntimeError("pinned memory could not be allocated")))
+    with caplog.at_level("WARNING"):
+        assert training_profile(None, "all", calibration) is None
+    assert "could not be measured (pinned memory could not be allocated)" in caplog.text

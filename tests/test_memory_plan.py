@@ -370,11 +370,13 @@ def test_memory_plan_none_leaves_the_arguments_unchanged(tmp_path):
 
 
 def fake_24gb_cuda(monkeypatch, *args_list):
-    """CUDA seen by the planner only: the arguments' device is set up (on the CPU) first."""
+    """CUDA seen by the planner only: the arguments' device is set up (on the CPU) first. The card is the
+    calibration's (a plan at its speed, no profile measured)."""
     for args in args_list:
         assert args.world_size == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: types.SimpleNamespace(total_memory=24 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda _: types.SimpleNamespace(total_memory=24 * GIB, name="NVIDIA H200"))
 
 
 def test_memory_plan_auto_sets_batch_and_recompute_before_training(tmp_path, monkeypatch):

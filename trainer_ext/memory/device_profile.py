@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import re
 import statistics
@@ -23,8 +24,15 @@ from dataclasses import asdict, dataclass
 
 from trainer_ext.devices import synchronize
 from trainer_ext.memory.estimator import GIB, Calibration
+from trainer_ext.memory.placement import DEFAULT_PLACEMENTS
+
+logger = logging.getLogger(__name__)
 
 MEASURE = "measure"
+TRAINING_PROFILE_HELP = (
+    "The card the memory plan is made for: rtx3090, rtx4090 (datasheet), measure (this CUDA device's, measured once "
+    "and cached) or a profile JSON file. Default: with --memory_placements all, this device's measured profile where "
+    "it is not the calibration's card (offload is priced at its compute and bandwidth); else the calibration's card.")
 PROFILE_FIELDS = ("name", "matmul_flops", "host_to_device_bytes_per_second", "device_to_host_bytes_per_second",
                   "memory_gib", "source")
 MATMUL_SIZE = 8192
@@ -191,18 +199,43 @@ def measured_profile(calibration_path: str | None = None, device="cuda") -> tupl
     return profile, path
 
 
+def check_profile_value(value: str | None, flag: str = "--device_profile") -> None:
+    """ValueError naming `flag` unless `value` is unset, a spec name, `measure` or an existing file."""
+    if value and value.lower() not in SPEC_PROFILES and value != MEASURE and not os.path.isfile(value):
+        raise ValueError(f"{flag} {value!r} is neither a known card ({', '.join(SPEC_PROFILES)}), '{MEASURE}' (this "
+                         "machine's CUDA device) nor a profile file.")
+
+
 def resolve_device_profile(value: str | None, calibration_path: str | None = None) -> DeviceProfile | None:
     """`--device_profile`: None (the calibration's device), a spec name, `measure`, or a profile file."""
+    check_profile_value(value)
     if not value:
         return None
     if value.lower() in SPEC_PROFILES:
         return SPEC_PROFILES[value.lower()]
-    if value == MEASURE:
+    return measured_profile(calibration_path)[0] if value == MEASURE else load_profile(value)
+
+
+def training_profile(value: str | None, placements: str, calibration: Calibration,
+                     calibration_path: str | None = None) -> DeviceProfile | None:
+    """The card a training's plan is made for (TRAINING_PROFILE_HELP): `value` as `--device_profile` takes it; unset,
+    where the plan may also recompute selectively or offload, this CUDA device's measured profile unless it is the
+    calibration's card (keep / recompute alone: a profile scales every step time alike and changes no choice). A
+    measurement that fails (WSL2 limits pinned memory) is logged and the plan made at the calibration card's speed."""
+    if value:
+        return resolve_device_profile(value, calibration_path)
+    import torch
+
+    if placements == DEFAULT_PLACEMENTS or not torch.cuda.is_available() or (
+            torch.cuda.get_device_name() == calibration.info.get("device_name")):
+        return None
+    try:
         return measured_profile(calibration_path)[0]
-    if not os.path.isfile(value):
-        raise ValueError(f"--device_profile {value!r} is neither a known card ({', '.join(SPEC_PROFILES)}), "
-                         f"'{MEASURE}' (this machine's CUDA device) nor a profile file.")
-    return load_profile(value)
+    except (RuntimeError, ValueError) as error:
+        logger.warning("--memory_placements %s: this card's profile could not be measured (%s); the plan prices "
+                       "offload at the calibration card's speed. Give --memory_device_profile (rtx3090, rtx4090 or "
+                       "a profile file) to plan for this card.", placements, error)
+        return None
 
 
 # -- scaling the calibration's step times

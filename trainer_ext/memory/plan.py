@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
-from trainer_ext.memory.device_profile import DeviceProfile, for_device
+from trainer_ext.memory.device_profile import DeviceProfile, for_device, training_profile
 from trainer_ext.memory.estimator import GIB, Calibration, ModelShape, default_allocator, load_calibration
 from trainer_ext.memory.placement import DEFAULT_PLACEMENTS, Program, application_counts, describe_table, \
     host_bytes_for, placement_table
@@ -245,20 +245,26 @@ def plan_for_preset(preset: str, seq_len: int, cap_gib: float | None, calibratio
     sharding = resolve_sharding(num_processes, sharding)
     if mixed_precision not in MIXED_PRECISIONS:
         raise ValueError(f"--mixed_precision={mixed_precision!r} is not known; choose one of {list(MIXED_PRECISIONS)}.")
-    calibration = load_calibration(calibration_path)
-    scale = None
-    if device_profile is not None:  # the calibration device's step times, at the profile's matmul rate
-        calibration, scale = for_device(calibration, device_profile, calibration_path)
+    calibration, profiled = _for_profile(load_calibration(calibration_path), device_profile, calibration_path)
     upcast = sharding == "fsdp2" and mixed_precision != "no"
     shape = training_shape(config, momentum, rank_fraction, num_processes=num_processes, sharding=sharding,
                            sharded_weight_bytes=FP32_BYTES if upcast else None)
     plan = plan_memory(shape, seq_len, cap_gib, calibration, margin_gib, range(1, max_batch_size + 1),
                        compiled=compiled, distill_topk=distill_topk, preset=preset, calibration_path=calibration_path,
                        memory_host_gib=memory_host_gib, placements=placements)
-    if device_profile is not None:
-        plan.device_profile = {**device_profile.to_dict(), "step_time_scale": round(scale, 4),
-                               "calibration_device": calibration.info.get("device_name")}
+    plan.device_profile = profiled
     return plan
+
+
+def _for_profile(calibration: Calibration, profile: DeviceProfile | None,
+                 calibration_path: str | None) -> tuple[Calibration, dict | None]:
+    """(the calibration with its device's step times at `profile`'s matmul rate, the plan's `device_profile` entry);
+    without a profile, the calibration as it is and None."""
+    if profile is None:
+        return calibration, None
+    scaled, scale = for_device(calibration, profile, calibration_path)
+    return scaled, {**profile.to_dict(), "step_time_scale": round(scale, 4),
+                    "calibration_device": calibration.info.get("device_name")}
 
 
 def check_plan_numbers(seq_len, cap_gib, margin_gib, max_batch_size=MAX_BATCH_SIZE, prefix="--") -> None:
@@ -316,6 +322,9 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
                                        shape.graph_steps)
     batches = [training_args.per_device_train_batch_size] if "per_device_train_batch_size" in explicit else None
     calibration = load_calibration(training_args.memory_calibration)
+    profile = training_profile(training_args.memory_device_profile, training_args.memory_placements, calibration,
+                               training_args.memory_calibration)
+    calibration, profiled = _for_profile(calibration, profile, training_args.memory_calibration)
     try:
         plan = plan_memory(shape, seq_len, cap, calibration, training_args.memory_margin_gib, batches, fixed_set,
                            compiled=bool(training_args.torch_compile), distill_topk=distill_topk,
@@ -330,6 +339,7 @@ def apply_memory_plan(training_args, config, seq_len: int, bytes_per_param: int,
     if explicit:
         logger.info("--memory_plan auto: %s given on the command line, kept; the plan decides the rest.",
                     " and ".join(f"--{name}" for name in sorted(explicit)))
+    plan.device_profile = profiled
     training_args.per_device_train_batch_size = plan.per_device_train_batch_size
     if "per_device_eval_batch_size" not in explicit:
         # Evaluation at the planned batch fits where training does (no gradients, nothing kept for backward) and

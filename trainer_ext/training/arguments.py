@@ -20,6 +20,7 @@ from transformers import TrainingArguments
 from hf_recurrent import presets
 from trainer_ext.compat import CHECKPOINTING_FLAG
 from trainer_ext.distill.losses import DIVERGENCES
+from trainer_ext.memory.device_profile import TRAINING_PROFILE_HELP, check_profile_value
 from trainer_ext.memory.placement import DEFAULT_PLACEMENTS, HOST_HELP, PLACEMENTS_HELP, check_host_gib, \
     check_placements
 from trainer_ext.training.depth_supervision import WEIGHTINGS
@@ -259,6 +260,7 @@ class RecurrentTrainingArguments(TrainingArguments):
         default=1.4, metadata={"help": "Kept free below the cap: the CUDA context and the estimate's error."})
     memory_host_gib: float | None = field(default=None, metadata={"help": HOST_HELP})
     memory_placements: str = field(default=DEFAULT_PLACEMENTS, metadata={"help": PLACEMENTS_HELP})
+    memory_device_profile: str | None = field(default=None, metadata={"help": TRAINING_PROFILE_HELP})
     memory_calibration: str | None = field(
         default=None, metadata={"help": "The planner's calibration file (default: the package's, measured on an "
                                         "H200; hf-recurrent-plan-memory --calibrate makes one for your card)."})
@@ -336,15 +338,13 @@ class RecurrentTrainingArguments(TrainingArguments):
             self.torch_compile = cuda or self.torch_compile_mode is not None or self.torch_compile_backend is not None
         if self.memory_plan is None:
             self.memory_plan = "auto" if cuda else "none"
-        if self.memory_plan not in MEMORY_PLANS:
-            raise ValueError(f"--memory_plan={self.memory_plan!r} is not allowed; choose one of {list(MEMORY_PLANS)}.")
-        if self.memory_cap_gib is not None and not self.memory_cap_gib > 0:
-            raise ValueError(f"--memory_cap_gib={self.memory_cap_gib!r} is not allowed; it must be > 0 (GiB), or "
-                             "unset for the memory free on the CUDA device when the run starts.")
+        _check(self, "memory_plan", self.memory_plan in MEMORY_PLANS, f"one of {list(MEMORY_PLANS)}")
+        _check(self, "memory_cap_gib", self.memory_cap_gib is None or _is_number(self.memory_cap_gib, 0, strict=True),
+               "> 0 (GiB), or unset for the memory free on the CUDA device when the run starts")
         check_host_gib(self.memory_host_gib)
         check_placements(self.memory_placements)
-        if not self.memory_margin_gib >= 0:
-            raise ValueError(f"--memory_margin_gib={self.memory_margin_gib!r} is not allowed; it must be >= 0 (GiB).")
+        check_profile_value(self.memory_device_profile, "--memory_device_profile")
+        _check(self, "memory_margin_gib", _is_number(self.memory_margin_gib, 0), ">= 0 (GiB)")
         if self.memory_calibration is not None and not os.path.isfile(self.memory_calibration):
             raise ValueError(f"--memory_calibration {self.memory_calibration} not found; make one with "
                              "`hf-recurrent-plan-memory --calibrate probes.jsonl --calibration PATH`, or leave it "
