@@ -175,6 +175,7 @@ def test_a_training_plan_with_every_placement_is_made_for_the_card_it_runs_on(tm
                 if isinstance(c, MemoryPlanCallback)).plan
     assert plan.device_profile["name"] == "NVIDIA GeForce RTX 3090" and len(measured) == 1  # from the cache now
     assert plan.host_gib > 0 and plan.recompute.offload.prelude  # offload where a 3090's balance favours it
+    assert "tokens/s on NVIDIA GeForce RTX 3090; offload uses" in plan.describe()  # the training log's line
     kept = next(c for c in apply_memory_plan(default, presets.get("recurrent-7b"), 2048, 2)
                 if isinstance(c, MemoryPlanCallback)).plan
     assert kept.device_profile is None and kept.host_gib == 0

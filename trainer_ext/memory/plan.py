@@ -125,8 +125,9 @@ class MemoryPlan:
         text = (f"batch {self.per_device_train_batch_size} x {self.seq_len} tokens, {self.recompute_description}, "
                 f"torch.compile {'on' if self.torch_compile else 'off'}: predicted peak reserved "
                 f"{self.predicted_peak_gib:.2f} GiB (cap {self.cap_gib:g} - margin {self.margin_gib:g} GiB), "
-                f"{self.predicted_tokens_per_second:,.0f} tokens/s" + (f"; {self.host_description}"
-                                                                        if self.host_gib else ""))
+                f"{self.predicted_tokens_per_second:,.0f} tokens/s"
+                + (f" on {self.device_profile['name']}" if self.device_profile else "")
+                + (f"; {self.host_description}" if self.host_gib else ""))
         return f"{text}; {self.describe_processes()}" if self.sharding else text
 
     def describe_processes(self) -> str:
