@@ -448,24 +448,33 @@ def test_a_sampled_cache_serves_distinct_drawn_ids_and_trains_and_refuses_revers
     check_cache_divergence(read_teacher_manifest(out), out, "forward_kl")
 
 
-def test_a_cache_is_decoded_ahead_by_worker_processes_with_the_same_losses(data_dir, compact_cache_dir, tmp_path):
+def test_a_cache_is_decoded_ahead_by_worker_processes_with_the_same_losses(data_dir, compact_cache_dir, tmp_path,
+                                                                           monkeypatch):
     from trainer_ext.cli import run_pretrain
-    from trainer_ext.run.pretrain import parse_pretrain_job
+    from trainer_ext.run.job import TrainingJob
+    from trainer_ext.run.pretrain import parse_pretrain_args
 
     args = ["--data_dir", data_dir, "--teacher_cache_dir", compact_cache_dir, "--max_steps", "3", "--logging_steps",
             "1", "--eval_strategy", "no", "--save_strategy", "no", "--save_final", "false", "--max_eval_samples", "4",
             "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--warmup_steps", "0"]
-    workers = lambda *more: (lambda t: (t.dataloader_num_workers, t.dataloader_persistent_workers))(
-        parse_pretrain_job(args + ["--output_dir", str(tmp_path / "parse"), *more]).training_args)
-    assert workers() == (2, True)  # the default with a cache
-    assert workers("--teacher_cache_workers", "0") == (0, False)
-    assert workers("--dataloader_num_workers", "1") == (1, False)  # the data loader's own setting wins
-    plain = parse_pretrain_job(args[:2] + args[4:] + ["--output_dir", str(tmp_path / "parse")]).training_args
-    assert plain.dataloader_num_workers == 0  # token shards: read in the training process
+
+    def workers(*more, gpu=False, command=args):
+        parsed = parse_pretrain_args(command + ["--output_dir", str(tmp_path / "parse"), *more])  # set up on the CPU
+        with monkeypatch.context() as patch:
+            if gpu:  # the job as it is decided where the training runs on a GPU
+                patch.setattr(RecurrentTrainingArguments, "device", property(lambda self: torch.device("cuda")))
+            chosen = TrainingJob.resolve(*parsed).training_args
+        return chosen.dataloader_num_workers, chosen.dataloader_persistent_workers
+
+    assert workers(gpu=True) == (2, True)  # the default with a cache, on a GPU
+    assert workers("--teacher_cache_workers", "0", gpu=True) == (0, False)
+    assert workers("--dataloader_num_workers", "1", gpu=True) == (1, False)  # the data loader's own setting wins
+    assert workers(gpu=True, command=args[:2] + args[4:]) == (0, False)  # token shards: read in the training process
+    assert workers() == (0, False)  # on a CPU nothing runs beside the training to overlap
     with pytest.raises(ValueError, match="--teacher_cache_workers"):
         workers("--teacher_cache_workers", "-1")
     losses = {}
-    for name, more in (("ahead", []), ("in_process", ["--teacher_cache_workers", "0"])):
+    for name, more in (("in_process", []), ("ahead", ["--dataloader_num_workers", "2"])):
         assert run_pretrain.main(args + ["--output_dir", str(tmp_path / name), *more]) == 0
         with open(tmp_path / name / "log_history.json") as f:
             losses[name] = [(e["loss"], e["kd"]) for e in json.load(f) if "loss" in e]

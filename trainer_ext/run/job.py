@@ -104,9 +104,11 @@ class TrainingJob:
                 check_model_dir(path, option)
         if data_args.teacher_cache_dir and model_args.teacher_model_name_or_path:
             raise ValueError("Pass either --teacher_model_name_or_path (online) or --teacher_cache_dir (offline).")
-        if data_args.teacher_cache_dir and not training_args.dataloader_num_workers:
-            # A cached sample is decoded on the host (1-2 ms at k = 64): in the training process each step waited for
-            # its batch's decoding; worker processes decode ahead of the steps (BENCHMARKS.md, "Decoding the cache").
+        if data_args.teacher_cache_dir and not training_args.dataloader_num_workers \
+                and training_args.device.type == "cuda":
+            # A cached sample is decoded on the host (1-2 ms at k = 64): while a GPU computes, worker processes decode
+            # ahead of the steps (in the training process each step waited for its batch's decoding; BENCHMARKS.md,
+            # "Decoding the cache"); on a CPU they would only share its cores with the training.
             training_args.dataloader_num_workers = data_args.teacher_cache_workers
             training_args.dataloader_persistent_workers = data_args.teacher_cache_workers > 0
         distilling = data_args.teacher_cache_dir or model_args.teacher_model_name_or_path

@@ -120,8 +120,8 @@ class DataArguments:
         default=None, metadata={"help": "Offline teacher top-k cache (hf-recurrent-cache-teacher) aligned with "
                                         "--data_dir."})
     teacher_cache_workers: int = field(
-        default=2, metadata={"help": "Processes that decode --teacher_cache_dir's samples ahead of the steps where "
-                                     "--dataloader_num_workers is 0 (its default); 0: in the training process."})
+        default=2, metadata={"help": "Processes that decode --teacher_cache_dir's samples ahead of a GPU's steps "
+                                     "where --dataloader_num_workers is 0 (its default); 0: in the training process."})
     save_final: bool = field(default=True, metadata={"help": "Save the final model to <output_dir>/final."})
 
     def __post_init__(self):
