@@ -365,70 +365,69 @@ class RecurrentTrainingArguments(TrainingArguments):
     def _check_ranges(self):
         """Our fields' ranges, checked here because otherwise they fail late: at the first step (a depth of 0, a
         distillation weight of 5) or only at the first evaluation, after that many steps of training are lost."""
-        check, is_int, is_number = functools.partial(_check, self), _is_int, _is_number
+        check = functools.partial(_check, self)
 
         for name in ("backprop_depth", "eval_num_steps"):
             value = getattr(self, name)
-            check(name, value is None or (is_int(value) and value >= 1),
+            check(name, value is None or (_is_int(value) and value >= 1),
                   "an integer >= 1 (recurrent steps), or unset for the model config's default")
-        check("depth_supervision", is_int(self.depth_supervision) and self.depth_supervision >= 1,
+        check("depth_supervision", _is_int(self.depth_supervision) and self.depth_supervision >= 1,
               "an integer >= 1 (depths whose LM loss is averaged each step; 1, the default, is the last depth only)")
         check("depth_supervision_weights", self.depth_supervision_weights in WEIGHTINGS, f"one of {list(WEIGHTINGS)}")
-        check("exit_gate_entropy_weight", is_number(self.exit_gate_entropy_weight)
+        check("exit_gate_entropy_weight", _is_number(self.exit_gate_entropy_weight)
               and self.exit_gate_entropy_weight >= 0, "a number >= 0 (0: the expected loss alone)")
-        check("gc_interval", is_int(self.gc_interval) and self.gc_interval >= 0,
+        check("gc_interval", _is_int(self.gc_interval) and self.gc_interval >= 0,
               "an integer >= 0 (steps between garbage collections; 0 leaves Python's automatic collection)")
-        check("profile_steps", is_int(self.profile_steps) and self.profile_steps >= 0,
+        check("profile_steps", _is_int(self.profile_steps) and self.profile_steps >= 0,
               "an integer >= 0 (0 turns step profiling off)")
-        check("loss_chunk_size", self.loss_chunk_size is None or (is_int(self.loss_chunk_size)
+        check("loss_chunk_size", self.loss_chunk_size is None or (_is_int(self.loss_chunk_size)
                                                                    and self.loss_chunk_size >= 1),
               "an integer >= 1 (positions per chunk of the loss), or unset for 2**27 logits per chunk")
         check("optimizer_momentum",
-              self.optimizer_momentum is None or (is_number(self.optimizer_momentum)
+              self.optimizer_momentum is None or (_is_number(self.optimizer_momentum)
                                                   and 0 <= self.optimizer_momentum < 1),
               "in [0, 1) (0 turns momentum off), or unset for the default 0.9")
         check("optimizer_momentum_rank_fraction",
               self.optimizer_momentum_rank_fraction is None
-              or (is_number(self.optimizer_momentum_rank_fraction) and 0 < self.optimizer_momentum_rank_fraction <= 1),
+              or (_is_number(self.optimizer_momentum_rank_fraction) and 0 < self.optimizer_momentum_rank_fraction <= 1),
               "in (0, 1] (1 = full momentum), or unset for the size-based default")
         check("optimizer_clip_threshold",
-              is_number(self.optimizer_clip_threshold) and self.optimizer_clip_threshold > 0, "a number > 0")
+              _is_number(self.optimizer_clip_threshold) and self.optimizer_clip_threshold > 0, "a number > 0")
         check("optimizer_subspace_residual", self.optimizer_subspace_residual is None
-              or (is_number(self.optimizer_subspace_residual) and 0 <= self.optimizer_subspace_residual <= 1),
+              or (_is_number(self.optimizer_subspace_residual) and 0 <= self.optimizer_subspace_residual <= 1),
               "in [0, 1], or unset for sqrt((1 - beta1) / (1 + beta1))")
-        check("peak_flops", self.peak_flops is None or (is_number(self.peak_flops) and self.peak_flops > 0),
+        check("peak_flops", self.peak_flops is None or (_is_number(self.peak_flops) and self.peak_flops > 0),
               "a number > 0 (FLOP/s), or unset for the device's datasheet peak")
-        check("distill_alpha", is_number(self.distill_alpha) and 0 <= self.distill_alpha <= 1,
+        check("distill_alpha", _is_number(self.distill_alpha) and 0 <= self.distill_alpha <= 1,
               "in [0, 1] (the weight of the distillation term; 1 - alpha weighs the plain cross-entropy)")
-        check("distill_temperature", is_number(self.distill_temperature) and self.distill_temperature > 0,
+        check("distill_temperature", _is_number(self.distill_temperature) and self.distill_temperature > 0,
               "a number > 0")
-        check("collapse_check_steps", is_int(self.collapse_check_steps) and self.collapse_check_steps >= 0,
+        check("collapse_check_steps", _is_int(self.collapse_check_steps) and self.collapse_check_steps >= 0,
               "an integer >= 0 (0 turns the collapse check off)")
-        check("collapse_margin", is_number(self.collapse_margin) and self.collapse_margin > 0, "a number > 0 (nats)")
+        check("collapse_margin", _is_number(self.collapse_margin) and self.collapse_margin > 0, "a number > 0 (nats)")
 
     def _check_schedule_ranges(self):
         """The schedule's and the Trainer's step counts and rates, flag by flag, as they are parsed: TrainingArguments
         takes --max_steps 0 for one step and a negative one for whole epochs, and a negative --learning_rate fails
         only in the optimizer, after the data and the model are built and the output folder is made."""
-        check, number = functools.partial(_check, self), _is_number
+        check = functools.partial(_check, self)
 
         def steps(value) -> bool:
             """TrainingArguments' interval: a whole number of steps >= 1, or a fraction in (0, 1) of the run."""
-            return number(value, 0, strict=True) and (value < 1 or value == int(value))
+            return _is_number(value, 0, strict=True) and (value < 1 or value == int(value))
 
-        is_count = _is_int
-        check("max_steps", self.max_steps is None or self.max_steps == -1 or is_count(self.max_steps, 1),
+        check("max_steps", self.max_steps is None or self.max_steps == -1 or _is_int(self.max_steps, 1),
               "an integer >= 1 (optimizer steps), or -1 to train --num_train_epochs epochs")
-        check("learning_rate", self.learning_rate is None or number(self.learning_rate, 0, strict=True),
+        check("learning_rate", self.learning_rate is None or _is_number(self.learning_rate, 0, strict=True),
               "a number > 0 (the peak learning rate)")
-        check("warmup_steps", self.warmup_steps is None or number(self.warmup_steps, 0),
+        check("warmup_steps", self.warmup_steps is None or _is_number(self.warmup_steps, 0),
               "a number >= 0 (warm-up steps, or a fraction of the run's steps if below 1)")
-        check("num_train_epochs", self.num_train_epochs is None or number(self.num_train_epochs, 0, strict=True),
+        check("num_train_epochs", self.num_train_epochs is None or _is_number(self.num_train_epochs, 0, strict=True),
               "a number > 0 (epochs, used when --max_steps is -1)")
         for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size"):
-            check(name, is_count(getattr(self, name), 1), "an integer >= 1")
+            check(name, _is_int(getattr(self, name), 1), "an integer >= 1")
         check("eval_accumulation_steps", self.eval_accumulation_steps is None
-              or is_count(self.eval_accumulation_steps, 1), "an integer >= 1, or unset")
+              or _is_int(self.eval_accumulation_steps, 1), "an integer >= 1, or unset")
         # An interval counts only where its strategy is "steps"; an unset --eval_steps takes --logging_steps.
         intervals = (("logging_steps", self.logging_strategy, ""), ("save_steps", self.save_strategy, ""),
                      ("eval_steps", self.eval_strategy, ", or unset to evaluate every --logging_steps"))
@@ -437,11 +436,11 @@ class RecurrentTrainingArguments(TrainingArguments):
             if getattr(strategy, "value", strategy) == "steps" and not (name == "eval_steps" and value is None):
                 check(name, steps(value), f"an integer >= 1 (steps), or a fraction in (0, 1) of the run's steps{unset}"
                       f" (--{name.replace('_steps', '_strategy')} no turns it off)")
-        check("weight_decay", number(self.weight_decay, 0), "a number >= 0")
+        check("weight_decay", _is_number(self.weight_decay, 0), "a number >= 0")
         for name in ("adam_beta1", "adam_beta2"):
-            check(name, number(getattr(self, name), 0, high=1), "in [0, 1)")
-        check("adam_epsilon", number(self.adam_epsilon, 0, strict=True), "a number > 0")
-        check("max_grad_norm", number(self.max_grad_norm, 0), "a number >= 0 (0 turns clipping off)")
+            check(name, _is_number(getattr(self, name), 0, high=1), "in [0, 1)")
+        check("adam_epsilon", _is_number(self.adam_epsilon, 0, strict=True), "a number > 0")
+        check("max_grad_norm", _is_number(self.max_grad_norm, 0), "a number >= 0 (0 turns clipping off)")
 
     def stability_settings(self) -> dict:
         """Keyword arguments of `StabilityGuard` from the `stability_*` fields."""
