@@ -35,7 +35,8 @@ calibration's `selective` entry. Without pairs S and SELECTIVE_TIME_FRACTION sta
 analytic model above (on an H100, 12 offloaded probes of recurrent-3.3b and 7b at batch 1-4 measured within 5.0% of it,
 median, 10.5% at most, as a ratio to the same step recomputed); its window is measured (above).
 So the program chooses between keep and recompute unless asked for more (`--memory_placements all`, PLACEMENT_CHOICES):
-a training run's default placement stays the measured one until probes price the other two.
+probes now price the other two, but offload by default would pin many GiB of host memory on a consumer card, which
+WSL2 may refuse mid-training, and no such card has run a plan with it yet.
 The bandwidths are the device profile's (`--device_profile`), or for the calibration's own device the datasheet link
 in CALIBRATION_DEVICE_HOST_DEVICE_BYTES_PER_SECOND; where neither is known, offload is not offered. Host memory: the
 pinned memory all processes of the host may use (`--memory_host_gib`, default HOST_FRACTION of the machine's RAM;
