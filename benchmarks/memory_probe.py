@@ -26,7 +26,8 @@ calibration (--calibration, default the package's), trains a few steps with it t
 peak reserved memory and tokens/s (an OOM is caught and reported). With --device cpu it is a dry run of the same
 path (no memory figures). With --only_distill_probes the plans carry a cached teacher's top-k at each of
 --vocab_sizes; --seq_lens plans several lengths; --breakdown adds the steady steps' GPU time by kernel kind
-(`benchmarks/kernel_breakdown.py`). `peak_error` is predicted / measured - 1: negative where the plan under-predicts.
+(`benchmarks/kernel_breakdown.py`), --snapshot what is live at the last step's peak (`benchmarks/peak_memory.py`).
+`peak_error` is predicted / measured - 1: negative where the plan under-predicts.
 
     python3 -m benchmarks.memory_probe --verify --presets recurrent-3.3b recurrent-7b --cap_gib 24 \
         --only_distill_probes --vocab_sizes 65536 99520 151936 --seq_lens 2048 4096 --breakdown --output v.jsonl
@@ -303,12 +304,18 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
             from benchmarks.kernel_breakdown import KernelProfile
 
             callbacks.append(KernelProfile(start_step=2 if spec["compile"] else 1))
+        if spec.get("snapshot"):  # the last step (a steady one)
+            from benchmarks.peak_memory import PeakSnapshot
+
+            callbacks.insert(0, PeakSnapshot(step=steps - 1, context="all" if spec["snapshot"] == "frames" else None))
         trainer = RecurrentTrainer(model=model, args=args, train_dataset=data, callbacks=callbacks + [Timer()])
         trainer.remove_callback(PrinterCallback)  # the probe prints one line per probe
         trainer.train()
         record["status"] = "ok"
         if spec.get("profile"):
             record["kernel_breakdown"] = callbacks[-1].result
+        if spec.get("snapshot"):
+            record["peak_composition"] = callbacks[0].result
     except torch.OutOfMemoryError as error:
         record["status"], record["error"] = "oom", str(error).splitlines()[0][:300]
     except Exception as error:  # recorded, the next probe still runs
@@ -443,10 +450,16 @@ def main(argv=None) -> int:
     parser.add_argument("--breakdown", action="store_true",
                         help="With --verify: the GPU time of the steady steps by kernel kind and idle "
                              "(benchmarks/kernel_breakdown.py).")
+    parser.add_argument("--snapshot", nargs="?", const="sizes", choices=("sizes", "frames"),
+                        help="With --verify: the blocks live at the peak of the last step, by size (no stack traces) "
+                             "or by where they were allocated (frames: failed on compiled steps under torch 2.11) "
+                             "(benchmarks/peak_memory.py; not with --breakdown: it slows that step).")
     parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.only_compile_probes and args.no_compile_probes:
         parser.error("--only_compile_probes and --no_compile_probes leave no probe; give one of them.")
+    if args.snapshot and args.breakdown:
+        parser.error("--snapshot slows the step it records, one of those --breakdown times; give one of them.")
     if args.child:
         specs_path, output, deadline, steps, compile_steps, device, cap = args.child
         child(specs_path, output, float(deadline), int(steps), int(compile_steps), device,
@@ -490,7 +503,7 @@ def _verify(args) -> int:
                 specs.setdefault(preset, []).append({
                     "preset": preset, "seq_len": seq_len, "batch_size": plan.per_device_train_batch_size,
                     "recompute": "plan", "recompute_set": plan.recompute.to_dict(), "compile": plan.torch_compile,
-                    "momentum": None, "distill": bool(topk), "profile": args.breakdown,
+                    "momentum": None, "distill": bool(topk), "profile": args.breakdown, "snapshot": args.snapshot,
                     **({"vocab_size": vocab} if vocab else {})})
     done_before = _count_lines(args.output)
     code = _run_all(args, specs)
@@ -517,8 +530,9 @@ def _verify(args) -> int:
             shape = ModelShape.from_record(record)
             features = time_features(shape, record["batch_size"], record["seq_len"], probe_recomputed(record))
             row["flops_ratio"] = round(1 + features[2] / features[1], 4)
-        if record.get("kernel_breakdown"):
-            row["kernel_breakdown"] = record["kernel_breakdown"]
+        for key in ("kernel_breakdown", "peak_composition"):
+            if record.get(key):
+                row[key] = record[key]
         print(json.dumps(row), flush=True)
     return code
 
