@@ -18,6 +18,7 @@ from trainer_ext.distill.losses import (
     default_chunk_size,
     teacher_topk,
 )
+from trainer_ext.distill.losses import _cast_in_place
 
 B, T, H, V = 2, 9, 8, 23
 H_T = 12
@@ -216,6 +217,32 @@ def test_bf16_close_to_fp32():
     for got, want in zip((g_hidden, g_weight), grads(ref.loss, h32, w32)):
         assert torch.isfinite(got).all()
         assert F.cosine_similarity(got.float().flatten(), want.flatten(), dim=0) > 0.99
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 64, 65, 1000])
+def test_the_head_gradient_cast_in_its_own_storage_is_the_cast(rows):
+    accumulator = torch.randn(rows, 7, generator=torch.Generator().manual_seed(rows)) * 1e3
+    expected = accumulator.to(torch.bfloat16)
+    storage = accumulator.untyped_storage().data_ptr()
+    cast = _cast_in_place(accumulator, torch.bfloat16)
+    assert cast.dtype == torch.bfloat16 and cast.shape == expected.shape and cast.is_contiguous()
+    assert torch.equal(cast.view(torch.int16), expected.view(torch.int16))  # bit for bit
+    assert cast.untyped_storage().data_ptr() == storage  # in the accumulator's bytes
+
+
+def test_the_in_place_head_gradient_is_the_same_gradient():
+    hidden, weight, labels, _, _ = make_inputs(dtype=torch.bfloat16)
+    teacher = TopKTeacher(*teacher_topk(torch.randn(B, T, V, generator=torch.Generator().manual_seed(3)), 5))
+    found = []
+    for in_place in (False, True):
+        h, w = (x.detach().clone().requires_grad_() for x in (hidden, weight))
+        out = chunked_lm_loss(h, w, labels, teacher=teacher, chunk_size=CHUNK, head_grad_in_place=in_place)
+        (1.5 * out.loss).backward()
+        found.append((out.loss.detach(), h.grad, w.grad))
+        if in_place:  # the gradient lives in the fp32 accumulator's bytes
+            assert w.grad.untyped_storage().nbytes() == 4 * w.numel()
+    for a, b in zip(*found):
+        assert torch.equal(a, b)
 
 
 def test_backward_scales_by_grad_output():

@@ -158,6 +158,7 @@ def chunked_lm_loss(
     divergence: str = "forward_kl",
     jsd_beta: float = 0.5,
     chunk_size: int | None = None,
+    head_grad_in_place: bool = False,
 ) -> LossOutput:
     """(1 - alpha) * CE + alpha * T^2 * D, from hidden (B, T, H), head weight (V, H), labels (B, T).
 
@@ -170,6 +171,12 @@ def chunked_lm_loss(
     gradient the size of `hidden`, and per chunk about 1 (CE) to 12 (online teacher, JSD)
     chunk_size x V fp32 temporaries. Halving chunk_size halves the latter at little speed cost
     while a chunk's matmul stays large; None takes `default_chunk_size(V)`.
+
+    `head_grad_in_place`: the head's gradient is cast to the weight's dtype inside the accumulator's own storage
+    (`_cast_in_place`), so the fp32 accumulator and its cast never exist side by side (at V = 99,520 x 4096: 0.76 GiB
+    less at the loss, which ends the forward pass and so is where a step's activations peak), but the gradient then
+    holds the accumulator's bytes until it is freed: for callers whose optimizer consumes it as backward delivers it
+    (the update in backward), not for gradients held through backward or over several losses.
     """
     if chunk_size is None:
         logit_bytes = chunk_logit_bytes(lm_head_weight.dtype, lm_head_weight.device, isinstance(teacher, OnlineTeacher))
@@ -189,6 +196,7 @@ def chunked_lm_loss(
         vocab_limit=vocab_limit,
         grad_hidden=grad_enabled and hidden.requires_grad,
         grad_weight=grad_enabled and lm_head_weight.requires_grad,
+        head_grad_in_place=head_grad_in_place,
     )
     loss, ce, kd = _ChunkedLMLoss.apply(hidden, lm_head_weight, labels, teacher, options)
     return LossOutput(loss=loss, ce=ce, kd=kd)
@@ -204,6 +212,7 @@ class _Options:
     vocab_limit: int
     grad_hidden: bool
     grad_weight: bool
+    head_grad_in_place: bool = False
 
 
 class _ChunkedLMLoss(torch.autograd.Function):
@@ -289,9 +298,29 @@ def _forward_and_grads(hidden, weight, labels, teacher, options):
     loss = (1.0 - options.alpha) * ce_mean + options.alpha * options.temperature**2 * kd_mean
     if grad_hidden is not None:
         grad_hidden = grad_hidden.view_as(hidden)
-    if grad_weight is not None:
-        grad_weight = grad_weight.to(weight.dtype)
+    if grad_weight is not None and grad_weight.dtype != weight.dtype:
+        grad_weight = (_cast_in_place(grad_weight, weight.dtype) if options.head_grad_in_place
+                       else grad_weight.to(weight.dtype))
     return loss, ce_mean, kd_mean, grad_hidden, grad_weight
+
+
+def _cast_in_place(accumulator: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`accumulator` (fp32, contiguous) cast to `dtype` (2 bytes) in the first half of its own storage, rows front to
+    back. Rows [a, b) are written over the bytes of fp32 rows [a / 2, b / 2), which are read already where b <= 2a;
+    so the blocks double in size, and the first one, whose bytes overlap its own source, goes through a copy of
+    1/64 of the rows. Exactly `accumulator.to(dtype)`, without a second tensor of that size beside it."""
+    if accumulator.dtype != torch.float32 or dtype.itemsize != 2 or not accumulator.is_contiguous():
+        return accumulator.to(dtype)
+    rows = accumulator.shape[0]
+    source = accumulator.view(rows, -1)
+    target = accumulator.view(-1).view(dtype)[: accumulator.numel()].view(rows, -1)
+    start = max(1, rows // 64)
+    target[:start] = source[:start].to(dtype)
+    while start < rows:
+        stop = min(2 * start, rows)
+        target[start:stop] = source[start:stop]
+        start = stop
+    return target.view(accumulator.shape)
 
 
 def _accumulate_head_grad(grad_weight, grad_logits, grad_cast, chunk_hidden):
