@@ -225,6 +225,20 @@ def test_torch_compile_compiles_each_layer_and_keeps_state_dict_keys(tiny_data_d
     assert not any(key.startswith("_orig_mod") or "._orig_mod" in key for key in trainer.model.state_dict())
 
 
+@pytest.mark.parametrize("preset", ["debug", "transformer-debug"])
+def test_compiling_takes_each_decoder_layer_and_the_norms_outside_them(preset):
+    from trainer_ext.training.compiling import compile_decoder_layers
+
+    model = AutoModelForCausalLM.from_config(presets.get(preset))
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    assert compile_decoder_layers(model, backend="eager") == len(layers) > 0
+    compiled = {name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    outer_norms = {"model.norm"} | ({"model.prelude_norm", "model.state_norm"} if presets.is_recurrent(
+        model.config) else set())
+    layer_names = {name for name, m in model.named_modules() if m in layers}
+    assert compiled == layer_names | outer_norms  # the norms inside a layer are compiled as part of it
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Inductor's Triton kernels)")
 @pytest.mark.parametrize("preset, overrides", [("debug", {}), ("debug", {"qk_norm": True}), ("transformer-debug", {})])
 def test_compiled_layers_fuse_rmsnorm_swiglu_rotary_with_the_numerics_of_eager_on_gpu(preset, overrides):

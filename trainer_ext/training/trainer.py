@@ -42,6 +42,7 @@ from trainer_ext.training.callbacks import (
     TrainingInterrupted,
     WarmupEndCheckpointCallback,
 )
+from trainer_ext.training.compiling import compile_decoder_layers
 from trainer_ext.training.depth_supervision import supervision_for
 from trainer_ext.training.distributed import (
     bind_optimizer,
@@ -63,16 +64,6 @@ _FIX_CHECKPOINT_SPACE = ("delete checkpoints no longer needed or lower --save_to
 COMPILE_WARMUP_STEPS = 2
 
 
-def compile_decoder_layers(model, mode: str = "default", backend: str = "inductor") -> int:
-    """`torch.compile` each decoder layer in place (its options kept as `compile_options`, for the checkpoint function a
-    memory plan may give it); returns how many were compiled."""
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    for layer in layers:
-        layer.compile(mode=mode, backend=backend)
-        layer.compile_options = {"mode": mode, "backend": backend}
-    return len(layers)
-
-
 class RecurrentTrainer(StabilityMixin, Trainer):
     """Trainer for recurrent-depth models (and their Transformer baselines, which simply have no depth).
 
@@ -88,8 +79,7 @@ class RecurrentTrainer(StabilityMixin, Trainer):
         args_ = kwargs.get("args", args[1] if len(args) > 1 else None)
         if args_ is not None:
             fill_unset_schedule(args_)
-        # torch.compile is applied per decoder layer (below), not to the whole model: the depth loop stays
-        # eager, so a new depth does not recompile, and saved keys carry no `_orig_mod.` prefix.
+        # torch.compile is applied per decoder layer and norm (compiling.py), not to the whole model.
         compile_options = None
         if args_ is not None and args_.torch_compile:
             compile_options = {"mode": args_.torch_compile_mode or "default",
@@ -288,10 +278,8 @@ class RecurrentTrainer(StabilityMixin, Trainer):
     # -- depth
 
     def current_depth(self, training: bool) -> dict:
-        if not self.recurrent:
-            return {}
-        if not training:
-            return {"num_steps": self.args.eval_num_steps}
+        if not (self.recurrent and training):
+            return {"num_steps": self.args.eval_num_steps} if self.recurrent else {}
         return {"num_steps": self.depth_sampler(self.state.global_step), "backprop_depth": self.args.backprop_depth}
 
     # -- loss
@@ -316,6 +304,8 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             chunked_lm_loss, lm_head_weight=unwrapped.lm_head.weight, labels=targets, teacher=teacher,
             alpha=self.args.distill_alpha, temperature=self.args.distill_temperature,
             divergence=self.args.distill_divergence, chunk_size=self.args.loss_chunk_size,
+            # One head gradient a step, consumed where backward delivers it: cast within its accumulator's bytes.
+            head_grad_in_place=training and supervision is None and getattr(self.unwrapped_optimizer, "in_backward", 0),
         )
         with self.profiler.phase("loss"):
             out = (lm_loss(hidden) if supervision is None
@@ -366,9 +356,8 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             if self._warmup["seconds"] is not None and not self._warmup["logged"]:
                 logs["compile_warmup_seconds"] = round(self._warmup["seconds"], 2)
                 self._warmup["logged"] = True
-            ce = float(window["ce"]) / window["steps"]
+            ce, kd = float(window["ce"]) / window["steps"], float(window["kd"]) / window["steps"]
             logs["ce"] = round(ce, 4)
-            kd = float(window["kd"]) / window["steps"]
             if self.teacher is not None or kd:
                 logs["kd"] = round(kd, 4)
             if self.recurrent:
