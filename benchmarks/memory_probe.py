@@ -289,7 +289,8 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
               "num_steps": config.mean_recurrence if recurrent else 0, "params": params,
               "loss_chunk_size": args.loss_chunk_size or default_chunk_size(
                   config.vocab_size, chunk_logit_bytes(model.dtype, torch.device(device), online_teacher=False)),
-              "distill_topk": TOPK if spec["distill"] else 0, "config": config_fields(config)}
+              "distill_topk": TOPK if spec["distill"] else 0, "config": config_fields(config),
+              "outer_norms": "compiled" if spec["compile"] else "eager"}  # calibrate.as_measured_now reads it
     _reset_model(model)
     _free(device)
     if cuda:

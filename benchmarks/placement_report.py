@@ -9,14 +9,15 @@ card other than the calibration's can judge the overlap. Selective (`--selective
 `--fit` would store them (`estimator.fit_selective`, against the committed calibration), and offload's device window
 likewise (`calibrate.fit_offload`, from the offloaded probes with memory figures). Probes that did not run are listed
 with their status and error. The predictions are those each record carries (the calibration of its day);
-`--repredict` makes them again with the committed calibration (after a refit).
+`--repredict` makes them again with the committed calibration (after a refit), against the records' peaks as the step
+holds them now (`calibrate.as_measured_now`).
 """
 
 import argparse
 import statistics
 import sys
 
-from trainer_ext.memory.calibrate import fit_offload
+from trainer_ext.memory.calibrate import as_measured_now, fit_offload
 from trainer_ext.memory.estimator import GIB, fit_selective, load_calibration, read_probes, steady_step_seconds
 
 
@@ -96,10 +97,10 @@ def main(argv=None) -> int:
     except ValueError as error:
         raise SystemExit(str(error)) from error
     if args.repredict:
-        records = repredicted(records)
-    calibration = load_calibration()
-    text = render(offload_rows(records), fit_selective(records, calibration), failed_rows(records),
-                  fit_offload(records, calibration))
+        records = repredicted([as_measured_now(r) for r in records])
+    calibration, fitted = load_calibration(), [as_measured_now(r) for r in records]  # as --fit reads them
+    text = render(offload_rows(records), fit_selective(fitted, calibration), failed_rows(records),
+                  fit_offload(fitted, calibration))
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)

@@ -72,7 +72,7 @@ def run_record(args) -> dict:
         "compile": plan.torch_compile, "distill": bool(args.distill_topk), "distill_topk": args.distill_topk,
         "vocab_size": config.vocab_size, "params": shape.params, "optimizer_state_bytes": shape.optimizer_state_bytes,
         "graph_steps": shape.graph_steps, "num_steps": shape.num_steps,
-        "config": config_fields(config),
+        "config": config_fields(config), "outer_norms": "compiled" if plan.torch_compile else "eager",
         "status": "ok", "peak_reserved_bytes": int((max(float(e["peak_reserved_gib"]) for e in entries)
                                                     + ROUNDING_GIB) * 2**30),
         "peak_allocated_bytes": int((max(float(e["peak_allocated_gib"]) for e in entries) + ROUNDING_GIB) * 2**30),

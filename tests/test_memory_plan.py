@@ -264,8 +264,10 @@ def test_the_committed_calibration_reproduces_the_committed_probes():
     # No probe's peak predicted under its measured value (the allocator's cache included); within 5% where plans for a
     # 24 GiB card land (compiled, as on CUDA by default, and 8 GiB or more), 3% on average; the residuals it records
     # are the ones its coefficients give.
+    from trainer_ext.memory.calibrate import as_measured_now
+
     calibration = load_calibration()
-    probes = usable_probes(read_probes(str(PROBES)))
+    probes = usable_probes([as_measured_now(r) for r in read_probes(str(PROBES))])
     assert len(probes) == calibration.info["probes"] and set(calibration.families) == {"recurrent", "transformer"}
     found = residuals(calibration, probes)
     stored = calibration.info["residuals"]
@@ -276,14 +278,16 @@ def test_the_committed_calibration_reproduces_the_committed_probes():
     assert min(r["peak_error"] for r in found["per_probe"]) >= 0.0  # never under (the least-squares fit: 48 of 103)
     large = [r for r in found["per_probe"] if r["preset"].startswith("recurrent") and r["measured_peak_gib"] >= 8]
     assert len(large) >= 50 and min(r["peak_error"] for r in large) >= 0.0
-    # Within 5% on the calibration's card (5.26% at most since an H100's peaks joined the fit and the training runs'
-    # records took their data's vocabulary: recurrent-3.3b, batch 2, a cached teacher; the "relative" objective holds
-    # it to 4.8% but plans recurrent-7b at batch 4, which measured 21.85 GiB at batch 5 on both cards); another card's records are held to "never under" only (an H100's run of the cached
-    # recurrent-3.3b plan at batch 4 peaked 7% under its prediction)
+    # Within 5% on the calibration's card (5.37% at most: recurrent-3.3b, batch 2, since the records measured before
+    # the outer norms were compiled are fitted at what the step holds now; 5.26% before, since an H100's peaks joined
+    # the fit and the training runs' records took their data's vocabulary; the "relative" objective held it to 4.8%
+    # but planned recurrent-7b at batch 4, which measured 21.85 GiB at batch 5 on both cards); another card's records
+    # are held to "never under" only (an H100's verify of the cached recurrent-3.3b plan at batch 4 with the norms
+    # compiled peaked 11% under its prediction)
     planned = [r for r in found["per_probe"] if r["compile"] and r["measured_peak_gib"] >= 8
                and r["device_name"] == calibration.info["device_name"]]
     assert {r["preset"] for r in planned} >= {"recurrent-3.3b", "recurrent-7b"}
-    assert max(abs(r["peak_error"]) for r in planned) <= 0.053
+    assert max(abs(r["peak_error"]) for r in planned) <= 0.054
     for key in ("device_name", "torch", "transformers", "date", "probe_command", "fit_command"):
         assert calibration.info[key], key
     assert "NVIDIA" in calibration.info["device_name"]
@@ -328,6 +332,24 @@ def test_cli_errors_name_the_problem_and_exit_non_zero(argv, message, capsys, tm
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_records_from_before_the_outer_norms_were_compiled_are_fitted_at_what_the_step_holds_now():
+    from trainer_ext.memory.calibrate import as_measured_now
+
+    config = {"hidden_size": 4096, "n_core_layers": 2}
+    old = {"compile": True, "config": config, "batch_size": 4, "seq_len": 2048, "graph_steps": 4,
+           "peak_reserved_bytes": 21 * 2**30}
+    now = as_measured_now(old)
+    # the prelude's, 4 core steps' and the final norm's fp32 inputs: the 6 blocks of 128 MiB the snapshot lost
+    assert old["peak_reserved_bytes"] - now["peak_reserved_bytes"] == 6 * 128 * 2**20
+    assert now["outer_norms"] == "eager (adjusted)" and as_measured_now(now) is now  # once only
+    for untouched in ({**old, "compile": False},  # an eager step keeps eager norms still
+                      {**old, "outer_norms": "compiled"},  # measured with them compiled
+                      {**old, "config": {"hidden_size": 768, "num_hidden_layers": 12}}):  # a plain Transformer
+        assert as_measured_now(untouched) is untouched
+    committed = [r for r in read_probes(PROBES) if r.get("outer_norms") == "compiled"]
+    assert committed and all(as_measured_now(r) is r for r in committed)
+
+
 def test_cli_recalibrates_from_a_probe_file(tmp_path, capsys):
     from trainer_ext.cli.plan_memory import main
 
@@ -337,6 +359,7 @@ def test_cli_recalibrates_from_a_probe_file(tmp_path, capsys):
     written = load_calibration(str(out)).info
     assert written["fit_command"].startswith("hf-recurrent-plan-memory --calibrate")
     assert written["offload"] == load_calibration().info["offload"]  # the offloaded probes' window, fitted too
+    assert load_calibration(str(out)).families == load_calibration().families  # the committed fit, reproduced
     assert main(["--preset", "recurrent-3.3b", "--calibration", str(out), "--json"]) == 0
     assert main(["--preset", "recurrent-3.3b", "--calibration", str(tmp_path / "bad.json")]) != 0
     assert "not a memory calibration" in capsys.readouterr().err

@@ -269,14 +269,14 @@ def test_the_committed_calibration_bounds_every_offloaded_probe():
     """Offload's window is fitted to the offloaded probes (the two applications on their way to or from the host and
     the allocator's cache of two streams): the committed calibration predicts none of them under its measured peak,
     and a refit of the same records gives the same window."""
-    from trainer_ext.memory.calibrate import fit_offload, offloaded
+    from trainer_ext.memory.calibrate import as_measured_now, fit_offload, offloaded
     from trainer_ext.memory.estimator import ModelShape, load_calibration, read_probes
     from trainer_ext.memory.placement import OFFLOAD_WINDOW_APPLICATIONS, Program
     from trainer_ext.memory.recompute import RecomputeSet
 
     calibration = load_calibration()
-    records = read_probes(os.path.join(os.path.dirname(__file__), os.pardir, "results", "memory-probes",
-                                       "probes.jsonl"))
+    records = [as_measured_now(r) for r in read_probes(os.path.join(  # as the fit reads them
+        os.path.dirname(__file__), os.pardir, "results", "memory-probes", "probes.jsonl"))]
     probes = [r for r in records if offloaded(r)]
     assert len(probes) >= 12 and {r["preset"] for r in probes} == {"recurrent-3.3b", "recurrent-7b"}
     window = calibration.info["offload"]["window_applications"]
@@ -307,11 +307,12 @@ def test_the_placement_report_gives_the_window_the_fit_would_store(tmp_path, cap
     # After a refit, the H100's offload probes with their references against the committed calibration's predictions
     from benchmarks.memory_probe import predicted_figures
     from benchmarks.placement_report import offload_rows, repredicted
+    from trainer_ext.memory.calibrate import as_measured_now
 
     run = os.path.join(os.path.dirname(__file__), os.pardir, "results", "gpu-2026-12-06b", "h100", "offload-3",
                        "probes.jsonl")
     assert report([run, "--repredict"]) == 0
-    written, again = read_probes(run), repredicted(read_probes(run))
+    written, again = read_probes(run), repredicted([as_measured_now(r) for r in read_probes(run)])
     assert [r.get("predicted_step_seconds") for r in again] == [
         predicted_figures(r)["predicted_step_seconds"] if r.get("predicted_step_seconds") else None for r in written]
     rows = offload_rows(again)
