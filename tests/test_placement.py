@@ -165,7 +165,7 @@ def test_the_h200_calibration_never_offloads_and_a_3090_offloads_where_its_balan
                                                                             SPEC_PROFILES["rtx3090"])[0], True)):
         program = Program(shape, calibration, 4, 2048, compiled=True, choices="all")
         per_application = program.offload_seconds
-        assert (per_application == pytest.approx(OFFLOAD_SECONDS_PER_APPLICATION)) == hidden
+        assert (per_application == pytest.approx(program.offload_fixed_seconds)) == hidden
         assert (per_application < program.seconds["recompute"]) == hidden
     # On a 3090 a 7b layer's forward (~4 us a token) hides its copies out (~4 us at 31.5 GB/s) and back (backward
     # is twice as long): offload is cheaper than recomputing, and with host memory for it the plan is faster.
@@ -289,6 +289,36 @@ def test_the_committed_calibration_bounds_every_offloaded_probe():
         assert program.window_bytes == window * program.keep_bytes
         assert program.peak_bytes(RecomputeSet.from_dict(r["recompute_set"])) >= r["peak_reserved_bytes"]
     assert fit_offload([r for r in records if not offloaded(r)], calibration) is None
+
+
+def test_offloads_fixed_time_is_the_least_squares_of_the_probes_ratios_to_their_references():
+    """Each offloaded probe's step over its reference's, measured, against the program's prediction with f seconds
+    per offloaded application: probes made to measure what f = 3 ms predicts give back 3 ms; the committed
+    calibration's own value is the fit of the committed records."""
+    from trainer_ext.memory.calibrate import as_measured_now, fit_offload, offloaded
+    from trainer_ext.memory.estimator import ModelShape, load_calibration, read_probes, steady_step_seconds
+    from trainer_ext.memory.recompute import RecomputeSet
+
+    calibration = load_calibration()
+    records = [as_measured_now(r) for r in read_probes(os.path.join(
+        os.path.dirname(__file__), os.pardir, "results", "memory-probes", "probes.jsonl"))]
+    fitted = calibration.info["offload"]
+    assert fitted["timed_probes"] == 12 and 0.0 < fitted["seconds_per_application"] < 0.01
+    bare = type(calibration)(calibration.families, {k: v for k, v in calibration.info.items() if k != "offload"})
+    references = {(r["preset"], r["batch_size"]): r for r in records if r.get("recompute") == "recompute_reference"}
+    made = []
+    for r in records:
+        if offloaded(r):
+            program = Program(ModelShape.from_record(r), bare, r["batch_size"], r["seq_len"], True, 0, "all")
+            _, seconds, host = program.evaluate(RecomputeSet.from_dict(r["recompute_set"]))
+            reference = references[(r["preset"], r["batch_size"])]
+            predicted_reference = program.evaluate(RecomputeSet.from_dict(reference["recompute_set"]))[1]
+            ratio = (seconds + host / program.keep_bytes * (0.003 - program.offload_fixed_seconds)) / predicted_reference
+            r = {**r, "step_seconds": [steady_step_seconds(reference) * ratio] * 3}
+        made.append(r)
+    assert fit_offload(made, bare)["seconds_per_application"] == pytest.approx(0.003, abs=1e-6)
+    assert "seconds_per_application" not in fit_offload([r for r in records if r.get("recompute") !=
+                                                          "recompute_reference"], bare)  # no references, no time
 
 
 def test_the_placement_report_gives_the_window_the_fit_would_store(tmp_path, capsys):

@@ -71,7 +71,7 @@ def test_the_fit_bounds_a_training_run_above_its_probes(tmp_path):
     record["peak_reserved_bytes"] = int(without.peak_bytes(*args) + 0.3 * 2**30)
     assert record["batch_size"] == plan.per_device_train_batch_size
     with_run = fit_calibration(probes + [record], leave_one_out=False)
-    assert with_run.peak_bytes(*args) >= record["peak_reserved_bytes"]
+    assert with_run.peak_bytes(*args) >= record["peak_reserved_bytes"] - 1  # at it, within the LP's tolerance
     assert without.peak_bytes(*args) < record["peak_reserved_bytes"]
 
 

@@ -17,8 +17,10 @@ cached plan, 6 of the 10 blocks of 128 MiB live at the peak, gone with the chang
 import json
 import math
 
+import numpy as np
+
 from trainer_ext.memory.estimator import CALIBRATION_FILE, Calibration, ModelShape, fit_calibration, measured, \
-    read_probes
+    read_probes, steady_step_seconds
 from trainer_ext.memory.placement import Program
 from trainer_ext.memory.recompute import RecomputeSet
 
@@ -44,18 +46,43 @@ def offloaded(record: dict) -> bool:
     return measured(record) and bool(record.get("recompute_set", {}).get("offload"))
 
 
+def _pair(record: dict) -> tuple:
+    return record["preset"], bool(record.get("compile")), record["batch_size"], record["seq_len"], \
+        record.get("device_name")
+
+
 def fit_offload(records: list[dict], calibration: Calibration) -> dict | None:
     """The offload window (module docstring) from the offloaded probes in `records`, with `calibration`'s peaks of
-    the rest of each step; None without such a probe."""
-    windows = []
+    the rest of each step; None without such a probe. Where a probe's `recompute_reference` (the same batch recomputed
+    in full, in the same process) is in `records` too, also the fixed time an offloaded application adds (the hooks'
+    launches, the copies' and events' host work): the least squares over the probes of the ratio of the offloaded
+    step to its reference, predicted against measured (a ratio, so that another card than the calibration's can give
+    it)."""
+    references = {_pair(r): r for r in records if measured(r) and r.get("recompute") == "recompute_reference"}
+    windows, rows = [], []
     for record in filter(offloaded, records):
         program = Program(ModelShape.from_record(record), calibration, record["batch_size"], record["seq_len"],
                           bool(record.get("compile")), record.get("distill_topk", 0), "all")
-        peak = program.peak_bytes(RecomputeSet.from_dict(record["recompute_set"]))
+        placement = RecomputeSet.from_dict(record["recompute_set"])
+        peak = program.peak_bytes(placement)
         windows.append((record["peak_reserved_bytes"] - (peak - program.window_bytes)) / program.keep_bytes)
+        reference = references.get(_pair(record))
+        if reference is not None and program.offload_seconds is not None:
+            _, seconds, host = program.evaluate(placement)
+            count = host / program.keep_bytes  # offloaded applications
+            reference_seconds = program.evaluate(RecomputeSet.from_dict(reference["recompute_set"]))[1]
+            ratio = steady_step_seconds(record) / steady_step_seconds(reference)
+            # predicted ratio with f seconds per application: (seconds + count (f - fixed)) / reference_seconds
+            rows.append((count / reference_seconds,
+                         (seconds - count * program.offload_fixed_seconds) / reference_seconds - ratio))
     if not windows:
         return None
-    return {"window_applications": math.ceil(max(windows) * 1000) / 1000, "probes": len(windows)}  # rounded up
+    fit = {"window_applications": math.ceil(max(windows) * 1000) / 1000, "probes": len(windows)}  # rounded up
+    if rows:
+        slopes, offsets = np.array(rows).T
+        fit["seconds_per_application"] = round(max(-float(slopes @ offsets) / float(slopes @ slopes), 0.0), 6)
+        fit["timed_probes"] = len(rows)
+    return fit
 
 
 def write_calibration_from_probes(probes_path: str, output: str | None = None, command: str | None = None,

@@ -23,7 +23,9 @@ Per layer application of N tokens (K, R, S bytes per token):
                 their own stream and overlap compute: the time added is max(0, K N / device-to-host bandwidth -
                 forward seconds) + max(0, K N / host-to-device bandwidth - backward seconds) of that application,
                 with forward seconds = the calibrated per-FLOP time x its forward FLOPs and backward twice that, plus
-                OFFLOAD_SECONDS_PER_APPLICATION (the hooks' launches).
+                a fixed time (the hooks' launches, the copies' and events' host work: the calibration's
+                `offload.seconds_per_application`, fitted by `calibrate.fit_offload` to offloaded probes beside
+                their references; OFFLOAD_SECONDS_PER_APPLICATION without it).
                 This cost form is what the runtime does: at each layer boundary the compute stream waits for the
                 copies of the application before, so a copy stream slower than compute stalls it by the difference.
 
@@ -32,8 +34,9 @@ selectively and in full in one process; `estimator.fit_selective`, run by the ca
 selective application holds over a full recompute's input, as a multiple of S (the largest over the pairs, an upper
 bound like the peaks), and the share of a full recompute's time it still costs (the median), kept in the
 calibration's `selective` entry. Without pairs S and SELECTIVE_TIME_FRACTION stand as above. Offload's time is the
-analytic model above (on an H100, 12 offloaded probes of recurrent-3.3b and 7b at batch 1-4 measured within 5.0% of it,
-median, 10.5% at most, as a ratio to the same step recomputed); its window is measured (above).
+model above with its fixed time fitted (on an H100, 12 offloaded probes of recurrent-3.3b and 7b at batch 1-4, as a
+ratio to the same step recomputed: 1.6 ms an application, within 1.2% at the median and 5.9% at most on those same
+probes; 5.3% / 10.8% with the 0.5 ms assumed before); its window is measured (above).
 So the program chooses between keep and recompute unless asked for more (`--memory_placements all`, PLACEMENT_CHOICES):
 probes now price the other two, but offload by default would pin many GiB of host memory on a consumer card, which
 WSL2 may refuse mid-training, and no such card has run a plan with it yet.
@@ -160,8 +163,9 @@ class Program:
                        SELECTIVE: (per_token[SELECTIVE] - per_token["keep"]) * tokens, OFFLOAD: -self.keep_bytes}
         fraction = calibration.info.get("selective", {}).get("time_fraction", SELECTIVE_TIME_FRACTION)
         self.seconds = {RECOMPUTE: recompute_time, SELECTIVE: max(fraction, 0.0) * recompute_time}
-        window = calibration.info.get("offload", {}).get("window_applications", OFFLOAD_WINDOW_APPLICATIONS)
-        self.window_bytes = window * self.keep_bytes
+        offload = calibration.info.get("offload", {})
+        self.window_bytes = offload.get("window_applications", OFFLOAD_WINDOW_APPLICATIONS) * self.keep_bytes
+        self.offload_fixed_seconds = offload.get("seconds_per_application", OFFLOAD_SECONDS_PER_APPLICATION)
         rates = host_device_rates(calibration)
         self.offload_seconds = None if rates is None else self._offload_seconds(*rates)
 
@@ -170,7 +174,7 @@ class Program:
         per_flop = dict(zip(TIME_FEATURES, coefficients))["training_flops"] / 1e12 * factor
         forward = per_flop * self.batch * self.seq_len * self.shape.layer_flops(self.seq_len)
         return (max(0.0, self.keep_bytes / to_host - forward) + max(0.0, self.keep_bytes / to_device - 2 * forward)
-                + OFFLOAD_SECONDS_PER_APPLICATION)
+                + self.offload_fixed_seconds)
 
     @property
     def placements(self) -> tuple[str, ...]:
