@@ -278,16 +278,15 @@ def test_the_committed_calibration_reproduces_the_committed_probes():
     assert min(r["peak_error"] for r in found["per_probe"]) >= 0.0  # never under (the least-squares fit: 48 of 103)
     large = [r for r in found["per_probe"] if r["preset"].startswith("recurrent") and r["measured_peak_gib"] >= 8]
     assert len(large) >= 50 and min(r["peak_error"] for r in large) >= 0.0
-    # Within 5% on the calibration's card (5.37% at most: recurrent-3.3b, batch 2, since the records measured before
-    # the outer norms were compiled are fitted at what the step holds now; 5.26% before, since an H100's peaks joined
-    # the fit and the training runs' records took their data's vocabulary; the "relative" objective held it to 4.8%
-    # but planned recurrent-7b at batch 4, which measured 21.85 GiB at batch 5 on both cards); another card's records
-    # are held to "never under" only (an H100's verify of the cached recurrent-3.3b plan at batch 4 with the norms
-    # compiled peaked 11% under its prediction)
+    # Within 5% on the calibration's card (4.88% at most since the records measured before the outer norms were
+    # compiled are fitted at what the step holds now and the offload probes' references joined; 5.26% before, when an
+    # H100's peaks had joined the fit and the training runs' records taken their data's vocabulary); another card's
+    # records are held to "never under" only (an H100's verify of the cached recurrent-3.3b plan at batch 4 with the
+    # norms compiled peaked 11% under its prediction: the in-place cast of the head's gradient is not a term)
     planned = [r for r in found["per_probe"] if r["compile"] and r["measured_peak_gib"] >= 8
                and r["device_name"] == calibration.info["device_name"]]
     assert {r["preset"] for r in planned} >= {"recurrent-3.3b", "recurrent-7b"}
-    assert max(abs(r["peak_error"]) for r in planned) <= 0.054
+    assert max(abs(r["peak_error"]) for r in planned) <= 0.05
     for key in ("device_name", "torch", "transformers", "date", "probe_command", "fit_command"):
         assert calibration.info[key], key
     assert "NVIDIA" in calibration.info["device_name"]
