@@ -5,7 +5,9 @@ Offload's window is the device memory an offloaded step holds beyond what the pr
 applications `OffloadActivations` keeps on their way out in forward or fetched ahead in backward, and the allocator's
 cache of blocks freed across its two streams. `memory_probe --offload_probes` measures offloaded steps; the window is
 the largest number of applications' kept bytes any of them needed (an upper bound, as the peaks): on an H100 the
-allocated bytes matched the two applications, the reserved ones needed up to 2.7 (recurrent-7b at batch 2).
+allocated bytes matched the two applications, the reserved ones needed up to 2.84 by the committed fit's peaks
+(recurrent-7b at batch 2). With the probes' fully recomputed references, `fit_offload` also fits offload's fixed time
+per application.
 
 Records of compiled recurrent steps measured before the training compiled the norms outside its decoder layers
 (`trainer_ext.training.compiling`; such records have no `outer_norms` field) held each of those norms' input in fp32

@@ -278,8 +278,10 @@ class RecurrentTrainer(StabilityMixin, Trainer):
     # -- depth
 
     def current_depth(self, training: bool) -> dict:
-        if not (self.recurrent and training):
-            return {"num_steps": self.args.eval_num_steps} if self.recurrent else {}
+        if not self.recurrent:
+            return {}
+        if not training:
+            return {"num_steps": self.args.eval_num_steps}
         return {"num_steps": self.depth_sampler(self.state.global_step), "backprop_depth": self.args.backprop_depth}
 
     # -- loss
@@ -305,7 +307,8 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             alpha=self.args.distill_alpha, temperature=self.args.distill_temperature,
             divergence=self.args.distill_divergence, chunk_size=self.args.loss_chunk_size,
             # One head gradient a step, consumed where backward delivers it: cast within its accumulator's bytes.
-            head_grad_in_place=training and supervision is None and getattr(self.unwrapped_optimizer, "in_backward", 0),
+            head_grad_in_place=bool(training and supervision is None
+                                    and getattr(self.unwrapped_optimizer, "in_backward", False)),
         )
         with self.profiler.phase("loss"):
             out = (lm_loss(hidden) if supervision is None
@@ -356,8 +359,9 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             if self._warmup["seconds"] is not None and not self._warmup["logged"]:
                 logs["compile_warmup_seconds"] = round(self._warmup["seconds"], 2)
                 self._warmup["logged"] = True
-            ce, kd = float(window["ce"]) / window["steps"], float(window["kd"]) / window["steps"]
+            ce = float(window["ce"]) / window["steps"]
             logs["ce"] = round(ce, 4)
+            kd = float(window["kd"]) / window["steps"]
             if self.teacher is not None or kd:
                 logs["kd"] = round(kd, 4)
             if self.recurrent:
