@@ -369,42 +369,40 @@ class RecurrentTrainingArguments(TrainingArguments):
 
         for name in ("backprop_depth", "eval_num_steps"):
             value = getattr(self, name)
-            check(name, value is None or (_is_int(value) and value >= 1),
+            check(name, value is None or _is_int(value, 1),
                   "an integer >= 1 (recurrent steps), or unset for the model config's default")
-        check("depth_supervision", _is_int(self.depth_supervision) and self.depth_supervision >= 1,
+        check("depth_supervision", _is_int(self.depth_supervision, 1),
               "an integer >= 1 (depths whose LM loss is averaged each step; 1, the default, is the last depth only)")
         check("depth_supervision_weights", self.depth_supervision_weights in WEIGHTINGS, f"one of {list(WEIGHTINGS)}")
-        check("exit_gate_entropy_weight", _is_number(self.exit_gate_entropy_weight)
-              and self.exit_gate_entropy_weight >= 0, "a number >= 0 (0: the expected loss alone)")
-        check("gc_interval", _is_int(self.gc_interval) and self.gc_interval >= 0,
+        check("exit_gate_entropy_weight", _is_number(self.exit_gate_entropy_weight, 0),
+              "a number >= 0 (0: the expected loss alone)")
+        check("gc_interval", _is_int(self.gc_interval, 0),
               "an integer >= 0 (steps between garbage collections; 0 leaves Python's automatic collection)")
-        check("profile_steps", _is_int(self.profile_steps) and self.profile_steps >= 0,
+        check("profile_steps", _is_int(self.profile_steps, 0),
               "an integer >= 0 (0 turns step profiling off)")
-        check("loss_chunk_size", self.loss_chunk_size is None or (_is_int(self.loss_chunk_size)
-                                                                   and self.loss_chunk_size >= 1),
+        check("loss_chunk_size", self.loss_chunk_size is None or _is_int(self.loss_chunk_size, 1),
               "an integer >= 1 (positions per chunk of the loss), or unset for 2**27 logits per chunk")
         check("optimizer_momentum",
-              self.optimizer_momentum is None or (_is_number(self.optimizer_momentum)
-                                                  and 0 <= self.optimizer_momentum < 1),
+              self.optimizer_momentum is None or _is_number(self.optimizer_momentum, 0, high=1),
               "in [0, 1) (0 turns momentum off), or unset for the default 0.9")
         check("optimizer_momentum_rank_fraction",
               self.optimizer_momentum_rank_fraction is None
               or (_is_number(self.optimizer_momentum_rank_fraction) and 0 < self.optimizer_momentum_rank_fraction <= 1),
               "in (0, 1] (1 = full momentum), or unset for the size-based default")
         check("optimizer_clip_threshold",
-              _is_number(self.optimizer_clip_threshold) and self.optimizer_clip_threshold > 0, "a number > 0")
+              _is_number(self.optimizer_clip_threshold, 0, strict=True), "a number > 0")
         check("optimizer_subspace_residual", self.optimizer_subspace_residual is None
               or (_is_number(self.optimizer_subspace_residual) and 0 <= self.optimizer_subspace_residual <= 1),
               "in [0, 1], or unset for sqrt((1 - beta1) / (1 + beta1))")
-        check("peak_flops", self.peak_flops is None or (_is_number(self.peak_flops) and self.peak_flops > 0),
+        check("peak_flops", self.peak_flops is None or _is_number(self.peak_flops, 0, strict=True),
               "a number > 0 (FLOP/s), or unset for the device's datasheet peak")
         check("distill_alpha", _is_number(self.distill_alpha) and 0 <= self.distill_alpha <= 1,
               "in [0, 1] (the weight of the distillation term; 1 - alpha weighs the plain cross-entropy)")
-        check("distill_temperature", _is_number(self.distill_temperature) and self.distill_temperature > 0,
+        check("distill_temperature", _is_number(self.distill_temperature, 0, strict=True),
               "a number > 0")
-        check("collapse_check_steps", _is_int(self.collapse_check_steps) and self.collapse_check_steps >= 0,
+        check("collapse_check_steps", _is_int(self.collapse_check_steps, 0),
               "an integer >= 0 (0 turns the collapse check off)")
-        check("collapse_margin", _is_number(self.collapse_margin) and self.collapse_margin > 0, "a number > 0 (nats)")
+        check("collapse_margin", _is_number(self.collapse_margin, 0, strict=True), "a number > 0 (nats)")
 
     def _check_schedule_ranges(self):
         """The schedule's and the Trainer's step counts and rates, flag by flag, as they are parsed: TrainingArguments
