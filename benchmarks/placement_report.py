@@ -96,9 +96,10 @@ def main(argv=None) -> int:
         records = [r for path in args.probes for r in read_probes(path)]
     except ValueError as error:
         raise SystemExit(str(error)) from error
+    fitted = [as_measured_now(r) for r in records]  # as --fit reads them
     if args.repredict:
-        records = repredicted([as_measured_now(r) for r in records])
-    calibration, fitted = load_calibration(), [as_measured_now(r) for r in records]  # as --fit reads them
+        records = repredicted(fitted)
+    calibration = load_calibration()
     text = render(offload_rows(records), fit_selective(fitted, calibration), failed_rows(records),
                   fit_offload(fitted, calibration))
     if args.output:
