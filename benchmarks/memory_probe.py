@@ -482,7 +482,8 @@ def main(argv=None) -> int:
 def _verify(args) -> int:
     """Plan each preset (at each of --seq_lens, and with --only_distill_probes a cached top-k at each of
     --vocab_sizes) for --cap_gib, train with the plan, print predicted against measured figures (JSON lines)."""
-    from trainer_ext.memory.estimator import ModelShape, probe_recomputed, time_features
+    from trainer_ext.memory.estimator import ModelShape, time_features
+    from trainer_ext.memory.probes import probe_recomputed
     from trainer_ext.memory.plan import NoPlanError, plan_for_preset
 
     if not args.cap_gib:

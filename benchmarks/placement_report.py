@@ -18,7 +18,8 @@ import statistics
 import sys
 
 from trainer_ext.memory.calibrate import as_measured_now, fit_offload
-from trainer_ext.memory.estimator import GIB, fit_selective, load_calibration, read_probes, steady_step_seconds
+from trainer_ext.memory.estimator import GIB, fit_selective, load_calibration
+from trainer_ext.memory.probes import read_probes, steady_step_seconds
 
 
 def repredicted(records: list[dict]) -> list[dict]:

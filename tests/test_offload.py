@@ -272,7 +272,7 @@ def test_offload_on_cuda_holds_less_than_keeping_and_reserves_no_more():
 
 def test_selective_and_offload_probes_are_left_out_of_the_peak_fit():
     from benchmarks.memory_probe import selective_grid
-    from trainer_ext.memory.estimator import usable_probes
+    from trainer_ext.memory.probes import usable_probes
 
     specs = selective_grid("recurrent-3.3b", 2048, (True, False))
     assert specs and all(spec["recompute"] == "all" for spec in specs)
@@ -296,8 +296,8 @@ def test_selective_probe_pairs_price_the_selective_placement_in_the_calibration(
     import dataclasses
     import os
 
-    from trainer_ext.memory.estimator import (ModelShape, fit_calibration, fit_selective, load_calibration,
-                                              probe_recomputed, read_probes, steady_step_seconds)
+    from trainer_ext.memory.estimator import ModelShape, fit_calibration, fit_selective, load_calibration
+    from trainer_ext.memory.probes import probe_recomputed, read_probes, steady_step_seconds
     from trainer_ext.memory.placement import Program, bytes_per_token
     from trainer_ext.memory.recompute import RECOMPUTE, SELECTIVE
 
@@ -345,7 +345,7 @@ def test_offload_probes_train_the_forced_placement_and_carry_the_programs_predic
     step time beside what was measured; the calibration's fit leaves the offloaded records out."""
     from benchmarks import memory_probe
     from benchmarks.memory_probe import main, offload_grid
-    from trainer_ext.memory.estimator import usable_probes
+    from trainer_ext.memory.probes import usable_probes
     from trainer_ext.memory.recompute import RecomputeSet
 
     specs = offload_grid("recurrent-7b", 2048, (True, False))
@@ -370,7 +370,7 @@ def test_offload_probes_train_the_forced_placement_and_carry_the_programs_predic
     assert [r["recompute"] for r in usable] == ["recompute_reference"]
     # The report sets each offloaded step against its reference, measured and predicted.
     from benchmarks.placement_report import main as report, offload_rows
-    from trainer_ext.memory.estimator import steady_step_seconds
+    from trainer_ext.memory.probes import steady_step_seconds
 
     reference = next(r for r in records if r["recompute"] == "recompute_reference")
     rows = offload_rows(records)

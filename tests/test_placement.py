@@ -270,7 +270,8 @@ def test_the_committed_calibration_bounds_every_offloaded_probe():
     the allocator's cache of two streams): the committed calibration predicts none of them under its measured peak,
     and a refit of the same records gives the same window."""
     from trainer_ext.memory.calibrate import as_measured_now, fit_offload, offloaded
-    from trainer_ext.memory.estimator import ModelShape, load_calibration, read_probes
+    from trainer_ext.memory.estimator import ModelShape, load_calibration
+    from trainer_ext.memory.probes import read_probes
     from trainer_ext.memory.placement import OFFLOAD_WINDOW_APPLICATIONS, Program
     from trainer_ext.memory.recompute import RecomputeSet
 
@@ -296,7 +297,8 @@ def test_offloads_fixed_time_is_the_least_squares_of_the_probes_ratios_to_their_
     per offloaded application: probes made to measure what f = 3 ms predicts give back 3 ms; the committed
     calibration's own value is the fit of the committed records."""
     from trainer_ext.memory.calibrate import as_measured_now, fit_offload, offloaded
-    from trainer_ext.memory.estimator import ModelShape, load_calibration, read_probes, steady_step_seconds
+    from trainer_ext.memory.estimator import ModelShape, load_calibration
+    from trainer_ext.memory.probes import read_probes, steady_step_seconds
     from trainer_ext.memory.recompute import RecomputeSet
 
     calibration = load_calibration()
@@ -324,7 +326,8 @@ def test_offloads_fixed_time_is_the_least_squares_of_the_probes_ratios_to_their_
 def test_the_placement_report_gives_the_window_the_fit_would_store(tmp_path, capsys):
     from benchmarks.placement_report import main as report
     from trainer_ext.memory.calibrate import offloaded
-    from trainer_ext.memory.estimator import load_calibration, read_probes
+    from trainer_ext.memory.estimator import load_calibration
+    from trainer_ext.memory.probes import read_probes
 
     records = read_probes(os.path.join(os.path.dirname(__file__), os.pardir, "results", "memory-probes",
                                        "probes.jsonl"))

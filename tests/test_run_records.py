@@ -6,7 +6,8 @@ import os
 import pytest
 
 from benchmarks.run_records import main
-from trainer_ext.memory.estimator import CALIBRATION_FILE, ModelShape, fit_calibration, probe_recomputed, read_probes
+from trainer_ext.memory.estimator import CALIBRATION_FILE, ModelShape, fit_calibration
+from trainer_ext.memory.probes import probe_recomputed, read_probes
 from trainer_ext.memory.plan import plan_for_preset
 
 PROBES = os.path.join(os.path.dirname(__file__), os.pardir, "results", "memory-probes", "probes.jsonl")

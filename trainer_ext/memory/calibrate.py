@@ -21,8 +21,8 @@ import math
 
 import numpy as np
 
-from trainer_ext.memory.estimator import CALIBRATION_FILE, Calibration, ModelShape, fit_calibration, measured, \
-    read_probes, steady_step_seconds
+from trainer_ext.memory.estimator import CALIBRATION_FILE, Calibration, ModelShape, fit_calibration
+from trainer_ext.memory.probes import measured, read_probes, steady_step_seconds
 from trainer_ext.memory.placement import Program
 from trainer_ext.memory.recompute import RecomputeSet
 
@@ -44,7 +44,7 @@ def as_measured_now(record: dict) -> dict:
 
 def offloaded(record: dict) -> bool:
     """A probe that trained with some applications offloaded (`RecomputeSet.to_dict` writes `offload` only then, as
-    `estimator.usable_probes` reads it)."""
+    `probes.usable_probes` reads it)."""
     return measured(record) and bool(record.get("recompute_set", {}).get("offload"))
 
 

@@ -55,11 +55,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trainer_ext.memory.probes import PROBE_COMMAND, measured, probe_recomputed, steady_step_seconds, usable_probes
+
 GIB = 2**30
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 CALIBRATE_COMMAND = "hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json"
-PROBE_COMMAND = ("python3 -m benchmarks.memory_probe --presets recurrent-125m recurrent-1b recurrent-3.3b "
-                 "recurrent-7b transformer-125m --output probes.jsonl --max_seconds 450")
 _SHARED_FEATURES = ("constant", "kept_intermediate", "kept_hidden", "recomputed_hidden", "adapter", "unique_hidden",
                     "distill_topk", "transient", "weight_matrix")
 _COMPILE_DEPENDENT = (0, 1, 2, 3, 4, 6, 7)  # the features whose compiled counterparts follow the shared ones, in order
@@ -68,6 +68,11 @@ TIME_FEATURES = ("constant", "training_flops", "recompute_flops", "flops_per_tok
                  "parameters")
 FORMAT_VERSION = 4  # 3: least squares, fewer compiled terms, no weight-matrix term
 MIN_COMPILED_TIME_PROBES = 2 * len(TIME_FEATURES)  # compiled probes that get coefficients of their own
+# From this size up (recurrent-1b, not the 125M presets) a compiled step is bound by the device's work, below it by the
+# host's kernel launches (recurrent-125m's batch 8 ran faster than its batch 4 on the H200): no one linear model
+# follows both, so the compiled probes of models this large get coefficients of their own
+# (`FamilyFit.large_compiled_time_coefficients`).
+LARGE_MODEL_PARAMS = 5e8
 _THETAS = tuple(round(0.01 * i, 2) for i in range(0, 801, 2))  # grid of the transient's V x H multiple
 # What the memory fit minimises under its bound (`_upper_bound`): "bytes" (the default: the probes of most memory, where
 # plans for a card land, weigh most), "relative" (every probe alike), "minimax" (the worst probe's relative error).
@@ -187,33 +192,41 @@ class FamilyFit:
     # Compiled steps, fitted to the compiled probes; None (too few compiled probes, or a calibration written before
     # they were fitted apart): the eager coefficients times compile_factor.
     compiled_time_coefficients: list[float] | None = None
+    # Compiled steps of models of LARGE_MODEL_PARAMS or more, fitted to their probes alone; None: too few of them (or
+    # an older calibration), `compiled_time_coefficients` predict them too.
+    large_compiled_time_coefficients: list[float] | None = None
 
-    def time_for(self, compiled: bool) -> tuple[list[float], float]:
-        """(coefficients, factor) of a step's time: t . features x factor."""
+    def time_for(self, compiled: bool, params: int = 0) -> tuple[list[float], float]:
+        """(coefficients, factor) of the step time of a model of `params` parameters: t . features x factor."""
+        if compiled and params >= LARGE_MODEL_PARAMS and self.large_compiled_time_coefficients is not None:
+            return self.large_compiled_time_coefficients, 1.0
         if compiled and self.compiled_time_coefficients is not None:
             return self.compiled_time_coefficients, 1.0
         return self.time_coefficients, (self.compile_factor if compiled else 1.0)
 
     def scaled(self, factor: float) -> "FamilyFit":
         """The same fit with every step time multiplied by `factor` (another card's matmul rate)."""
-        compiled = self.compiled_time_coefficients
-        return FamilyFit(self.memory_coefficients, self.theta, [c * factor for c in self.time_coefficients],
-                         self.compile_factor, None if compiled is None else [c * factor for c in compiled])
+        def times(coefficients):
+            return None if coefficients is None else [c * factor for c in coefficients]
+        return FamilyFit(self.memory_coefficients, self.theta, times(self.time_coefficients), self.compile_factor,
+                         times(self.compiled_time_coefficients), times(self.large_compiled_time_coefficients))
 
     def to_dict(self) -> dict:
         return {"memory_coefficients": self.memory_coefficients, "transient_theta": self.theta,
                 "time_coefficients": self.time_coefficients, "compile_factor": self.compile_factor,
-                "compiled_time_coefficients": self.compiled_time_coefficients}
+                "compiled_time_coefficients": self.compiled_time_coefficients,
+                "large_compiled_time_coefficients": self.large_compiled_time_coefficients}
 
     @classmethod
     def from_dict(cls, data: dict) -> "FamilyFit":
         memory, time = [float(c) for c in data["memory_coefficients"]], [float(c) for c in data["time_coefficients"]]
-        compiled = data.get("compiled_time_coefficients")
-        compiled = None if compiled is None else [float(c) for c in compiled]
-        if len(memory) != len(MEMORY_FEATURES) or len(time) != len(TIME_FEATURES) or (
-                compiled is not None and len(compiled) != len(TIME_FEATURES)):
+        compiled, large = ([float(c) for c in data[key]] if data.get(key) is not None else None
+                           for key in ("compiled_time_coefficients", "large_compiled_time_coefficients"))
+        if len(memory) != len(MEMORY_FEATURES) or any(
+                coefficients is not None and len(coefficients) != len(TIME_FEATURES)
+                for coefficients in (time, compiled, large)):
             raise ValueError("its coefficients do not match this version's features")
-        return cls(memory, float(data["transient_theta"]), time, float(data["compile_factor"]), compiled)
+        return cls(memory, float(data["transient_theta"]), time, float(data["compile_factor"]), compiled, large)
 
 
 @dataclass
@@ -240,7 +253,7 @@ class Calibration:
     def step_seconds(self, shape: ModelShape, batch_size: int, seq_len: int, recomputed: float,
                      compiled: bool = False) -> float:
         """Predicted steady-state seconds of one optimizer step."""
-        coefficients, factor = self.fit_for(shape).time_for(compiled)
+        coefficients, factor = self.fit_for(shape).time_for(compiled, shape.params)
         return float(time_features(shape, batch_size, seq_len, recomputed) @ coefficients) * factor
 
     def compile_is_faster(self, shape: ModelShape) -> bool:
@@ -287,55 +300,6 @@ def load_calibration(path: str | None = None) -> Calibration:
 # -- fitting
 
 
-def read_probes(path: str) -> list[dict]:
-    """The probe records of a JSON-lines file, or ValueError naming the file."""
-    if not os.path.isfile(path):
-        raise ValueError(f"Probe file {path} not found; measure probes with `{PROBE_COMMAND}`.")
-    records = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path} line {number} is not JSON ({error}).") from error
-    return records
-
-
-def default_allocator(settings: str) -> bool:
-    """Whether allocator `settings` (`trainer_ext.devices.allocator_settings`) keep the blocks the fit measured."""
-    return "expandable_segments:true" not in settings.replace(" ", "").lower()
-
-
-def measured(record: dict) -> bool:
-    """Whether a probe record ran (status ok) with memory figures (a CUDA probe) and a step after its warm-up."""
-    return (record.get("status") == "ok" and bool(record.get("peak_reserved_bytes"))
-            and len(record.get("step_seconds", ())) >= 2)
-
-
-def usable_probes(records: list[dict]) -> list[dict]:
-    """`measured` records of placements the features carry (keep and recompute: selective recomputation is priced
-    apart, by `fit_selective`, and offload has no terms yet), under the allocator's default settings
-    (`trainer_ext.devices.allocator_settings`: expandable segments hold other peaks)."""
-    def fitted(placement: dict) -> bool:
-        return not (placement.get("selective") or placement.get("selective_recompute") or placement.get("offload"))
-
-    return [r for r in records if measured(r) and fitted(r.get("recompute_set", {}))
-            and default_allocator(r.get("allocator", ""))]
-
-
-def probe_recomputed(record: dict) -> int:
-    """Layer applications a probe recomputed: one per prelude / coda layer, the core layers per core step."""
-    chosen = record["recompute_set"]
-    core_layers = record["config"].get("n_core_layers", 0)  # none in a plain Transformer's record
-    return len(chosen["prelude"]) + len(chosen["coda"]) + core_layers * len(chosen["core_steps"])
-
-
-def steady_step_seconds(record: dict) -> float:
-    """Median step time after the warm-up (compilation included): the first step, two when compiled."""
-    return statistics.median(record["step_seconds"][2 if record.get("compile") else 1:] or record["step_seconds"])
-
-
 def _fit_memory(shapes, probes, thetas=_THETAS, objective: str = "bytes"):
     """Coefficients and theta with no probe predicted under its peak, at the least `objective` (`FIT_OBJECTIVES`)."""
     fixed = np.array([s.fixed_bytes / GIB for s in shapes])
@@ -380,9 +344,10 @@ def _upper_bound(features, fixed, measured, objective: str):
     return float(over.sum()), coefficients
 
 
-def _fit_time(shapes, probes) -> tuple[list[float], float, list[float] | None]:
-    """(eager coefficients, compile factor, compiled coefficients or None), each set fitted to the relative error of
-    its own probes (non-negative least squares); compiled ones where at least MIN_COMPILED_TIME_PROBES were compiled."""
+def _fit_time(shapes, probes) -> tuple[list[float], float, list[float] | None, list[float] | None]:
+    """(eager coefficients, compile factor, compiled coefficients or None, those of models of LARGE_MODEL_PARAMS or
+    more or None), each set fitted to the relative error of its own probes (non-negative least squares); a compiled
+    set where at least MIN_COMPILED_TIME_PROBES of its probes were compiled."""
     from scipy.optimize import nnls
 
     def fit(rows):
@@ -395,7 +360,9 @@ def _fit_time(shapes, probes) -> tuple[list[float], float, list[float] | None]:
     ratios = [steady_step_seconds(p) / float(time_features(s, p["batch_size"], p["seq_len"], probe_recomputed(p))
                                              @ eager) for s, p in compiled]
     own = fit(compiled).tolist() if len(compiled) >= MIN_COMPILED_TIME_PROBES else None
-    return eager.tolist(), (statistics.median(ratios) if ratios else 1.0), own
+    large = [(s, p) for s, p in compiled if s.params >= LARGE_MODEL_PARAMS]
+    large = fit(large).tolist() if len(large) >= MIN_COMPILED_TIME_PROBES and own is not None else None
+    return eager.tolist(), (statistics.median(ratios) if ratios else 1.0), own, large
 
 
 def fit_selective(records: list[dict], calibration: Calibration) -> dict | None:

@@ -35,8 +35,9 @@ selective application holds over a full recompute's input, as a multiple of S (t
 bound like the peaks), and the share of a full recompute's time it still costs (the median), kept in the
 calibration's `selective` entry. Without pairs S and SELECTIVE_TIME_FRACTION stand as above. Offload's time is the
 model above with its fixed time fitted (on an H100, 12 offloaded probes of recurrent-3.3b and 7b at batch 1-4, as a
-ratio to the same step recomputed: 1.6 ms an application, within 1.2% at the median and 5.9% at most on those same
-probes; 5.3% / 10.8% with the 0.5 ms assumed before); its window is measured (above).
+ratio to the same step recomputed: 0.35 ms an application, within 3.4% at the median and 7.7% at most on those same
+probes; 1.6 ms and 1.2% / 5.9% when the references' times came from one fit of every compiled probe, small models'
+included); its window is measured (above).
 So the program chooses between keep and recompute unless asked for more (`--memory_placements all`, PLACEMENT_CHOICES):
 probes now price the other two, but offload by default would pin many GiB of host memory on a consumer card, which
 WSL2 may refuse mid-training, and no such card has run a plan with it yet.
@@ -170,7 +171,7 @@ class Program:
         self.offload_seconds = None if rates is None else self._offload_seconds(*rates)
 
     def _offload_seconds(self, to_host: float, to_device: float) -> float:
-        coefficients, factor = self.calibration.fit_for(self.shape).time_for(self.compiled)
+        coefficients, factor = self.calibration.fit_for(self.shape).time_for(self.compiled, self.shape.params)
         per_flop = dict(zip(TIME_FEATURES, coefficients))["training_flops"] / 1e12 * factor
         forward = per_flop * self.batch * self.seq_len * self.shape.layer_flops(self.seq_len)
         return (max(0.0, self.keep_bytes / to_host - forward) + max(0.0, self.keep_bytes / to_device - 2 * forward)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 
 from trainer_ext.memory.device_profile import DeviceProfile, for_device, training_profile
-from trainer_ext.memory.estimator import GIB, Calibration, ModelShape, default_allocator, load_calibration
+from trainer_ext.memory.estimator import GIB, Calibration, ModelShape, load_calibration
+from trainer_ext.memory.probes import default_allocator
 from trainer_ext.memory.placement import DEFAULT_PLACEMENTS, Program, application_counts, describe_table, \
     host_bytes_for, placement_table
 from trainer_ext.memory.processes import FP32_BYTES, layout_of, per_rank_shape, resolve_sharding
