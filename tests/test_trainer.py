@@ -92,7 +92,8 @@ def test_resume_reproduces_the_uninterrupted_loss_sequence(tiny_data_dir, tmp_pa
 
 
 def test_momentum_defaults_by_model_size_and_can_be_turned_off(tiny_data_dir, tmp_path):
-    assert resolve_momentum(None, None, 3_400_000_000) == (0.9, None)  # recurrent-3.3b: full, +6.7 GB fits 24 GB
+    assert resolve_momentum(None, None, 988_960_768) == (0.9, None)  # recurrent-1b: full (+2 GB)
+    assert resolve_momentum(None, None, 3_400_000_000) == (0.9, 1 / 16)  # recurrent-3.3b: subspace, its plan is faster
     assert resolve_momentum(None, None, 6_900_000_000) == (0.9, 1 / 16)  # recurrent-7b: subspace (low_memory_7b)
     assert resolve_momentum(0.0, 0.5, 1_000) == (None, None)
     assert resolve_momentum(0.95, 1.0, 7_000_000_000) == (0.95, None)  # 1 = full momentum at any size

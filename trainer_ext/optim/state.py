@@ -80,9 +80,9 @@ OPTIMIZER_STATES: dict[str, OptimizerState] = {
     "hf_adafactor": OptimizerState(master_weight_bytes=4, first_moment_bytes=0, factored_second_moment=True),
     # LowMemoryAdafactor without momentum (--optimizer_momentum 0).
     "low_memory": low_memory_state(None, None),
-    # LowMemoryAdafactor with full bf16 momentum (the default below 5B parameters).
+    # LowMemoryAdafactor with full bf16 momentum (the default below 2B parameters).
     "low_memory_momentum": low_memory_state(0.9, None),
-    # LowMemoryAdafactor with bf16 subspace momentum (the default from 5B parameters up).
+    # LowMemoryAdafactor with bf16 subspace momentum (the default from 2B parameters up).
     "low_memory_7b": low_memory_state(0.9, SUBSPACE_MOMENTUM_FRACTION),
 }
 

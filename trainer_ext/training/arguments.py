@@ -178,7 +178,7 @@ class RecurrentTrainingArguments(TrainingArguments):
     optimizer_momentum_rank_fraction: float | None = field(
         default=None, metadata={"help": "Momentum of each weight matrix kept in a subspace of this fraction of its rank "
                                         "(about this fraction of full momentum's 2 bytes per parameter); 1 = full "
-                                        "momentum. Default: 1 under 5B parameters, 1/16 from 5B up (low_memory_7b)."})
+                                        "momentum. Default: 1 under 2B parameters, 1/16 from 2B up (low_memory_7b)."})
     optimizer_clip_threshold: float = field(default=1.0, metadata={"help": "Per-tensor update RMS clip."})
     optimizer_subspace_residual: float | None = field(
         default=None, metadata={"help": "With subspace momentum: the factor of the update outside the subspace, in "
