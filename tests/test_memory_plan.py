@@ -248,16 +248,17 @@ def test_large_models_compiled_steps_are_fitted_apart_from_small_ones():
                                                                                   rel=1e-3, abs=1e-7)
 
 
-def test_the_committed_calibration_predicts_its_cards_compiled_training_runs_within_twelve_percent():
-    """Training samples its depth step by step, the probes run the mean depth: recurrent-3.3b's plan at batch 5 took
-    0.734 s a step in training and 0.978 s as a probe, so the fit, mostly of probes, predicts training runs long."""
+def test_the_committed_calibration_predicts_its_cards_compiled_training_runs_within_ten_percent():
+    """A training run samples its depth step by step (about 10 on average over 16 steps of recurrent-3.3b, whose mean
+    is 12): its record is timed at the depths it sampled (`depths`), a probe at its config's mean depth."""
     calibration = load_calibration()
     runs = [r for r in usable_probes(read_probes(str(PROBES))) if r.get("source") == "training run"
             and r.get("device_name") == calibration.info["device_name"]]
     errors = [row["step_time_error"] for row in calibration.info["residuals"]["per_probe"]
               if row["device_name"] == calibration.info["device_name"] and row["recompute"] == "plan"
               and row["momentum"] is None]  # the training runs' records (their momentum is the default's)
-    assert len(runs) == len(errors) == 4 and max(abs(e) for e in errors) < 0.12
+    assert len(runs) == len(errors) == 4 and max(abs(e) for e in errors) < 0.10
+    assert all(len(r["depths"]) == len(r["step_seconds"]) for r in runs)
     assert calibration.info["residuals"]["step_time_median_relative_error"] < 0.08
 
 

@@ -2,12 +2,14 @@
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
 from benchmarks.run_records import main
-from trainer_ext.memory.estimator import CALIBRATION_FILE, ModelShape, fit_calibration
-from trainer_ext.memory.probes import probe_recomputed, read_probes
+from trainer_ext.memory.estimator import CALIBRATION_FILE, ModelShape, fit_calibration, record_time_features, \
+    time_features
+from trainer_ext.memory.probes import probe_recomputed, read_probes, steady_step_seconds, timed_depths
 from trainer_ext.memory.plan import plan_for_preset
 
 PROBES = os.path.join(os.path.dirname(__file__), os.pardir, "results", "memory-probes", "probes.jsonl")
@@ -42,6 +44,30 @@ def test_a_run_record_carries_the_runs_plan_and_its_largest_logged_peak(tmp_path
     assert ModelShape.from_record(record).vocab_size == 99520 and probe_recomputed(record) >= 1
     again = _record(tmp_path, console)[-1]
     assert {k: v for k, v in again.items() if k != "log"} == {k: v for k, v in record.items() if k != "log"}
+
+
+def test_a_run_is_timed_at_the_depths_it_sampled(tmp_path):
+    """A record keeps each timed step's sampled depth; the fit times it at their mean (each step's features at its
+    depth, fewer graph-building core steps below the backprop depth), a probe at its config's mean depth."""
+    entries = [{**e, "depth": f"{d}.0"} for e, d in zip(_log_entries([20.0] * 5, [9000.0, 8000.0, 16000.0, 12000.0,
+                                                                                     10000.0]), (12, 15, 2, 9, 12))]
+    history = tmp_path / "log_history.json"
+    history.write_text(json.dumps(entries))
+    (record,) = _record(tmp_path, history)
+    assert record["depths"] == [12, 15, 2, 9, 12] and timed_depths(record) == [2, 9, 12]  # compiled: two warm-up steps
+    assert steady_step_seconds(record) == pytest.approx(sum(record["step_seconds"][2:]) / 3)  # the mean, not median
+    shape = ModelShape.from_record(record)
+    assert (shape.num_steps, shape.graph_steps) == (12, 4)
+    record["recompute_set"] = {"prelude": [0], "core_steps": [0, 1, 2, 3], "coda": []}  # every graph step recomputed
+    assert (probe_recomputed(record, 2), probe_recomputed(record)) == (1 + 2 * 2, 1 + 2 * 4)  # two core layers
+    at = lambda depth, graph_steps: time_features(replace(shape, num_steps=depth, graph_steps=graph_steps),
+                                                  record["batch_size"], 2048, probe_recomputed(record, graph_steps))
+    expected = (at(2, 2) + at(9, 4) + at(12, 4)) / 3
+    assert record_time_features(shape, record) == pytest.approx(expected)
+    probe = {**record, "depths": None}  # a probe: every step at the mean depth, the median of its steps
+    assert record_time_features(shape, probe) == pytest.approx(
+        time_features(shape, record["batch_size"], 2048, probe_recomputed(record)))
+    assert steady_step_seconds(probe) == pytest.approx(sorted(record["step_seconds"][2:])[1])
 
 
 def test_a_run_planned_with_another_calibration_is_refused(tmp_path):

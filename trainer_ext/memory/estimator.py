@@ -51,11 +51,12 @@ import datetime
 import json
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from trainer_ext.memory.probes import PROBE_COMMAND, measured, probe_recomputed, steady_step_seconds, usable_probes
+from trainer_ext.memory.probes import PROBE_COMMAND, measured, probe_recomputed, steady_step_seconds, timed_depths, \
+    usable_probes
 
 GIB = 2**30
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
@@ -175,6 +176,20 @@ def time_features(shape: ModelShape, batch_size: int, seq_len: int, recomputed: 
                      applications + recomputed, shape.params / 1e9], dtype=float)
 
 
+def record_time_features(shape: ModelShape, record: dict) -> np.ndarray:
+    """The time features of a probe record; of a training run's, their mean over the depths its timed steps sampled
+    (`probes.timed_depths`; each step's features at its depth: the mean step time is the mean of the features')."""
+    depths = timed_depths(record)
+    if depths is None:
+        return time_features(shape, record["batch_size"], record["seq_len"], probe_recomputed(record))
+    rows = []
+    for depth in depths:
+        graph_steps = min(shape.graph_steps, depth)
+        rows.append(time_features(replace(shape, num_steps=depth, graph_steps=graph_steps), record["batch_size"],
+                                  record["seq_len"], probe_recomputed(record, graph_steps)))
+    return np.mean(rows, axis=0)
+
+
 def model_family(shape: "ModelShape") -> str:
     """The family whose coefficients estimate `shape`: our recurrent-depth model, or a plain Transformer
     (transformers' Llama code: other layers, other saved tensors)."""
@@ -255,6 +270,11 @@ class Calibration:
         """Predicted steady-state seconds of one optimizer step."""
         coefficients, factor = self.fit_for(shape).time_for(compiled, shape.params)
         return float(time_features(shape, batch_size, seq_len, recomputed) @ coefficients) * factor
+
+    def record_seconds(self, shape: ModelShape, record: dict) -> float:
+        """Predicted steady-state seconds of a probe or training run's record (`record_time_features`)."""
+        coefficients, factor = self.fit_for(shape).time_for(bool(record.get("compile")), shape.params)
+        return float(record_time_features(shape, record) @ coefficients) * factor
 
     def compile_is_faster(self, shape: ModelShape) -> bool:
         return self.fit_for(shape).compile_factor < 1.0
@@ -351,14 +371,13 @@ def _fit_time(shapes, probes) -> tuple[list[float], float, list[float] | None, l
     from scipy.optimize import nnls
 
     def fit(rows):
-        features = np.array([time_features(s, p["batch_size"], p["seq_len"], probe_recomputed(p)) for s, p in rows])
+        features = np.array([record_time_features(s, p) for s, p in rows])
         measured = np.array([steady_step_seconds(p) for _, p in rows])
         return nnls(features / measured[:, None], np.ones(len(measured)))[0]
 
     eager = fit([(s, p) for s, p in zip(shapes, probes) if not p.get("compile")])
     compiled = [(s, p) for s, p in zip(shapes, probes) if p.get("compile")]
-    ratios = [steady_step_seconds(p) / float(time_features(s, p["batch_size"], p["seq_len"], probe_recomputed(p))
-                                             @ eager) for s, p in compiled]
+    ratios = [steady_step_seconds(p) / float(record_time_features(s, p) @ eager) for s, p in compiled]
     own = fit(compiled).tolist() if len(compiled) >= MIN_COMPILED_TIME_PROBES else None
     large = [(s, p) for s, p in compiled if s.params >= LARGE_MODEL_PARAMS]
     large = fit(large).tolist() if len(large) >= MIN_COMPILED_TIME_PROBES and own is not None else None
@@ -455,7 +474,7 @@ def residuals(calibration: Calibration, probes: list[dict], leave_one_out: bool 
         recomputed = probe_recomputed(p)
         peak = calibration.peak_bytes(shape, p["batch_size"], p["seq_len"], recomputed, p.get("distill_topk", 0),
                                       bool(p.get("compile")))
-        seconds = calibration.step_seconds(shape, p["batch_size"], p["seq_len"], recomputed, bool(p.get("compile")))
+        seconds = calibration.record_seconds(shape, p)
         rows.append({"preset": p["preset"], "batch_size": p["batch_size"], "seq_len": p["seq_len"],
                      "recompute": p.get("recompute"), "compile": bool(p.get("compile")),
                      "momentum": p.get("momentum"), "distill": bool(p.get("distill_topk")),

@@ -35,7 +35,7 @@ selective application holds over a full recompute's input, as a multiple of S (t
 bound like the peaks), and the share of a full recompute's time it still costs (the median), kept in the
 calibration's `selective` entry. Without pairs S and SELECTIVE_TIME_FRACTION stand as above. Offload's time is the
 model above with its fixed time fitted (on an H100, 12 offloaded probes of recurrent-3.3b and 7b at batch 1-4, as a
-ratio to the same step recomputed: 0.35 ms an application, within 3.4% at the median and 7.7% at most on those same
+ratio to the same step recomputed: 0.49 ms an application, within 3.2% at the median and 8.5% at most on those same
 probes; 1.6 ms and 1.2% / 5.9% when the references' times came from one fit of every compiled probe, small models'
 included); its window is measured (above).
 So the program chooses between keep and recompute unless asked for more (`--memory_placements all`, PLACEMENT_CHOICES):

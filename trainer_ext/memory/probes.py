@@ -46,13 +46,31 @@ def usable_probes(records: list[dict]) -> list[dict]:
             and default_allocator(r.get("allocator", ""))]
 
 
-def probe_recomputed(record: dict) -> int:
-    """Layer applications a probe recomputed: one per prelude / coda layer, the core layers per core step."""
+def probe_recomputed(record: dict, graph_steps: int | None = None) -> int:
+    """Layer applications a probe recomputed: one per prelude / coda layer, the core layers per core step (of its
+    first `graph_steps` graph-building core steps where given: a sampled depth below the backprop depth builds fewer)."""
     chosen = record["recompute_set"]
     core_layers = record["config"].get("n_core_layers", 0)  # none in a plain Transformer's record
-    return len(chosen["prelude"]) + len(chosen["coda"]) + core_layers * len(chosen["core_steps"])
+    steps = [s for s in chosen["core_steps"] if graph_steps is None or s < graph_steps]
+    return len(chosen["prelude"]) + len(chosen["coda"]) + core_layers * len(steps)
+
+
+def _warm_up(record: dict) -> int:
+    """The steps a record's time leaves out (compilation included): the first, two when compiled; none where it has
+    no more."""
+    skip = 2 if record.get("compile") else 1
+    return skip if len(record["step_seconds"]) > skip else 0
 
 
 def steady_step_seconds(record: dict) -> float:
-    """Median step time after the warm-up (compilation included): the first step, two when compiled."""
-    return statistics.median(record["step_seconds"][2 if record.get("compile") else 1:] or record["step_seconds"])
+    """The step time after the warm-up: the median of a probe's steps (every step at its config's mean depth), the mean
+    of a training run's (`timed_depths`: each step's sampled depth, whose mean step time is the mean depth's)."""
+    timed = record["step_seconds"][_warm_up(record):]
+    return statistics.mean(timed) if timed_depths(record) else statistics.median(timed)
+
+
+def timed_depths(record: dict) -> list[int] | None:
+    """The depths a training run's record sampled at the steps `steady_step_seconds` times (`depths`, one per entry of
+    `step_seconds`), or None: a probe runs its config's mean depth at every step."""
+    depths = record.get("depths")
+    return [int(d) for d in depths[_warm_up(record):]] if depths else None
