@@ -10,8 +10,8 @@ and 22.68 GiB in training). A record of such a run, fitted with the probes, keep
 measures. The run's plan is computed again from the preset, the vocabulary and the calibration it was made with
 (`--batch_size` checks it is the same plan); its peak is the largest `peak_reserved_gib` the trainer logged, its
 step time the logged tokens/s at the depths the steps sampled (a run of 16 steps samples a mean depth of about 10 where
-recurrent-3.3b's mean is 12: the fit takes the run's own). The trainer logs these figures as strings in GiB to 2-4 significant digits: the record
-rounds the peak up by 0.005 GiB so that the rounding never makes it lower than it was.
+recurrent-3.3b's mean is 12: the fit takes the run's own). The trainer logs these figures as strings in GiB to 2-4
+significant digits: the record rounds the peak up by 0.005 GiB so that the rounding never makes it lower than it was.
 """
 
 import argparse

@@ -14,9 +14,9 @@ import torch
 from hf_recurrent import presets
 from trainer_ext.compat import CHECKPOINTING_FLAG, set_checkpointing
 from trainer_ext.training.arguments import RecurrentTrainingArguments
-from trainer_ext.memory.estimator import (FIT_OBJECTIVES, GIB, LARGE_MODEL_PARAMS, MIN_COMPILED_TIME_PROBES, Calibration,
-                                          FamilyFit, ModelShape, fit_calibration, load_calibration, residuals,
-                                          time_features)
+from trainer_ext.memory.estimator import (FIT_OBJECTIVES, GIB, LARGE_MODEL_PARAMS, MIN_COMPILED_TIME_PROBES,
+                                          Calibration, FamilyFit, ModelShape, fit_calibration, load_calibration,
+                                          residuals, time_features)
 from trainer_ext.memory.probes import probe_recomputed, read_probes, usable_probes
 from trainer_ext.memory.plan import (
     MemoryPlanCallback,

@@ -48,7 +48,8 @@ def usable_probes(records: list[dict]) -> list[dict]:
 
 def probe_recomputed(record: dict, graph_steps: int | None = None) -> int:
     """Layer applications a probe recomputed: one per prelude / coda layer, the core layers per core step (of its
-    first `graph_steps` graph-building core steps where given: a sampled depth below the backprop depth builds fewer)."""
+    first `graph_steps` graph-building core steps where given: a sampled depth below the backprop depth builds
+    fewer)."""
     chosen = record["recompute_set"]
     core_layers = record["config"].get("n_core_layers", 0)  # none in a plain Transformer's record
     steps = [s for s in chosen["core_steps"] if graph_steps is None or s < graph_steps]
