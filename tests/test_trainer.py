@@ -110,6 +110,38 @@ def test_momentum_defaults_by_model_size_and_can_be_turned_off(tiny_data_dir, tm
                 assert state["momentum"].shape == (p.shape[0], math.ceil(fraction * min(p.shape)))
 
 
+def test_a_resumed_run_keeps_its_checkpoints_momentum_when_the_default_changed(tiny_data_dir, tmp_path, monkeypatch,
+                                                                              caplog):
+    """A checkpoint's optimizer state brings its momentum back whatever the arguments say: a run trained with full
+    momentum and resumed after the default became subspace momentum (as recurrent-3.3b's did) takes the checkpoint's
+    momentum before the memory plan is made; a differing one given explicitly is refused before any work."""
+    out = str(tmp_path / "out")
+    common = ["--data_dir", tiny_data_dir, "--output_dir", out, "--save_steps", "2", "--logging_steps", "1",
+              "--eval_strategy", "no", "--per_device_train_batch_size", "2", "--max_eval_samples", "8"]
+    pretrain(parse_pretrain_job(common + ["--max_steps", "2"]))  # the debug model: full momentum by default
+    monkeypatch.setattr("trainer_ext.optim.momentum.AUTO_MOMENTUM_MAX_PARAMS", 1)  # now subspace by default
+    job = parse_pretrain_job(common + ["--max_steps", "3", "--optimizer_momentum_rank_fraction", "0.25"])
+    with pytest.raises(ValueError, match=r"--optimizer_momentum_rank_fraction 0.25 differs from the optimizer of "
+                                         r".*checkpoint-2, trained with 1: .*--overwrite_output_dir"):
+        pretrain(job)
+    job = parse_pretrain_job(common + ["--max_steps", "4"])
+    with caplog.at_level("INFO"):
+        pretrain(job)
+    assert (job.training_args.optimizer_momentum, job.training_args.optimizer_momentum_rank_fraction) == (0.9, 1.0)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("--optimizer_momentum 0.9, --optimizer_momentum_rank_fraction 1" in m for m in messages)
+    assert any("LowMemoryAdafactor: momentum 0.9 (full)" in m for m in messages)
+    # A run without momentum resumes without it; a fresh run (no checkpoint) takes the new default.
+    none_out = str(tmp_path / "none")
+    off = [*common[:2], "--output_dir", none_out, *common[4:]]
+    pretrain(parse_pretrain_job(off + ["--max_steps", "2", "--optimizer_momentum", "0"]))
+    resumed = parse_pretrain_job(off + ["--max_steps", "3"])
+    pretrain(resumed)
+    assert (resumed.training_args.optimizer_momentum, resumed.training_args.optimizer_momentum_rank_fraction) == (
+        0.0, None)
+    assert resolve_momentum(None, None, 1_000) == (0.9, 1 / 16)
+
+
 def test_subspace_residual_and_beta2_reach_the_optimizer(tiny_data_dir, tmp_path):
     # The default damps the update outside the subspace as momentum damps noise: sqrt(0.1 / 1.9) at beta1 0.9.
     assert resolve_subspace_residual(None, 0.9) == pytest.approx(0.2294157)

@@ -32,7 +32,7 @@ from trainer_ext.training.arguments import (
     RecurrentTrainingArguments,
     resolve_schedule_defaults,
 )
-from trainer_ext.training.output_dir import check_steps_left, clear_output_dir, log_resume
+from trainer_ext.training.output_dir import check_steps_left, clear_output_dir, log_resume, resume_momentum
 from trainer_ext.training.trainer import RecurrentTrainer
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ def pretrain(job: TrainingJob, callbacks=None) -> dict:
     model_args, data_args, training_args = job.model_args, job.data_args, job.training_args
     checkpoint = job.checkpoint
     log_resume(checkpoint, training_args)
+    resume_momentum(checkpoint, training_args)  # before the memory plan: a resumed optimizer keeps its momentum
     gc.collect()  # an earlier training of this process (the comparison's cycles) frees its tensors before this one's
     set_seed(training_args.seed)
 

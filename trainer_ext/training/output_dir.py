@@ -1,11 +1,14 @@
 """A run's output directory, transformers' run_clm.py rule: a non-empty --output_dir resumes from its last complete
 checkpoint (incomplete ones, from a save interrupted by a kill, are passed over), one without a complete checkpoint
 is refused, and --overwrite_output_dir starts afresh there. A run already at --max_steps is not resumed (nothing
-would train)."""
+would train). A resumed run keeps the momentum its optimizer was trained with (`resume_momentum`)."""
 
 import logging
 import os
 import shutil
+
+import torch
+from transformers.trainer import OPTIMIZER_NAME
 
 from trainer_ext.checkpoints import (
     FINAL_DIR,
@@ -94,6 +97,38 @@ def check_steps_left(checkpoint: str, training_args) -> None:
         f"({os.path.basename(checkpoint)}{', final/' if finished else ''}); with --max_steps {max_steps} there is "
         "nothing left to train. Pass a larger --max_steps to continue that run, --overwrite_output_dir to train "
         "afresh there (its checkpoints and final/ are deleted), or choose another --output_dir.")
+
+
+def resume_momentum(checkpoint: str | None, training_args) -> None:
+    """Resume with the momentum the checkpoint's optimizer was trained with.
+
+    Loading a checkpoint's optimizer state replaces the new optimizer's settings with the saved ones, so a resumed run
+    keeps its momentum whatever the arguments say, while the memory plan is made, before, from the arguments: where
+    the default differs from the checkpoint's (recurrent-3.3b's full momentum became subspace momentum), the plan would
+    leave out 6 GiB the resumed optimizer holds. Where the arguments leave momentum unset, they take the checkpoint's
+    (logged); a given one that differs is refused here, before any work. A checkpoint without `optimizer.pt` (FSDP2
+    saves its shards apart) or of another optimizer is left alone."""
+    path = None if checkpoint is None else os.path.join(checkpoint, OPTIMIZER_NAME)
+    if training_args.optimizer != "low_memory" or path is None or not os.path.isfile(path):
+        return
+    groups = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["param_groups"]  # tensors not read
+    if not groups or "momentum_rank_fraction" not in groups[0]:
+        return
+    saved = {"optimizer_momentum": groups[0]["momentum"] or 0.0}  # None: trained without momentum
+    if saved["optimizer_momentum"]:  # None: full momentum
+        saved["optimizer_momentum_rank_fraction"] = groups[0]["momentum_rank_fraction"] or 1.0
+    adopted = []
+    for name, value in saved.items():
+        given = getattr(training_args, name)
+        if given is None:
+            setattr(training_args, name, value)
+            adopted.append(f"--{name} {value:g}")
+        elif given != value:
+            raise ValueError(f"--{name} {given:g} differs from the optimizer of {checkpoint}, trained with {value:g}: "
+                             f"a resumed optimizer keeps its saved momentum. Leave --{name} unset to resume as it was "
+                             "trained, or pass --overwrite_output_dir to start afresh with yours.")
+    if adopted:
+        logger.info("Resuming with the momentum of the checkpoint's optimizer: %s.", ", ".join(adopted))
 
 
 def clear_output_dir(output_dir: str) -> list[str]:
