@@ -36,28 +36,40 @@ def read_log(path: str) -> list[dict]:
     return [ast.literal_eval(line) for line in text.splitlines() if line.startswith("{'")]
 
 
+def run_plan(log: str) -> dict:
+    """The run's plan file (beside the log), or {} where there is none."""
+    path = os.path.join(os.path.dirname(os.path.abspath(log)), PLAN_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def run_vocab_size(log: str, given: int | None) -> int:
     """The vocabulary the run's model had: its plan file's (beside the log), which `given` must match; else `given`."""
-    path = os.path.join(os.path.dirname(os.path.abspath(log)), PLAN_FILE)
-    planned = None
-    if os.path.isfile(path):
-        with open(path) as f:
-            planned = json.load(f).get("vocab_size")
+    planned = run_plan(log).get("vocab_size")
     if planned is None and given is None:
         raise SystemExit(f"--log {log}: no {PLAN_FILE} with the run's vocab_size beside it; give --vocab_size, the "
                          "size of the run's head (its data tokenizer's, padded to a multiple of 64).")
     if planned is not None and given is not None and presets.pad_vocab(given) != planned:
-        raise SystemExit(f"--vocab_size {given} is not the run's: {path} says {planned}; leave --vocab_size out.")
+        raise SystemExit(f"--vocab_size {given} is not the run's: its {PLAN_FILE} says {planned}; leave --vocab_size "
+                         "out.")
     return planned if planned is not None else given
 
 
 def run_record(args) -> dict:
     args.vocab_size = run_vocab_size(args.log, args.vocab_size)
     plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, distill_topk=args.distill_topk,
-                           vocab_size=args.vocab_size)
+                           vocab_size=args.vocab_size, rank_fraction=args.optimizer_momentum_rank_fraction)
     if args.batch_size is not None and plan.per_device_train_batch_size != args.batch_size:
         raise SystemExit(f"--calibration {args.calibration} plans batch {plan.per_device_train_batch_size}, the run "
                          f"trained at --batch_size {args.batch_size}: give the calibration the run was planned with.")
+    planned_state = run_plan(args.log).get("per_rank_fixed_gib", {}).get("optimizer_state")
+    if planned_state is not None and abs(planned_state - plan.fixed_gib["optimizer_state"]) > 1e-3:
+        raise SystemExit(f"The run's optimizer state ({planned_state:g} GiB, its {PLAN_FILE}) is not the "
+                         f"{plan.fixed_gib['optimizer_state']:g} GiB of --optimizer_momentum_rank_fraction "
+                         f"{args.optimizer_momentum_rank_fraction}: give the fraction the run trained with (1: full "
+                         "momentum).")
     entries = [e for e in read_log(args.log) if "peak_reserved_gib" in e]
     if not entries:
         raise SystemExit(f"--log {args.log} has no peak_reserved_gib entries: give the trainer's log of the run.")
@@ -65,7 +77,7 @@ def run_record(args) -> dict:
     if len(timed) < 2:  # the fit leaves out records of fewer (`usable_probes`)
         raise SystemExit(f"--log {args.log} has {len(timed)} steps with tokens_per_second; a record needs 2 steps.")
     config = presets.get(args.preset, args.vocab_size)
-    shape = training_shape(config)
+    shape = training_shape(config, rank_fraction=args.optimizer_momentum_rank_fraction)
     tokens = plan.per_device_train_batch_size * args.seq_len
     return {
         "preset": args.preset, "source": "training run", "log": args.log, "seq_len": args.seq_len,
@@ -93,6 +105,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cap_gib", type=float, default=24.0)
     parser.add_argument("--calibration", required=True, help="The calibration the run's plan was made with.")
     parser.add_argument("--batch_size", type=int, default=None, help="The run's batch size (checked).")
+    parser.add_argument("--optimizer_momentum_rank_fraction", type=float, default=None,
+                        help="The run's, if it gave one (1: full momentum; default: the size-based default); checked "
+                             "against its plan file's optimizer state.")
     parser.add_argument("--log", required=True, help="log_history.json or the console log of the run.")
     parser.add_argument("--device_name", default="NVIDIA H200")
     parser.add_argument("--allocator", default="", help="The run's PYTORCH_ALLOC_CONF (default: the defaults).")

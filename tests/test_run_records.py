@@ -123,3 +123,27 @@ def test_the_runs_vocabulary_comes_from_its_plan_file(tmp_path):
     record = json.loads(output.read_text())
     assert record["vocab_size"] == record["config"]["vocab_size"] == 59328
     assert ModelShape.from_record(record).vocab_size == 59328
+
+
+def test_the_runs_momentum_is_checked_against_its_plan_file(tmp_path):
+    """A run trained with momentum other than the default's (full momentum for recurrent-3.3b, as before the default
+    changed) holds another optimizer state: its record takes --optimizer_momentum_rank_fraction, and a plan file whose
+    optimizer state disagrees with the one given (or the default's) is refused."""
+    full = plan_for_preset("recurrent-3.3b", 2048, 24.0, None, vocab_size=59296, rank_fraction=1.0)
+    default = plan_for_preset("recurrent-3.3b", 2048, 24.0, None, vocab_size=59296)
+    assert full.fixed_gib["optimizer_state"] > default.fixed_gib["optimizer_state"] + 5  # full momentum's 6 GiB
+    run = tmp_path / "run"
+    run.mkdir()
+    history = run / "log_history.json"
+    history.write_text(json.dumps(_log_entries([21.0, 21.2], [15000.0, 15500.0])))
+    (run / "memory_plan.json").write_text(json.dumps(full.to_dict()))
+    output = tmp_path / "runs.jsonl"
+    base = ["--preset", "recurrent-3.3b", "--calibration", CALIBRATION_FILE, "--log", str(history),
+            "--output", str(output)]
+    with pytest.raises(SystemExit, match=r"optimizer state \(.* GiB, its memory_plan.json\).*give the fraction"):
+        main(base)
+    assert main(base + ["--optimizer_momentum_rank_fraction", "1", "--batch_size",
+                        str(full.per_device_train_batch_size)]) == 0
+    record = json.loads(output.read_text())
+    assert record["batch_size"] == full.per_device_train_batch_size
+    assert record["optimizer_state_bytes"] / 2**30 == pytest.approx(full.fixed_gib["optimizer_state"], abs=1e-3)
