@@ -370,18 +370,19 @@ def _fit_time(shapes, probes) -> tuple[list[float], float, list[float] | None, l
     set where at least MIN_COMPILED_TIME_PROBES of its probes were compiled."""
     from scipy.optimize import nnls
 
-    def fit(rows):
-        features = np.array([record_time_features(s, p) for s, p in rows])
-        measured = np.array([steady_step_seconds(p) for _, p in rows])
-        return nnls(features / measured[:, None], np.ones(len(measured)))[0]
+    features = np.array([record_time_features(s, p) for s, p in zip(shapes, probes)])
+    measured = np.array([steady_step_seconds(p) for p in probes])
+    compiled = np.array([bool(p.get("compile")) for p in probes])
+    large = compiled & np.array([s.params >= LARGE_MODEL_PARAMS for s in shapes])
 
-    eager = fit([(s, p) for s, p in zip(shapes, probes) if not p.get("compile")])
-    compiled = [(s, p) for s, p in zip(shapes, probes) if p.get("compile")]
-    ratios = [steady_step_seconds(p) / float(record_time_features(s, p) @ eager) for s, p in compiled]
-    own = fit(compiled).tolist() if len(compiled) >= MIN_COMPILED_TIME_PROBES else None
-    large = [(s, p) for s, p in compiled if s.params >= LARGE_MODEL_PARAMS]
-    large = fit(large).tolist() if len(large) >= MIN_COMPILED_TIME_PROBES and own is not None else None
-    return eager.tolist(), (statistics.median(ratios) if ratios else 1.0), own, large
+    def fit(rows):
+        return nnls(features[rows] / measured[rows, None], np.ones(int(rows.sum())))[0]
+
+    eager = fit(~compiled)
+    ratios = measured[compiled] / (features[compiled] @ eager)
+    own = fit(compiled).tolist() if compiled.sum() >= MIN_COMPILED_TIME_PROBES else None
+    large = fit(large).tolist() if large.sum() >= MIN_COMPILED_TIME_PROBES and own is not None else None
+    return eager.tolist(), (statistics.median(ratios.tolist()) if len(ratios) else 1.0), own, large
 
 
 def fit_selective(records: list[dict], calibration: Calibration) -> dict | None:
