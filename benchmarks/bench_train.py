@@ -19,38 +19,15 @@ import sys
 from benchmarks.capped import set_memory_cap
 
 
-class TorchProfileCallback:
-    """Records steps [start, start + count) with torch.profiler; prints the top ops by GPU time and by host time."""
-
-    def __new__(cls, start: int, count: int, path: str):
-        from torch.profiler import ProfilerActivity, profile
-        from transformers import TrainerCallback
-
-        class _Callback(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                if state.global_step == start:
-                    self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-                    self.prof.__enter__()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                if state.global_step == start + count and hasattr(self, "prof"):
-                    self.prof.__exit__(None, None, None)
-                    averages = self.prof.key_averages()
-                    # The GPU's kernels, then where the host's time goes (a host-bound step shows it there).
-                    table = (averages.table(sort_by="cuda_time_total", row_limit=25) + "\n"
-                             + averages.table(sort_by="self_cpu_time_total", row_limit=40))
-                    with open(path, "w") as f:
-                        f.write(table)
-                    print(table)
-
-        return _Callback()
-
-
 def child(cap_gib: float, run_args: list[str], profile_path: str | None = None) -> None:
     set_memory_cap(cap_gib)
     from trainer_ext.run.pretrain import parse_pretrain_job, pretrain
 
-    callbacks = [TorchProfileCallback(start=6, count=2, path=profile_path)] if profile_path else None
+    callbacks = None
+    if profile_path:  # steps 7-10: the kernels by kind, where the GPU idled and what the host ran meanwhile
+        from benchmarks.kernel_breakdown import KernelProfile
+
+        callbacks = [KernelProfile(start_step=6, stop_step=10, host=True, path=profile_path)]
     pretrain(parse_pretrain_job(run_args), callbacks=callbacks)
 
 
@@ -140,7 +117,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--peak_flops", type=float, default=None, help="For MFU (default: datasheet peak).")
     parser.add_argument("--output_dir", default=os.path.join("outputs", "bench_train"))
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="More run_pretrain arguments.")
-    parser.add_argument("--profile", action="store_true", help="torch.profiler table of steps 7-8 per preset.")
+    parser.add_argument("--profile", action="store_true",
+                        help="Steps 7-10 of each preset profiled: the breakdown of benchmarks/kernel_breakdown.py "
+                             "with the host's operations in the GPU's idle gaps (profile_PRESET.json, in the row as "
+                             "kernel_breakdown) and the profiler's tables (profile_PRESET.txt).")
     args = parser.parse_args(argv)
 
     os.makedirs(args.output_dir, exist_ok=True)
@@ -151,13 +131,16 @@ def main(argv=None) -> list[dict]:
             *run_arguments(preset, args.data_dir, out_dir, args.steps, args.warmup, args.cap_gib, args.batch_size),
             "--bf16", "true", *(["--peak_flops", str(args.peak_flops)] if args.peak_flops else []), *args.extra,
         ]
-        profile_path = os.path.join(args.output_dir, f"profile_{preset}.txt") if args.profile else None
+        profile_path = os.path.join(args.output_dir, f"profile_{preset}.json") if args.profile else None
         code = f"from benchmarks.bench_train import child; child({args.cap_gib!r}, {run_args!r}, {profile_path!r})"
         result = subprocess.run([sys.executable, "-c", code])
         if result.returncode != 0:
             rows.append({"preset": preset, "error": f"exit code {result.returncode}"})
             continue
         rows.append(summarize(preset, out_dir, args.warmup, args.spike_from))
+        if profile_path and os.path.exists(profile_path):
+            with open(profile_path) as f:
+                rows[-1]["kernel_breakdown"] = json.load(f)
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump(rows, f, indent=2)

@@ -8,7 +8,10 @@ optimizer's kernels, other elementwise / norm work (compiled or eager), copies).
 `idle_gaps` says where in the step it idled: the gaps of at least `GAP_US` between kernels, summed by the kinds of
 the kernels on either side (e.g. `loss_kernels -> matmul`: between the forward's loss and the backward's first product,
 where the host reads the loss for the stability guard), with the names of the longest such gap's kernels; `top_kernels`
-names the kernels that take the most time outside the matrix products (what a fused kernel could take next).
+names the kernels that take the most time outside the matrix products (what a fused kernel could take next). With
+`host=True` the host's operations are recorded too, and `host_in_gaps` says what the host was running while the GPU
+idled in gaps of at least `HOST_GAP_US`: the host events overlapping them, summed by name (a call and the calls inside
+it each count the same stretch), the Python side of a step that starves the GPU.
 
     python3 -m benchmarks.memory_probe --verify --breakdown ...   # a breakdown of each verified plan's steps
 
@@ -40,6 +43,8 @@ CATEGORIES = (
 )
 COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
 GAP_US = 50.0  # shorter gaps are a launch's latency, not the host falling behind
+HOST_GAP_US = 500.0
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
 TOP_GAPS = 8
 TOP_KERNELS = 12
 
@@ -52,13 +57,13 @@ def category(name: str) -> str:
     return "other"
 
 
-def _busy_and_gaps(kernels: list[tuple[float, float, str]]) -> tuple[float, list[tuple[float, str, str]]]:
+def _busy_and_gaps(kernels: list[tuple[float, float, str]]) -> tuple[float, list[tuple[float, str, str, float]]]:
     """Length of the union of the kernels' (start, end) intervals, and each gap of at least GAP_US in it as
-    (microseconds, the name of the kernel that ended last before it, the name of the kernel after it)."""
+    (microseconds, the name of the kernel that ended last before it, the name of the kernel after it, its start)."""
     busy, end, last, gaps = 0.0, float("-inf"), "", []
     for start, stop, name in sorted(kernels):
         if last and start - end >= GAP_US:
-            gaps.append((start - end, last, name))
+            gaps.append((start - end, last, name, end))
         if stop > end:
             busy += stop - max(start, end)
             end, last = stop, name
@@ -68,7 +73,7 @@ def _busy_and_gaps(kernels: list[tuple[float, float, str]]) -> tuple[float, list
 def _idle_gaps(gaps: list[tuple[float, str, str]], steps: int) -> list[dict]:
     """The gaps summed by the kinds of the kernels around them, longest total first (TOP_GAPS of them)."""
     groups = {}
-    for micros, before, after in gaps:
+    for micros, before, after, _ in gaps:
         key = f"{category(before)} -> {category(after)}"
         group = groups.setdefault(key, {"between": key, "seconds_per_step": 0.0, "per_step": 0, "longest": None})
         group["seconds_per_step"] += micros / 1e6 / steps
@@ -80,12 +85,30 @@ def _idle_gaps(gaps: list[tuple[float, str, str]], steps: int) -> list[dict]:
             for g in ranked]
 
 
+def _host_in_gaps(host: list[tuple[float, float, str]], gaps: list[tuple[float, str, str, float]],
+                  steps: int) -> list[dict]:
+    """The host events overlapping the gaps of at least HOST_GAP_US, by name: seconds of overlap per step, most
+    first (TOP_KERNELS of them)."""
+    windows = sorted((start, start + micros) for micros, _, _, start in gaps if micros >= HOST_GAP_US)
+    overlap = {}
+    for start, stop, name in host:
+        for low, high in windows:
+            if low >= stop:
+                break
+            if high > start:
+                overlap[name] = overlap.get(name, 0.0) + min(stop, high) - max(start, low)
+    ranked = sorted(overlap.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+    return [{"name": name[:100], "seconds_per_step": round(micros / 1e6 / steps, 7)} for name, micros in ranked]
+
+
 def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
     """Seconds per step by category, their shares of the wall time, the idle share and where the idle gaps lie,
-    from a Chrome trace."""
-    seconds, kernels, by_name = {}, [], {}
+    from a Chrome trace; `host_in_gaps` where it holds host events."""
+    seconds, kernels, by_name, host = {}, [], {}, []
     for event in trace.get("traceEvents", ()):
         kind = event.get("cat")
+        if kind in HOST_CATEGORIES and "dur" in event:
+            host.append((float(event["ts"]), float(event["ts"]) + float(event["dur"]), event.get("name", "")))
         if kind not in ("kernel", *COPY_CATEGORIES) or "dur" not in event:
             continue
         name = event.get("name", "")
@@ -101,25 +124,32 @@ def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
     per_step = {label: round(value / steps, 7) for label, value in sorted(seconds.items(), key=lambda kv: -kv[1])}
     shares = {label: round(value / wall, 4) for label, value in seconds.items()}
     shares["idle"] = round(1 - busy / wall, 4) if wall else 0.0
-    return {"steps": steps, "step_seconds": round(wall / steps, 7) if steps else None,
-            "kernel_seconds_per_step": per_step, "shares": shares, "idle_gaps": _idle_gaps(gaps, max(steps, 1)),
-            "top_kernels": [{"kind": label, "name": name, "seconds_per_step": round(value / max(steps, 1), 7)}
-                            for (label, name), value in sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]]}
+    result = {"steps": steps, "step_seconds": round(wall / steps, 7) if steps else None,
+              "kernel_seconds_per_step": per_step, "shares": shares, "idle_gaps": _idle_gaps(gaps, max(steps, 1)),
+              "top_kernels": [{"kind": label, "name": name, "seconds_per_step": round(value / max(steps, 1), 7)}
+                              for (label, name), value in sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]]}
+    if host:
+        result["host_in_gaps"] = _host_in_gaps(sorted(host), gaps, max(steps, 1))
+    return result
 
 
 class KernelProfile(TrainerCallback):
-    """Trainer callback: the kernels from `start_step` to the end of training. `result` holds
-    `breakdown_from_trace`'s dictionary after training; None if no step was profiled."""
+    """Trainer callback: the kernels of steps `start_step` to `stop_step` (default: the end of training), with the
+    host's operations where `host`. `result` holds `breakdown_from_trace`'s dictionary once the profile ends; None if
+    no step was profiled. `path`: also written there as JSON, with the profiler's tables of the top operations by GPU
+    time and by host time beside it (`.txt`)."""
 
-    def __init__(self, start_step: int):
-        self.start_step, self.result = start_step, None
+    def __init__(self, start_step: int, stop_step: int | None = None, host: bool = False, path: str | None = None):
+        self.start_step, self.stop_step, self.host, self.path, self.result = start_step, stop_step, host, path, None
         self._profiler, self._started, self._steps = None, None, 0
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.start_step and self._profiler is None:
+        if state.global_step == self.start_step and self._profiler is None and self.result is None:
             from torch.profiler import ProfilerActivity, profile
 
-            activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+            activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            if self.host or not activities:
+                activities.append(ProfilerActivity.CPU)
             synchronize()
             self._profiler = profile(activities=activities)
             self._profiler.__enter__()
@@ -128,17 +158,29 @@ class KernelProfile(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self._profiler is not None:
             self._steps += 1
+            if self.stop_step is not None and state.global_step >= self.stop_step:
+                self._finish()
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._finish()
+
+    def _finish(self) -> None:
         if self._profiler is None:
             return
         synchronize()
         wall = time.perf_counter() - self._started
         self._profiler.__exit__(None, None, None)
         with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "trace.json")
-            self._profiler.export_chrome_trace(path)
-            with open(path) as f:
+            trace_path = os.path.join(folder, "trace.json")
+            self._profiler.export_chrome_trace(trace_path)
+            with open(trace_path) as f:
                 trace = json.load(f)
-        self._profiler = None
         self.result = breakdown_from_trace(trace, wall, max(self._steps, 1))
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump(self.result, f, indent=1)
+            averages = self._profiler.key_averages()
+            with open(os.path.splitext(self.path)[0] + ".txt", "w") as f:
+                f.write(averages.table(sort_by="self_device_time_total", row_limit=25) + "\n"
+                        + averages.table(sort_by="self_cpu_time_total", row_limit=40))
+        self._profiler = None

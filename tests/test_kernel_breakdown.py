@@ -46,6 +46,43 @@ def test_a_trace_is_summed_by_kind_and_the_gpu_idle_time_is_what_no_kernel_cover
     assert top[0]["seconds_per_step"] == pytest.approx(100e-6) and "matmul" not in {k["kind"] for k in top}
 
 
+def test_the_host_events_overlapping_the_long_gaps_are_summed_by_name():
+    """What the host ran while the GPU idled: only gaps of HOST_GAP_US or more, only the stretch inside each gap."""
+    kernels = [("gemm_a", 0, 100), ("gemm_b", 1100, 100), ("gemm_c", 1300, 100), ("gemm_d", 3400, 100)]
+    events = [{"cat": "kernel", "name": name, "ts": ts, "dur": dur} for name, ts, dur in kernels]
+    events += [  # gaps: 100-1100 (1000 us), 1200-1300 (100 us: too short), 1400-3400 (2000 us)
+        {"cat": "user_annotation", "name": "next batch", "ts": 50, "dur": 550},  # 500 us inside the first gap
+        {"cat": "cpu_op", "name": "aten::copy_", "ts": 900, "dur": 1400},  # 200 + 900 us in both gaps
+        {"cat": "cpu_op", "name": "aten::add", "ts": 1210, "dur": 80},  # only in the short gap: not counted
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 2500, "dur": 2000}]  # 900 us
+    result = breakdown_from_trace({"traceEvents": events}, wall_seconds=3500e-6, steps=1)
+    host = {h["name"]: h["seconds_per_step"] for h in result["host_in_gaps"]}
+    assert host == pytest.approx({"aten::copy_": 1100e-6, "cudaStreamSynchronize": 900e-6, "next batch": 500e-6})
+    assert [h["name"] for h in result["host_in_gaps"]] == ["aten::copy_", "cudaStreamSynchronize", "next batch"]
+    assert "host_in_gaps" not in breakdown_from_trace({"traceEvents": events[:4]}, 3500e-6, 1)
+
+
+def test_a_profile_of_some_steps_is_written_with_its_tables(tmp_path):
+    """KernelProfile from start_step to stop_step, host operations included, written as JSON and tables."""
+    import torch
+    from types import SimpleNamespace
+
+    from benchmarks.kernel_breakdown import KernelProfile
+
+    path = tmp_path / "profile.json"
+    profile = KernelProfile(start_step=1, stop_step=3, host=True, path=str(path))
+    x = torch.randn(64, 64)
+    for step in range(5):
+        state = SimpleNamespace(global_step=step)
+        profile.on_step_begin(None, state, None)
+        x = torch.tanh(x @ x)
+        profile.on_step_end(None, SimpleNamespace(global_step=step + 1), None)
+    profile.on_train_end(None, state, None)
+    assert profile.result["steps"] == 2  # steps 2 and 3 (global_step 1 -> 3), not the ones after
+    assert json.loads(path.read_text()) == profile.result
+    assert "aten::mm" in (tmp_path / "profile.txt").read_text()
+
+
 def test_every_triton_kernel_of_ours_has_its_kind():
     """A kernel added to the loss or the optimizer without a pattern would be counted as `other`."""
     expected = {"trainer_ext/distill/ce_triton.py": "loss_kernels", "trainer_ext/distill/kd_triton.py": "loss_kernels",
