@@ -70,7 +70,7 @@ def _busy_and_gaps(kernels: list[tuple[float, float, str]]) -> tuple[float, list
     return busy, gaps
 
 
-def _idle_gaps(gaps: list[tuple[float, str, str]], steps: int) -> list[dict]:
+def _idle_gaps(gaps: list[tuple[float, str, str, float]], steps: int) -> list[dict]:
     """The gaps summed by the kinds of the kernels around them, longest total first (TOP_GAPS of them)."""
     groups = {}
     for micros, before, after, _ in gaps:
