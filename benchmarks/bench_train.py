@@ -63,6 +63,10 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
         "steps": len(logs),
         "tokens_per_second": round(statistics.median(e["tokens_per_second"] for e in steady), 1),
         "mfu": round(statistics.median(e.get("mfu", float("nan")) for e in steady), 4),
+        # A recurrent run's figures depend on the depths its steps drew (seeded: the same in every run of a preset):
+        # their mean beside the preset's says whether the timed steps stand for it.
+        "depth_mean": round(statistics.mean(e["depth"] for e in steady), 3)
+        if all("depth" in e for e in steady) else None,
         "peak_reserved_gib": max(e.get("peak_reserved_gib", 0) for e in logs),
         "peak_allocated_gib": max(e.get("peak_allocated_gib", 0) for e in logs),
         "loss_first": logs[0]["loss"],

@@ -8,11 +8,12 @@ from benchmarks.bench_train import rise_over_running_min, summarize
 def test_the_summary_measures_spikes_of_the_training_and_the_held_out_curves(tmp_path):
     # Training losses with one hard stretch of batches; a held-out curve that rises once after step 20.
     losses = [6.0, 5.0, 4.0, 4.5, 3.5, 5.5, 3.4, 3.3]
-    history = [{"step": i + 1, "loss": loss, "tokens_per_second": 100.0 + i, "mfu": 0.5, "peak_reserved_gib": 1.0}
-               for i, loss in enumerate(losses)]
+    history = [{"step": i + 1, "loss": loss, "tokens_per_second": 100.0 + i, "mfu": 0.5, "peak_reserved_gib": 1.0,
+                "depth": float(i)} for i, loss in enumerate(losses)]
     history += [{"step": s, "eval_loss": e} for s, e in ((10, 5.0), (20, 4.0), (30, 4.6), (40, 3.9))]
     (tmp_path / "log_history.json").write_text(json.dumps(history))
     row = summarize("debug", str(tmp_path), warmup=2, spike_from=2)
+    assert row["depth_mean"] == 4.5  # the depths of the steps after the warm-up: 2..7
     assert row["loss_rise_over_min"] == rise_over_running_min(losses, 2) == 2.0  # 5.5 over the 3.5 before it
     assert row["eval_rise_over_min"] == 0.6 and row["eval_loss"] == 3.9  # 4.6 over 4.0
     # Counted at the steps after the warm-up only (against the minimum of all before): the evaluation at step 30,
