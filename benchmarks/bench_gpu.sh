@@ -66,7 +66,9 @@
 #       efficiency; on one GPU the 1-GPU rows (and FSDP2 on one process); then, on CUDA, the FSDP2 tests
 #       (tests/test_fsdp_optimizer.py: the Trainer under accelerate, resume, loadable final/) (STEPS default 12);
 #       $OUT/scaleout/results.jsonl, scaleout.md
-#   env: STEPS (default 30), PROFILE=1 (torch.profiler table), OUT (results; default outputs/gpu), TAIL (lines shown)
+#   env: STEPS (default 30), PROFILE=1 (the train and distill stages: steps 7-10 broken down by kernel kind, idle gaps
+#       and the host's work in them, and the profiler's tables; bench_train --profile), OUT (results; default
+#       outputs/gpu), TAIL (lines shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
