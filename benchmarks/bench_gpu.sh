@@ -13,7 +13,8 @@
 #       125M presets' data (seq 1024); the comparison's settings: -- --per_device_train_batch_size 32 --learning_rate 1e-3
 #   bash benchmarks/bench_gpu.sh distill [-- run_pretrain args]   PRESETS (default recurrent-3.3b) with and without an
 #       offline teacher cache (a transformer-125m teacher trained TEACHER_STEPS, default 150); VOCAB=99520: the
-#       students' head at llm-jp's vocabulary size; ARMS=cache: the cached runs only (default "none cache")
+#       students' head at llm-jp's vocabulary size; ARMS=cache: the cached runs only, ARMS=none: those without a
+#       teacher only (no teacher trained or cached) (default "none cache")
 #   bash benchmarks/bench_gpu.sh teacher_quant [teacher_quant args]   the 4-bit / 8-bit / bf16 teacher path of
 #       cache_teacher under a 24 GiB cap: a random-weight Llama of --shapes (8b, 14b: one per call) cached over the
 #       eval split, load seconds, caching tokens/s, peak memory; $OUT/teacher_quant.jsonl and .md
@@ -127,21 +128,25 @@ case $STAGE in
   distill)
     [ "${1:-}" = "--" ] && shift
     prepare_2048
+    # ARMS: default "none cache" (without a teacher, then with the cache); "cache" or "none" alone
+    arms=" ${ARMS:-none cache} "
     # The teacher: a transformer-125m trained for one pass over the same shards (same tokenizer as the student).
     TEACHER=outputs/gpu_teacher CACHE=outputs/teacher_cache/pystdlib
-    [ -f $TEACHER/final/config.json ] || python3 -m scripts.run_pretrain --preset transformer-125m --data_dir $DATA \
-      --output_dir $TEACHER --max_steps "${TEACHER_STEPS:-150}" --per_device_train_batch_size 8 --learning_rate 1e-3 \
-      --warmup_steps 15 \
-      --lr_scheduler_type cosine --bf16 true --eval_strategy no --save_strategy no --disable_tqdm true \
-      --optimizer_momentum 0 > "$OUT/teacher.log" 2>&1
-    grep -E "Eval loss|Error" "$OUT/teacher.log"
-    python3 -m scripts.cache_teacher --teacher_model_name_or_path $TEACHER/final --data_dir $DATA --output_dir $CACHE \
-      > "$OUT/cache_teacher.log" 2>&1; tail -3 "$OUT/cache_teacher.log"; du -sh $CACHE
+    if [[ $arms == *" cache "* ]]; then
+      [ -f $TEACHER/final/config.json ] || python3 -m scripts.run_pretrain --preset transformer-125m --data_dir $DATA \
+        --output_dir $TEACHER --max_steps "${TEACHER_STEPS:-150}" --per_device_train_batch_size 8 \
+        --learning_rate 1e-3 --warmup_steps 15 --lr_scheduler_type cosine --bf16 true --eval_strategy no \
+        --save_strategy no --disable_tqdm true --optimizer_momentum 0 > "$OUT/teacher.log" 2>&1
+      grep -E "Eval loss|Error" "$OUT/teacher.log"
+      python3 -m scripts.cache_teacher --teacher_model_name_or_path $TEACHER/final --data_dir $DATA \
+        --output_dir $CACHE > "$OUT/cache_teacher.log" 2>&1; tail -3 "$OUT/cache_teacher.log"; du -sh $CACHE
+    fi
     # VOCAB: the students' head (e.g. 99520, llm-jp's vocabulary; the cache's ids stay those of the data's tokenizer)
     VARGS=(); [ -n "${VOCAB:-}" ] && VARGS=(--config_overrides "vocab_size=$VOCAB")
-    # ARMS: default "none cache" (without a teacher, then with the cache); "cache" alone where time is short
-    [[ " ${ARMS:-none cache} " == *" none "* ]] && bench distill_none ${PRESETS:-recurrent-3.3b} -- "${VARGS[@]}" "$@"
-    bench distill_cache ${PRESETS:-recurrent-3.3b} -- --teacher_cache_dir $CACHE "${VARGS[@]}" "$@" ;;
+    if [[ $arms == *" none "* ]]; then bench distill_none ${PRESETS:-recurrent-3.3b} -- "${VARGS[@]}" "$@"; fi
+    if [[ $arms == *" cache "* ]]; then
+      bench distill_cache ${PRESETS:-recurrent-3.3b} -- --teacher_cache_dir $CACHE "${VARGS[@]}" "$@"
+    fi ;;
   teacher_quant)  # one shape per call: saving and loading 16-30 GB of weights three times takes minutes
     [ "${1:-}" = "--" ] && shift
     prepare_2048
