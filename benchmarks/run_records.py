@@ -45,9 +45,10 @@ def run_plan(log: str) -> dict:
         return json.load(f)
 
 
-def run_vocab_size(log: str, given: int | None) -> int:
-    """The vocabulary the run's model had: its plan file's (beside the log), which `given` must match; else `given`."""
-    planned = run_plan(log).get("vocab_size")
+def run_vocab_size(log: str, given: int | None, run_planned: dict) -> int:
+    """The vocabulary the run's model had: its plan file's (`run_planned`, beside the log), which `given` must match;
+    else `given`."""
+    planned = run_planned.get("vocab_size")
     if planned is None and given is None:
         raise SystemExit(f"--log {log}: no {PLAN_FILE} with the run's vocab_size beside it; give --vocab_size, the "
                          "size of the run's head (its data tokenizer's, padded to a multiple of 64).")
@@ -58,13 +59,14 @@ def run_vocab_size(log: str, given: int | None) -> int:
 
 
 def run_record(args) -> dict:
-    args.vocab_size = run_vocab_size(args.log, args.vocab_size)
+    run_planned = run_plan(args.log)
+    args.vocab_size = run_vocab_size(args.log, args.vocab_size, run_planned)
     plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, distill_topk=args.distill_topk,
                            vocab_size=args.vocab_size, rank_fraction=args.optimizer_momentum_rank_fraction)
     if args.batch_size is not None and plan.per_device_train_batch_size != args.batch_size:
         raise SystemExit(f"--calibration {args.calibration} plans batch {plan.per_device_train_batch_size}, the run "
                          f"trained at --batch_size {args.batch_size}: give the calibration the run was planned with.")
-    planned_state = run_plan(args.log).get("per_rank_fixed_gib", {}).get("optimizer_state")
+    planned_state = run_planned.get("per_rank_fixed_gib", {}).get("optimizer_state")
     if planned_state is not None and abs(planned_state - plan.fixed_gib["optimizer_state"]) > 1e-3:
         raise SystemExit(f"The run's optimizer state ({planned_state:g} GiB, its {PLAN_FILE}) is not the "
                          f"{plan.fixed_gib['optimizer_state']:g} GiB of --optimizer_momentum_rank_fraction "
