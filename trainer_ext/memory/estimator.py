@@ -268,13 +268,15 @@ class Calibration:
     def step_seconds(self, shape: ModelShape, batch_size: int, seq_len: int, recomputed: float,
                      compiled: bool = False) -> float:
         """Predicted steady-state seconds of one optimizer step."""
-        coefficients, factor = self.fit_for(shape).time_for(compiled, shape.params)
-        return float(time_features(shape, batch_size, seq_len, recomputed) @ coefficients) * factor
+        return self._seconds(shape, time_features(shape, batch_size, seq_len, recomputed), compiled)
 
     def record_seconds(self, shape: ModelShape, record: dict) -> float:
         """Predicted steady-state seconds of a probe or training run's record (`record_time_features`)."""
-        coefficients, factor = self.fit_for(shape).time_for(bool(record.get("compile")), shape.params)
-        return float(record_time_features(shape, record) @ coefficients) * factor
+        return self._seconds(shape, record_time_features(shape, record), bool(record.get("compile")))
+
+    def _seconds(self, shape: ModelShape, features: np.ndarray, compiled: bool) -> float:
+        coefficients, factor = self.fit_for(shape).time_for(compiled, shape.params)
+        return float(features @ coefficients) * factor
 
     def compile_is_faster(self, shape: ModelShape) -> bool:
         return self.fit_for(shape).compile_factor < 1.0
