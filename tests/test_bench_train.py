@@ -67,3 +67,29 @@ def test_the_spike_null_tells_a_burst_of_the_model_from_the_order_of_the_batches
     (tmp_path / "log_history.json").write_text(json.dumps(history))
     (row,) = spike_null.main([str(tmp_path / "log_history.json"), "--spike_from", "100", "--draws", "100"])
     assert row["observed"] == spike["observed"] and row["window"] == 10
+
+
+def test_two_runs_are_compared_step_by_step_at_the_depths_both_sampled(tmp_path, capsys):
+    import pytest
+
+    from benchmarks.step_ratio import compare, main
+
+    depths = [4, 2, 6, 4, 8, 3, 5, 4]
+    baseline = [{"step": i + 1, "tokens_per_second": 1000.0 / d, "depth": d} for i, d in enumerate(depths)]
+    changed = [dict(row, tokens_per_second=row["tokens_per_second"] * (1.1 if row["step"] % 2 else 1.2))
+               for row in baseline]
+    changed[6]["depth"] = 9  # step 7 sampled another depth: not comparable
+    changed.append({"step": 8, "eval_loss": 3.0})  # rows without a speed are not steps
+    result = compare(baseline, changed, skip=2)
+    assert result["steps"] == 5  # steps 3-8 but 7
+    assert result["median"] == pytest.approx(1.2) and result["low"] == pytest.approx(1.1)
+    assert result["high"] == pytest.approx(1.2)
+    with pytest.raises(ValueError, match="share no logged step"):
+        compare(baseline, changed, skip=8)
+    for name, history in (("before", baseline), ("after", changed)):  # bench_train outputs: <dir>/<preset>/
+        (tmp_path / name / "recurrent-3.3b").mkdir(parents=True)
+        (tmp_path / name / "recurrent-3.3b" / "log_history.json").write_text(json.dumps(history))
+    main([str(tmp_path / "before"), str(tmp_path / "after"), "--skip", "2"])
+    assert capsys.readouterr().out.strip() == "recurrent-3.3b: 1.200 (1.100-1.200) over 5 steps"
+    with pytest.raises(SystemExit, match="no log_history.json"):
+        main([str(tmp_path), str(tmp_path / "after")])
