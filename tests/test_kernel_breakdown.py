@@ -28,6 +28,7 @@ def test_a_trace_is_summed_by_kind_and_the_gpu_idle_time_is_what_no_kernel_cover
     busy = 500 + 100 + 50 + 20 + 10 + 10  # the union: 0-500, 600-700, 800-850, 900-920, 950-960, 980-990
     assert result["shares"]["idle"] == pytest.approx(1 - busy / 2000)
     assert result["step_seconds"] == pytest.approx(1000e-6)
+    assert result["overlapped_seconds_per_step"] == pytest.approx(50e-6)  # 300-400 us ran twice: 100 us in 2 steps
     # Gaps of 50 us or more, by the kernels around them (the kernel that ended last before each: attention, not the
     # product it overlaps)
     gaps = {g["between"]: g for g in result["idle_gaps"]}
