@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from trainer_ext.optim.in_backward import UpdateStream
 from trainer_ext.optim.optimizer import LowMemoryAdafactor, check_gradient_accumulation, create_optimizer
 from trainer_ext.optim.kernels import round_to_bf16_stochastic
 
@@ -441,61 +440,6 @@ def test_small_bf16_model_trains_in_backward(one_thread):
             assert not (value.dtype == torch.float32 and p.ndim >= 2 and value.shape == p.shape)
 
 
-class _FakeEvent:
-    def __init__(self):
-        self.done = False
-
-    def query(self):
-        return self.done
-
-
-class _FakeStream:
-    """What UpdateStream asks of a CUDA stream, recorded (torch.cuda.stream(...) of a non-stream is a no-op on a
-    machine without CUDA)."""
-
-    def __init__(self, calls: list, name: str):
-        self.calls, self.name, self.events = calls, name, []
-
-    def wait_stream(self, other):
-        self.calls.append((self.name, "waits for", other.name))
-
-    def wait_event(self, event):
-        self.calls.append((self.name, "waits for event", event))
-
-    def record_event(self):
-        self.events.append(_FakeEvent())
-        return self.events[-1]
-
-
-def test_update_stream_orders_updates_after_backward_and_bounds_the_gradients_it_holds():
-    calls = []
-    compute, side = _FakeStream(calls, "backward"), _FakeStream(calls, "updates")
-    stream = UpdateStream(side, lambda: compute, max_held_bytes=150)
-    grads = [torch.zeros(25) for _ in range(4)]  # 100 bytes each
-    alive = [weakref.ref(g) for g in grads]
-
-    def run(i):
-        stream.run(lambda: calls.append(("update", i)), grads[i])
-        grads[i] = None  # as the hook drops p.grad: the stream's hold is the last reference
-
-    run(0)
-    run(1)
-    assert calls == [("updates", "waits for", "backward"), ("update", 0),
-                     ("updates", "waits for", "backward"), ("update", 1)]  # each update after backward's work so far
-    assert stream.held_bytes == 200 and all(ref() is not None for ref in alive[:2])
-    calls.clear()
-    run(2)  # 200 bytes held beyond the newest > 150: backward waits for the oldest update, which lets its gradient go
-    assert calls[-1] == ("backward", "waits for event", side.events[0])
-    assert stream.held_bytes == 200 and alive[0]() is None and alive[1]() is not None
-    side.events[1].done = True  # an update that has passed lets its gradient go without any wait
-    calls.clear()
-    run(3)
-    assert not any("waits for event" in call for call in calls) and alive[1]() is None and stream.held_bytes == 200
-    stream.join()  # backward's end: its stream waits for every update, nothing is held
-    assert calls[-1] == ("backward", "waits for", "updates")
-    assert stream.held_bytes == 0 and all(ref() is None for ref in alive)
-
-
 def test_invalid_arguments_are_value_errors():
     weight = nn.Parameter(torch.zeros(2, 2))
     with pytest.raises(ValueError, match="lr"):
@@ -512,8 +456,6 @@ def test_invalid_arguments_are_value_errors():
         LowMemoryAdafactor([weight], momentum=0.9, momentum_rank_fraction=0.5, subspace_residual=-0.1)
     with pytest.raises(ValueError, match="torch.bfloat16 or torch.float32"):
         LowMemoryAdafactor([nn.Parameter(torch.zeros(2, dtype=torch.float16))])
-    with pytest.raises(ValueError, match="update_stream"):
-        LowMemoryAdafactor([weight], update_stream="yes")
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -540,25 +482,3 @@ def test_compiled_update_matches_eager_on_gpu():
     for reference, compiled in [(0, 1), (0, 2), (3, 4), (3, 5)]:
         for a, b in zip(results[reference], results[compiled]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("subspace", [None, dict(momentum_rank_fraction=0.25, projection_interval=2)])
-def test_updates_on_their_own_stream_equal_those_on_backwards_stream_on_gpu(subspace):
-    """The same kernels in the same order per tensor: bit-equal weights and the same gradient norms."""
-    runs = []
-    for update_stream in (False, True):
-        model = _mlp(torch.bfloat16).cuda()
-        optimizer = create_optimizer(model, lr=0.01, weight_decay=0.1, momentum=0.9, update_stream=update_stream,
-                                     **(subspace or {}))
-        norms = []
-        for batch in _batches(6, torch.bfloat16):
-            _loss(model, [t.cuda() for t in batch]).backward()
-            optimizer.step()
-            norms.append(optimizer.last_grad_norm)
-        assert bool(optimizer._update_streams) == update_stream
-        runs.append(([p.detach().clone() for p in model.parameters()], norms))
-    (reference, reference_norms), (streamed, streamed_norms) = runs
-    assert streamed_norms == reference_norms
-    for a, b in zip(reference, streamed):
-        assert torch.equal(a, b)

@@ -11,10 +11,7 @@ collector does not see, so every finished training of a process would keep its w
 
 from __future__ import annotations
 
-import collections
-import functools
 import weakref
-from collections.abc import Callable
 
 import torch
 
@@ -53,84 +50,6 @@ class BackwardHooks:
 
     def remove(self) -> None:
         _remove(self._handles)
-
-
-# Gradients an update stream may hold beyond its newest before backward's stream waits for the oldest update.
-UPDATE_STREAM_HELD_BYTES = 256 * 2**20
-
-
-class UpdateStream:
-    """A device's in-backward updates on a CUDA stream of their own, beside backward's kernels: the updates are
-    memory-bound and backward's matrix products compute-bound, so on one stream the products wait for every update
-    and on two the device runs both at once.
-
-    Each update first waits for everything backward issued so far (its gradient among it). The gradient is held
-    until the update's event has passed, then dropped: the caching allocator may then hand its block to backward
-    again. Gradients held beyond the newest are bounded by ``max_held_bytes``: past it, backward's stream waits for
-    the oldest update (nothing waits on the host). ``join`` makes backward's stream wait for every update and drops
-    the rest; the optimizer calls it when backward ends and before its step's bookkeeping reads the totals."""
-
-    def __init__(self, stream, current_stream: Callable, max_held_bytes: int):
-        self.stream = stream
-        self._current_stream = current_stream  # the stream backward runs on, when called
-        self._held: collections.deque = collections.deque()  # (event, gradient, bytes), oldest first
-        self._held_bytes = 0
-        self.max_held_bytes = max_held_bytes
-
-    def run(self, update: Callable[[], None], grad: torch.Tensor) -> None:
-        compute = self._current_stream()
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            update()
-        size = grad.numel() * grad.element_size()
-        self._held.append((self.stream.record_event(), grad, size))
-        self._held_bytes += size
-        while self._held:
-            event, _, oldest_size = self._held[0]
-            if not event.query():
-                if len(self._held) == 1 or self._held_bytes - size <= self.max_held_bytes:
-                    break
-                compute.wait_event(event)
-            self._held.popleft()
-            self._held_bytes -= oldest_size
-
-    def join(self) -> None:
-        self._current_stream().wait_stream(self.stream)
-        self._held.clear()
-        self._held_bytes = 0
-
-    @property
-    def held_bytes(self) -> int:
-        return self._held_bytes
-
-
-class UpdateStreams:
-    """The update stream of each device (created at its first update), joined when backward ends: a callback queued
-    on the autograd engine at the first update of each backward."""
-
-    def __init__(self, max_held_bytes: int = UPDATE_STREAM_HELD_BYTES):
-        self._streams: dict[torch.device, UpdateStream] = {}
-        self._join_queued = False
-        self.max_held_bytes = max_held_bytes
-
-    def run(self, device: torch.device, update: Callable[[], None], grad: torch.Tensor) -> None:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = UpdateStream(
-                torch.cuda.Stream(device), functools.partial(torch.cuda.current_stream, device), self.max_held_bytes)
-        stream.run(update, grad)
-        if not self._join_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.join)
-            self._join_queued = True
-
-    def join(self) -> None:
-        """Make the streams that run backward wait for every update (backward's end, the optimizer's step)."""
-        self._join_queued = False
-        for stream in self._streams.values():
-            stream.join()
-
-    def __len__(self) -> int:
-        return len(self._streams)
 
 
 def _remove(handles: list) -> None:

@@ -26,7 +26,6 @@ from trainer_ext.devices import has_triton
 from trainer_ext.optim.bookkeeping import StepBookkeeping
 from trainer_ext.optim.in_backward import (
     BackwardHooks,
-    UpdateStreams,
     check_gradient_accumulation,
     register_update_after_all_reduce,
 )
@@ -120,9 +119,6 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
         fused: where compiled, update CUDA matrices and vectors with the Triton kernels of triton_kernels.py (one
             kernel per pass over a matrix, one per vector; no fp32 copy of the gradient). None (default) or True:
             yes; False: the compiled torch functions.
-        update_stream: in backward, update CUDA tensors that are not sharded on a stream of their own, beside
-            backward's kernels (in_backward.UpdateStream; the same kernels and results). False (default): on
-            backward's stream.
         seed: seed of the stochastic-rounding bits; saved in the state dict.
 
     Bookkeeping (``last_grad_norm``, ``last_step_skips``, ``skipped_updates``) is accumulated on the
@@ -148,7 +144,6 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
         max_chunk_numel: int = DEFAULT_MAX_CHUNK_NUMEL,
         compile: bool | None = None,
         fused: bool | None = None,
-        update_stream: bool = False,
         seed: int = 0,
     ):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
@@ -177,10 +172,6 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
         if fused not in (None, True, False):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
         self.fused = fused
-        if update_stream not in (True, False):
-            raise ValueError(f"update_stream must be True or False, got {update_stream!r}")
-        self.update_stream = update_stream
-        self._update_streams = UpdateStreams()
         self.seed = seed
         self._rng_keys: dict[tuple, torch.Tensor] = {}
         self._shards: dict[torch.Tensor, RowShard | None] = {}  # per parameter: the block this process holds
@@ -267,11 +258,7 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
                 "and use non-reentrant activation checkpointing (use_reentrant=False)"
             )
         self._last_hooked_step[index] = self._num_steps
-        group = self.param_groups[group_index]
-        if not self.update_stream or not p.is_cuda or self._shard_of(p) is not None:
-            self._update(p, group, index)
-        else:  # unsharded CUDA tensors: beside backward's kernels
-            self._update_streams.run(p.device, lambda: self._update(p, group, index), p.grad)
+        self._update(p, self.param_groups[group_index], index)
         p.grad = None
 
     # -- classic mode and step bookkeeping
@@ -286,7 +273,6 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._update_streams.join()
         if not self.in_backward:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -304,7 +290,7 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
             return
         if grad.is_sparse:
             raise ValueError("LowMemoryAdafactor does not support sparse gradients")
-        shard = self._shard_of(p)
+        shard = self._shards[p] if p in self._shards else self._shards.setdefault(p, row_shard(p))
         if shard is not None and p.ndim > 2:
             raise ValueError(f"LowMemoryAdafactor updates sharded vectors and matrices, got a {p.ndim}-D parameter")
         subspace = _subspace(group, p)
@@ -347,9 +333,6 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
             compiled_kernels()[1](*args, beta2_decay=beta2_decay)
         else:  # compiled kernels, with a shard's sums between them
             factored_update(*args, chunks=chunks, kernels=compiled_kernels()[0], beta2_decay=beta2_decay, shard=shard)
-
-    def _shard_of(self, p: torch.Tensor) -> RowShard | None:
-        return self._shards[p] if p in self._shards else self._shards.setdefault(p, row_shard(p))
 
     def _state_of(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]

@@ -187,9 +187,6 @@ class RecurrentTrainingArguments(TrainingArguments):
     optimizer_fused: bool = field(
         default=True, metadata={"help": "Update CUDA weight matrices with the optimizer's fused Triton kernels (three "
                                         "passes over each tensor); false: its compiled torch functions."})
-    optimizer_update_stream: bool = field(
-        default=False, metadata={"help": "Run the in-backward updates of CUDA weights on a stream of their own, beside "
-                                         "backward's kernels (the same results); false: on backward's stream."})
     gc_interval: int = field(
         default=50, metadata={"help": "Run Python's garbage collector after every N-th step and nowhere else during "
                                       "training (its pauses would land inside steps); 0: automatic, as Python does."})
