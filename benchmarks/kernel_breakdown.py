@@ -5,8 +5,8 @@ of training it records the CUDA kernels with torch.profiler and, when training e
 category (`CATEGORIES`: matrix products, attention, the loss kernels (plain CE and the distillation kernels), the
 optimizer's kernels, other elementwise / norm work (compiled or eager), copies). `idle` is the profiled wall time
 (synchronized at both ends) the GPU ran no kernel: the host's share (Python, launches, the data loader, waits).
-`overlapped_seconds_per_step` is the kernel time that ran beside other kernels (on another stream: the optimizer's
-updates beside backward's kernels) beyond the time any kernel ran. `idle_gaps` says where in the step it idled: the gaps of at least `GAP_US` between kernels, summed by the kinds of
+`overlapped_seconds_per_step` is the kernel and copy time that ran beside other kernels (on another stream: offload's
+copies beside the compute) beyond the time any of them ran. `idle_gaps` says where in the step it idled: the gaps of at least `GAP_US` between kernels, summed by the kinds of
 the kernels on either side (e.g. `loss_kernels -> matmul`: between the forward's loss and the backward's first product,
 where the host reads the loss for the stability guard), with the names of the longest such gap's kernels; `top_kernels`
 names the kernels that take the most time outside the matrix products (what a fused kernel could take next). With
@@ -125,7 +125,7 @@ def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
     per_step = {label: round(value / steps, 7) for label, value in sorted(seconds.items(), key=lambda kv: -kv[1])}
     shares = {label: round(value / wall, 4) for label, value in seconds.items()}
     shares["idle"] = round(1 - busy / wall, 4) if wall else 0.0
-    # Kernels that ran at once (the optimizer's update stream beside backward's): their summed time beyond the union.
+    # Kernels and copies that ran at once (offload's copy streams beside the compute): their time beyond the union.
     overlapped = (sum(stop - start for start, stop, _ in kernels) - busy_us) / 1e6
     result = {"steps": steps, "step_seconds": round(wall / steps, 7) if steps else None,
               "kernel_seconds_per_step": per_step, "overlapped_seconds_per_step": round(overlapped / max(steps, 1), 7),
