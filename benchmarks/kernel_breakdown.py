@@ -6,13 +6,14 @@ category (`CATEGORIES`: matrix products, attention, the loss kernels (plain CE a
 optimizer's kernels, other elementwise / norm work (compiled or eager), copies). `idle` is the profiled wall time
 (synchronized at both ends) the GPU ran no kernel: the host's share (Python, launches, the data loader, waits).
 `overlapped_seconds_per_step` is the kernel and copy time that ran beside other kernels (on another stream: offload's
-copies beside the compute) beyond the time any of them ran. `idle_gaps` says where in the step it idled: the gaps of at least `GAP_US` between kernels, summed by the kinds of
-the kernels on either side (e.g. `loss_kernels -> matmul`: between the forward's loss and the backward's first product,
-where the host reads the loss for the stability guard), with the names of the longest such gap's kernels; `top_kernels`
-names the kernels that take the most time outside the matrix products (what a fused kernel could take next). With
-`host=True` the host's operations are recorded too, and `host_in_gaps` says what the host was running while the GPU
-idled in gaps of at least `HOST_GAP_US`: the host events overlapping them, summed by name (a call and the calls inside
-it each count the same stretch), the Python side of a step that starves the GPU.
+copies beside the compute) beyond the time any of them ran. `idle_gaps` says where in the step it idled: the gaps of at
+least `GAP_US` between kernels, summed by the kinds of the kernels on either side (e.g. `loss_kernels -> matmul`:
+between the forward's loss and the backward's first product, where the host reads the loss for the stability guard),
+with the names of the longest such gap's kernels; `top_kernels` names the kernels that take the most time outside the
+matrix products (what a fused kernel could take next). With `host=True` the host's operations are recorded too, and
+`host_in_gaps` says what the host was running while the GPU idled in gaps of at least `HOST_GAP_US`: the host events
+overlapping them, summed by name (a call and the calls inside it each count the same stretch), the Python side of a step
+that starves the GPU.
 
     python3 -m benchmarks.memory_probe --verify --breakdown ...   # a breakdown of each verified plan's steps
 

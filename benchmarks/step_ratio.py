@@ -1,6 +1,6 @@
 """Two trainings of one preset compared step by step: the ratio of their tokens/s over the steps both logged.
 
-    python -m benchmarks.step_ratio BASELINE_DIR CHANGED_DIR [--skip 5]
+    python3 -m benchmarks.step_ratio BASELINE_DIR CHANGED_DIR [--skip 5]
 
 Each directory is a `benchmarks.bench_train` output (one `<preset>/log_history.json` per preset) or a run's own
 directory. A recurrent preset samples its depth per step from a seed, so two runs of it take the same depths step by
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, before, after in pairs:
         result = compare(before, after, args.skip)
         print(f"{name}: {result['median']:.3f} ({result['low']:.3f}-{result['high']:.3f}) over {result['steps']} steps")
+
 
 if __name__ == "__main__":
     main()
