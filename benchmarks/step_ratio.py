@@ -34,13 +34,18 @@ def compare(baseline: list[dict], changed: list[dict], skip: int) -> dict:
     return {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios), "steps": len(steps)}
 
 
+def _read(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)
+
+
 def _histories(directory: str) -> dict[str, list[dict]]:
     """Preset (or the directory's name) -> log history, from a bench_train output or a run directory."""
     own = os.path.join(directory, "log_history.json")
     if os.path.isfile(own):
-        return {os.path.basename(os.path.normpath(directory)): json.load(open(own))}
+        return {os.path.basename(os.path.normpath(directory)): _read(own)}
     found = {name: os.path.join(directory, name, "log_history.json") for name in sorted(os.listdir(directory))}
-    histories = {name: json.load(open(path)) for name, path in found.items() if os.path.isfile(path)}
+    histories = {name: _read(path) for name, path in found.items() if os.path.isfile(path)}
     if not histories:
         raise SystemExit(f"error: {directory} holds no log_history.json (a bench_train output or a run's directory)")
     return histories
