@@ -198,7 +198,8 @@ def main() -> None:
     if args.apply_tile:
         from trainer_ext.optim import triton_kernels as fused
 
-        fused._APPLY_ROWS, fused._APPLY_COLS = (int(x) for x in args.apply_tile.split("x"))
+        rows, fused._APPLY_COLS = (int(x) for x in args.apply_tile.split("x"))
+        fused._APPLY_ROWS = fused._APPLY_ROWS_FULL_MOMENTUM = rows
     if args.probe:
         return _probe(args)
 

@@ -78,13 +78,15 @@ def main() -> None:
         if args.tiles is None else [(tile, tile) for tile in args.tiles]
     apply = dict(PARAM_BF16=True, FULL_MOMENTUM=False, SUBSPACE=False, MOMENTUM_BF16=False, P=16)
     for pass_tile, apply_tile in pairs:
-        tiles = [dict(zip(("BR", "BC"), (int(x) for x in tile.split("x")))) for tile in (pass_tile, apply_tile)]
+        full_tile = apply_tile if args.tiles else f"{kernels._APPLY_ROWS_FULL_MOMENTUM}x{kernels._APPLY_COLS}"
+        tiles = [dict(zip(("BR", "BC"), (int(x) for x in tile.split("x"))))
+                 for tile in (pass_tile, apply_tile, full_tile)]
         runs = {
-            "stats": (kernels._stats_kernel, tiles[0], pass_tile),
+            "stats": (kernels._stats_kernel, {**tiles[0], "ITERATIONS": kernels._STATS_STRIP}, pass_tile),
             "update_sq": (kernels._update_sq_kernel, {**tiles[0], "P": 16}, pass_tile),
             "apply, no momentum": (kernels._apply_kernel, {**tiles[1], **apply}, apply_tile),
             "apply, full momentum": (kernels._apply_kernel,
-                                     {**tiles[1], **apply, "FULL_MOMENTUM": True, "MOMENTUM_BF16": True}, apply_tile),
+                                     {**tiles[2], **apply, "FULL_MOMENTUM": True, "MOMENTUM_BF16": True}, full_tile),
             "apply, subspace momentum": (kernels._apply_kernel, {**tiles[1], **apply, "SUBSPACE": True}, apply_tile),
         }
         for name, (fn, constants, tile) in runs.items():

@@ -110,12 +110,14 @@ def test_fused_update_equals_the_torch_path_under_the_interpreter():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (the test extra on Linux x86-64)")
 def test_fused_update_in_small_blocks_equals_the_torch_path():
-    """The row factor's mean over several row programs of 32 rows (70 rows: a partial last one), and the subspace
-    back-projection in blocks of 7 rows, which do not divide the chunks of 30 rows: what the defaults reach only on
-    matrices of more than 1,024 rows or 2**24 elements."""
+    """The row factor's mean over several row programs of 32 rows (70 rows: a partial last one), the subspace
+    back-projection in blocks of 7 rows, which do not divide the chunks of 30 rows, and the statistics pass's strips
+    of 4 tiles of 8 rows (96 rows: three strips; 70 rows: a partial last tile): what the defaults reach only on
+    matrices of more than 1,024 rows, 2**24 elements or 1,024 tiles."""
     _check_under_the_interpreter(
         "from trainer_ext.optim import triton_kernels as kernels; kernels._FACTOR_ROWS = 32; "
-        "kernels._BACK_NUMEL = 200 * 7", "[test_optim_fused.CASES[i] for i in (1, 2, 4, 5)]")
+        "kernels._BACK_NUMEL = 200 * 7; kernels._STATS_ROWS, kernels._STATS_STRIP, kernels._STATS_PROGRAMS = 8, 4, 1",
+        "[test_optim_fused.CASES[i] for i in (1, 2, 4, 5, 6)]")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (the test extra on Linux x86-64)")

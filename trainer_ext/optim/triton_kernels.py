@@ -39,12 +39,18 @@ from trainer_ext.optim.kernels import (
     WEIGHT_SALT,
 )
 
-# Tiles (rows, columns) of one program: of the statistics and update-RMS passes, and of the apply pass.
-# `benchmarks/kernel_resources.py` reports each kernel's registers and spills: the apply pass spills at 32 x 256
-# (300-1,440 bytes per thread) and not at 16 x 128, which measured 7-16% less GPU time per tensor (BENCHMARKS.md).
+# Tiles (rows, columns) of one program: of the update-RMS pass (and its warps), and of the apply pass (its rows with
+# full momentum apart). `benchmarks/kernel_resources.py` reports each kernel's registers and spills: the apply pass
+# spills at 32 x 256 (300-1,440 bytes per thread) and not at 16 x 128, which measured 7-16% less GPU time per tensor;
+# 8 x 128 measured 4% less again with subspace momentum, 4% more with full momentum (BENCHMARKS.md).
 # The subspace back-projection is materialised in blocks of at most _BACK_NUMEL elements (32 MiB in bf16).
-_TILE_ROWS, _TILE_COLS = 32, 256
-_APPLY_ROWS, _APPLY_COLS = 16, 128
+_TILE_ROWS, _TILE_COLS, _TILE_WARPS = 32, 256, 4
+_APPLY_ROWS, _APPLY_ROWS_FULL_MOMENTUM, _APPLY_COLS = 8, 16, 128
+# The statistics pass: a program sums a strip of up to _STATS_STRIP tiles of _STATS_ROWS x _STATS_COLS down the rows,
+# keeping the column sums in registers until the strip ends (one tile a program measured 1.3 TB/s on an H100, the
+# update-RMS pass's same read 2.9: BENCHMARKS.md); shorter strips where fewer than _STATS_PROGRAMS programs would
+# cover the matrix.
+_STATS_ROWS, _STATS_COLS, _STATS_WARPS, _STATS_STRIP, _STATS_PROGRAMS = 32, 256, 4, 8, 512
 _BACK_NUMEL = 2**24
 # The factor update: rows per program and pass 1's row sums read per iteration (few: the row factor's consumers
 # each reduce the row programs' sums, at most 64 for 65,536 rows), columns per program and pass 1's column sums read
@@ -85,15 +91,24 @@ def _tile(pid_r, pid_c, R, C, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _stats_kernel(grad, row_part, col_part, sq_part, R, C, BR: tl.constexpr, BC: tl.constexpr):
-    """Per tile: sums of g**2 over its columns (row_part[pid_c, rows]), over its rows (col_part[pid_r, cols]), all."""
-    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
-    rows, cols, mask, offsets = _tile(pid_r, pid_c, R, C, BR, BC)
-    g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
-    squared = g * g
-    tl.store(row_part + pid_c * R + rows, tl.sum(squared, axis=1), mask=rows < R)
-    tl.store(col_part + pid_r * C + cols, tl.sum(squared, axis=0), mask=cols < C)
-    tl.store(sq_part + pid_r * tl.num_programs(1) + pid_c, tl.sum(tl.sum(squared, axis=1), axis=0))
+def _stats_kernel(grad, row_part, col_part, sq_part, R, C, BR: tl.constexpr, BC: tl.constexpr,
+                  ITERATIONS: tl.constexpr):
+    """Per strip of ITERATIONS tiles down the rows: sums of g**2 over its columns (row_part[pid_c, rows], each tile's),
+    over its rows (col_part[pid_s, cols], summed in registers and reduced across the tile's rows once), all."""
+    pid_s, pid_c = tl.program_id(0), tl.program_id(1)
+    cols = pid_c * BC + tl.arange(0, BC)
+    columns = tl.zeros((BR, BC), dtype=tl.float32)
+    i = 0
+    while i < ITERATIONS:  # a while loop (not range): see _scalar_kernel
+        rows, cols, mask, offsets = _tile(pid_s * ITERATIONS + i, pid_c, R, C, BR, BC)
+        g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
+        squared = g * g
+        tl.store(row_part + pid_c * R + rows, tl.sum(squared, axis=1), mask=rows < R)
+        columns += squared
+        i += 1
+    column_sums = tl.sum(columns, axis=0)
+    tl.store(col_part + pid_s * C + cols, column_sums, mask=cols < C)
+    tl.store(sq_part + pid_s * tl.num_programs(1) + pid_c, tl.sum(column_sums, axis=0))
 
 
 @triton.jit
@@ -383,13 +398,20 @@ def _cdiv(a: int, b: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _layout(R: int, C: int):
-    """The launch grid, the row factor's programs and their power-of-two bound, and the sizes of the temporaries
-    (each padded to 16 bytes) of an (R, C) matrix's update: computed once per shape."""
+    """The update-RMS pass's launch grid, the statistics pass's (and its tiles a program), the row factor's
+    programs and their power-of-two bound, and the sizes of the temporaries (each padded to 16 bytes) of an (R, C)
+    matrix's update: computed once per shape."""
     grid = (_cdiv(R, _TILE_ROWS), _cdiv(C, _TILE_COLS))
+    tiles_r, tiles_c = _cdiv(R, _STATS_ROWS), _cdiv(C, _STATS_COLS)
+    strip = 1
+    while strip < _STATS_STRIP and _cdiv(tiles_r, 2 * strip) * tiles_c >= _STATS_PROGRAMS:
+        strip *= 2
+    stats_grid = (_cdiv(tiles_r, strip), tiles_c)
     row_programs = _cdiv(R, _FACTOR_ROWS)
-    sizes = (grid[1] * R, grid[0] * C, grid[0] * grid[1], 4, R, row_programs, C, grid[0] * grid[1])
-    return grid, row_programs, max(16, 1 << (row_programs - 1).bit_length()), sizes, tuple(-(-n // 4) * 4
-                                                                                            for n in sizes)
+    sizes = (stats_grid[1] * R, stats_grid[0] * C, stats_grid[0] * stats_grid[1], 4, R, row_programs, C,
+             grid[0] * grid[1])
+    return grid, stats_grid, strip, row_programs, max(16, 1 << (row_programs - 1).bit_length()), sizes, \
+        tuple(-(-n // 4) * 4 for n in sizes)
 
 
 def fused_factored_update(param, grad, row, col, momentum, step, keys, hyper, totals, projector=None, *,
@@ -401,27 +423,30 @@ def fused_factored_update(param, grad, row, col, momentum, step, keys, hyper, to
     small matrix is bound by."""
     grad = grad.contiguous()
     R, C = param.shape
-    grid, row_programs, P, sizes, padded = _layout(R, C)
+    grid, stats_grid, strip, row_programs, P, sizes, padded = _layout(R, C)
     # All fp32 temporaries in one allocation; the kernels are given their sizes, and only the update-RMS partials
     # (summed by torch) and, with subspace momentum, the column factor are cut to them.
     row_part, col_part, sq_part, scalars, row_raw, row_sums, col_factor, usq_part = torch.empty(
         sum(padded), dtype=torch.float32, device=param.device).split_with_sizes(padded)
-    _stats_kernel[grid](grad, row_part, col_part, sq_part, R, C, BR=_TILE_ROWS, BC=_TILE_COLS)
+    _stats_kernel[stats_grid](grad, row_part, col_part, sq_part, R, C, BR=_STATS_ROWS, BC=_STATS_COLS,
+                              ITERATIONS=strip, num_warps=_STATS_WARPS)
     _scalar_kernel[(1,)](sq_part, sizes[2], step, totals, hyper, scalars, BETA2_DECAY=beta2_decay, B=1024,
                          INTERPRETED=not param.is_cuda)
     _factor_kernel[(row_programs + _cdiv(C, _FACTOR_COLS),)](
-        row, col, row_part, col_part, row_raw, row_sums, col_factor, scalars, hyper, R, C, grid[0], grid[1],
+        row, col, row_part, col_part, row_raw, row_sums, col_factor, scalars, hyper, R, C, *stats_grid,
         row_programs, FR=_FACTOR_ROWS, FBR=_FACTOR_ROW_BLOCK, FC=_FACTOR_COLS, FBC=_FACTOR_COL_BLOCK)
     factors = (row_raw, row_sums, row_programs)
-    _update_sq_kernel[grid](grad, *factors, col_factor, scalars, usq_part, R, C, BR=_TILE_ROWS, BC=_TILE_COLS, P=P)
+    _update_sq_kernel[grid](grad, *factors, col_factor, scalars, usq_part, R, C, BR=_TILE_ROWS, BC=_TILE_COLS, P=P,
+                            num_warps=_TILE_WARPS)
     update_sq = usq_part[:sizes[-1]].sum()
     full_momentum = momentum is not None and projector is None
 
     def apply(row_start: int, row_end: int, back=None) -> None:
-        _apply_kernel[(_cdiv(row_end - row_start, _APPLY_ROWS), _cdiv(C, _APPLY_COLS))](
+        rows = _APPLY_ROWS_FULL_MOMENTUM if full_momentum else _APPLY_ROWS
+        _apply_kernel[(_cdiv(row_end - row_start, rows), _cdiv(C, _APPLY_COLS))](
             param, grad, momentum if full_momentum else param, param if back is None else back, *factors,
             col_factor, update_sq, param.numel(), scalars, step, keys, rows_per_chunk, hyper, row_start, row_end, R,
-            C, BR=_APPLY_ROWS, BC=_APPLY_COLS, P=P, FULL_MOMENTUM=full_momentum, SUBSPACE=back is not None,
+            C, BR=rows, BC=_APPLY_COLS, P=P, FULL_MOMENTUM=full_momentum, SUBSPACE=back is not None,
             PARAM_BF16=param.dtype == torch.bfloat16,
             MOMENTUM_BF16=full_momentum and momentum.dtype == torch.bfloat16, num_warps=4)
 
