@@ -153,3 +153,20 @@ def test_the_optimizer_fused_flag_reaches_the_optimizer(tiny_data_dir, tmp_path)
     for flag in (True, False):
         trainer = make_trainer(tiny_data_dir, tmp_path / str(flag), optimizer_fused=flag)
         assert trainer.create_optimizer().fused is flag
+
+
+def test_the_kernel_benchmark_weighs_every_matrix_of_the_preset():
+    """benchmarks/optimizer_kernels.py times one matrix of each shape and counts it as often as the model has it:
+    recurrent-3.3b's 16 layers (attention with 8 key-value heads, SwiGLU), the recurrence's adapter, embedding, head."""
+    from benchmarks.optimizer_kernels import matrix_shapes
+    from hf_recurrent import presets
+
+    config = presets.get("recurrent-3.3b")
+    H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * H // config.num_attention_heads
+    layers = config.n_prelude_layers + config.n_core_layers + config.n_coda_layers
+    counts, total = matrix_shapes("recurrent-3.3b")
+    assert counts == {(H, H): 2 * layers, (kv, H): 2 * layers, (I, H): 2 * layers, (H, I): layers, (V, H): 2,
+                      (H, 2 * H): 1}
+    vectors = total - sum(r * c * n for (r, c), n in counts.items())
+    assert vectors % H == 0 and 0 < vectors < 8 * layers * H  # norm scales only: a few of the hidden size a layer
