@@ -238,6 +238,7 @@ report = {"q_proj": shard(core.self_attn.q_proj.weight), "o_proj": shard(core.se
           "logits_diff": (logits - io["logits"]).abs().max().item(),
           "generated_equal": torch.equal(generated, io["generated"])}
 json.dump(report, open(f"{out}/rank{rank}.json", "w"))
+torch.distributed.barrier()  # neither rank tears gloo down while the other may still use it
 torch.distributed.destroy_process_group()
 """
 
