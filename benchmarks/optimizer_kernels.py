@@ -7,15 +7,15 @@ them) gets its own bf16 weight and the optimizer's default state for the preset'
 writes it just before the in-backward update: a gradient left over from the last step would be read from the L2
 cache by a matrix that fits in it. A few updates are profiled; the kernels' time is summed by name.
 
-    python3 -m benchmarks.optimizer_kernels --preset recurrent-3.3b --stats 32x256x4x8x1024 32x256x4x1x1024 \
-        --tiles 32x256x4 64x128x4 --apply_tiles 16x128 8x128
+    python3 -m benchmarks.optimizer_kernels --preset recurrent-3.3b --stats 32x256x4x8x512 32x256x4x1x512 \
+        --tiles 32x256x4 64x128x4 --apply_tiles default 16x128
 
 `--stats`: the statistics pass's tile (rows x columns x warps), its longest strip of tiles a program and the fewest
 programs a matrix gets (`triton_kernels._STATS_*`); `--tiles`: the update-RMS pass's tile (rows x columns x warps);
-`--apply_tiles`: the apply pass's (rows x columns; "default": the module's). The first of each list is the base, each other entry a variant of
-it. One JSON row per variant: the microseconds a training step spends in each kernel over all the preset's matrices,
-their total, and the statistics pass's read rate (GB/s: the gradients' bytes over its time), beside the rate of the
-copy that wrote the gradients (read + write).
+`--apply_tiles`: the apply pass's (rows x columns; "default": the module's). The first of each list is the base, each
+other entry a variant of it. One JSON row per variant: the microseconds a training step spends in each kernel over
+all the preset's matrices, their total, and the statistics pass's read rate (GB/s: the gradients' bytes over its
+time), beside the rate of the copy that wrote the gradients (read + write).
 """
 
 import argparse
