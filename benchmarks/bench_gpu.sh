@@ -49,8 +49,9 @@
 #   bash benchmarks/bench_gpu.sh optimizer   the fused optimizer kernels: their GPU tests, single-tensor updates of the
 #       7B shapes fused against the compiled torch functions (MOMENTA: none full subspace; VARIANTS: fused torch;
 #       APPLY_TILES: e.g. "32x256 16x128", the fused apply kernel's tile, see benchmarks/kernel_resources.py;
-#       TF32 on, as in training), and the plans for 24 GiB of PRESETS (default recurrent-7b) trained
-#       (benchmarks.memory_probe --verify); $OUT/optimizer_probe.jsonl, $OUT/verify.jsonl
+#       TF32 on, as in training), each kernel's time over the matrices of each of PRESETS (default recurrent-7b;
+#       benchmarks.optimizer_kernels), and the plans for 24 GiB of PRESETS trained (benchmarks.memory_probe --verify);
+#       $OUT/optimizer_probe.jsonl, $OUT/optimizer_kernels.jsonl, $OUT/verify.jsonl
 #   bash benchmarks/bench_gpu.sh probes [memory_probe args]   memory and step-time probes for the planner's calibration
 #       of PRESETS (default "recurrent-125m transformer-125m") at SEQ (default 1024), within SECONDS_LIMIT (300);
 #       $OUT/probes.jsonl, to fit with the committed ones: cat results/memory-probes/probes.jsonl probes.jsonl > all.jsonl;
@@ -266,6 +267,8 @@ case $STAGE in
         done
       done
     done | tee "$OUT/optimizer_probe.jsonl" | cut -c1-400
+    for preset in ${PRESETS:-recurrent-7b}; do python3 -m benchmarks.optimizer_kernels --preset "$preset" 2>&1 | grep '^{'
+    done | tee "$OUT/optimizer_kernels.jsonl" | cut -c1-400
     python3 -m benchmarks.memory_probe --verify --presets ${PRESETS:-recurrent-7b} --cap_gib 24 --seq_len 2048 \
       --output "$OUT/verify.jsonl" --max_seconds "${SECONDS_LIMIT:-200}" 2>&1 | grep -E '^\{|rror' | cut -c1-600 ;;
   probes)
