@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200, 86: RTX 3090)")
     parser.add_argument("--tiles", nargs="+", default=None,
                         help="ROWSxCOLS of the element-wise kernels (statistics, update RMS, apply); default: the "
-                             "module's (two tiles: passes 1-2, then apply)")
+                             "module's (each pass's own; the statistics pass at its longest strip)")
     parser.add_argument("--warps", type=int, default=4, help="warps of the element-wise kernels")
     args = parser.parse_args()
     pairs = [(f"{kernels._TILE_ROWS}x{kernels._TILE_COLS}", f"{kernels._APPLY_ROWS}x{kernels._APPLY_COLS}")] \
@@ -79,10 +79,11 @@ def main() -> None:
     apply = dict(PARAM_BF16=True, FULL_MOMENTUM=False, SUBSPACE=False, MOMENTUM_BF16=False, P=16)
     for pass_tile, apply_tile in pairs:
         full_tile = apply_tile if args.tiles else f"{kernels._APPLY_ROWS_FULL_MOMENTUM}x{kernels._APPLY_COLS}"
+        stats_tile = pass_tile if args.tiles else f"{kernels._STATS_ROWS}x{kernels._STATS_COLS}"
         tiles = [dict(zip(("BR", "BC"), (int(x) for x in tile.split("x"))))
-                 for tile in (pass_tile, apply_tile, full_tile)]
+                 for tile in (pass_tile, apply_tile, full_tile, stats_tile)]
         runs = {
-            "stats": (kernels._stats_kernel, {**tiles[0], "ITERATIONS": kernels._STATS_STRIP}, pass_tile),
+            "stats": (kernels._stats_kernel, {**tiles[3], "ITERATIONS": kernels._STATS_STRIP}, stats_tile),
             "update_sq": (kernels._update_sq_kernel, {**tiles[0], "P": 16}, pass_tile),
             "apply, no momentum": (kernels._apply_kernel, {**tiles[1], **apply}, apply_tile),
             "apply, full momentum": (kernels._apply_kernel,
