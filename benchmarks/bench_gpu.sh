@@ -68,9 +68,10 @@
 #       efficiency; on one GPU the 1-GPU rows (and FSDP2 on one process); then, on CUDA, the FSDP2 tests
 #       (tests/test_fsdp_optimizer.py: the Trainer under accelerate, resume, loadable final/) (STEPS default 12);
 #       $OUT/scaleout/results.jsonl, scaleout.md
-#   env: STEPS (default 30), PROFILE=1 (the train and distill stages: steps 7-10 broken down by kernel kind, idle gaps
-#       and the host's work in them, and the profiler's tables; bench_train --profile), OUT (results; default
-#       outputs/gpu), TAIL (lines shown)
+#   env: STEPS (default 30), LOG_EVERY (the train stage's steps per log line, default 1: every step's figures),
+#       PROFILE=1 (the train and distill stages: steps 7-10 broken down by kernel kind, idle gaps and the host's work
+#       in them, and the profiler's tables; bench_train --profile), OUT (results; default outputs/gpu), TAIL (lines
+#       shown)
 # Large intermediate files (teacher weights and cache, compare checkpoints) stay under outputs/, not under $OUT.
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -119,7 +120,8 @@ bench() {  # bench NAME PRESET... [-- run_pretrain args]
   local name=$1; shift
   local presets=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do presets+=("$1"); shift; done; [ $# -gt 0 ] && shift
   python3 -m benchmarks.bench_train --data_dir $DATA --presets "${presets[@]}" --cap_gib 24 --steps "${STEPS:-30}" \
-    --warmup 5 --peak_flops 780e12 --output_dir "$OUT/$name" ${PROFILE:+--profile} --extra "$@" 2>&1 | quiet
+    --log_every "${LOG_EVERY:-1}" --warmup 5 --peak_flops 780e12 --output_dir "$OUT/$name" ${PROFILE:+--profile} \
+    --extra "$@" 2>&1 | quiet
 }
 
 case $STAGE in

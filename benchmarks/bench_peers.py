@@ -16,7 +16,8 @@ the other; on a machine with several GPUs peer A runs on the last GPU for the wh
           size and recompute for the cap, torch.compile on). The only additions are the cap (--memory_cap_gib: the
           card's size, where a training's default is the memory free when it starts) and the benchmark's bookkeeping (steps, logging, no saving).
 
-Step time: the median after --warmup steps (the peers time each step; ours: the trainer's logged tokens/s). Peer A's
+Step time: the median after --warmup steps (the peers time each step; ours: the trainer's logged tokens/s, a line every
+--log_every steps, as a training logs every 20: each line waits for the GPU). Peer A's
 first step runs GaLore's SVD of every projection (242-247 s on an H200, once every 200 steps): it is recorded as
 `first_step_seconds`, left out of the median, and has its own budget (--peer_a_first_step_seconds) on top of peer A's
 share of the call, so one call of 540 s measures the peak, peer A, both presets and peer B.
@@ -281,7 +282,8 @@ def _ours(preset: str, args, timeout: float) -> dict:
 
     out_dir = os.path.join(args.output_dir, preset)
     cuda = args.device == "cuda"  # the planner is told the cap: on a card of that size it is the default
-    run_args = [*run_arguments(preset, args.data_dir, out_dir, args.steps, args.warmup, args.cap_gib),
+    run_args = [*run_arguments(preset, args.data_dir, out_dir, args.steps, args.warmup, args.cap_gib,
+                               log_every=args.log_every),
                 "--overwrite_output_dir", "true", "--peak_flops", str(args.trainer_peak_flops),
                 *(["--bf16", "true"] if cuda else ["--use_cpu", "true"])]
     cap = args.cap_gib if cuda else None
@@ -337,6 +339,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--peer_batch_size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3, help="Steps left out of the medians.")
+    parser.add_argument("--log_every", type=int, default=3,
+                        help="Our trainings' steps per log line, whose medians are then over windows of this many "
+                             "steps: a log line waits for the GPU (the defaults log every 20 steps; the peers' timed "
+                             "steps wait for it at their ends).")
     parser.add_argument("--max_seconds", type=float, default=540, help="The whole call; each run gets a share.")
     parser.add_argument("--peer_a_first_step_seconds", type=float, default=None,
                         help=f"Peer A's first step (GaLore's SVD) and start, on top of its share (default "

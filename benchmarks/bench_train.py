@@ -7,6 +7,9 @@ scripts/run_pretrain.py with RecurrentTrainer, the low-memory optimizer in backw
 size unless --batch_size is given, so on CUDA the memory plan for --cap_gib decides it (and the recompute set).
 The cap is `torch.cuda.set_per_process_memory_fraction(cap / total)`, set before anything is allocated.
 Prints one row per preset: median tokens/s and MFU after warm-up, peak reserved GiB, first and last loss.
+Every step is logged unless --log_every says otherwise: each log line waits for the GPU (the Trainer reads the loss),
+and the host's logging then runs while the GPU idles; the defaults log every 20 steps. With --log_every k the medians
+are over windows of k steps.
 """
 
 import argparse
@@ -57,7 +60,9 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
     evaluated = [e for e in history if "eval_loss" in e]
     evals = [e["eval_loss"] for e in evaluated]
     losses = [e["loss"] for e in logs]
-    steady = logs[warmup:] or logs
+    # The steps after the first `warmup` that report a speed (a log line covers the steps since the one before it)
+    steady = [e for e in logs if e.get("step", 0) >= logs[0].get("step", 0) + warmup] if logs else []
+    steady = steady or logs
     row = {
         "preset": preset,
         "steps": len(logs),
@@ -91,16 +96,16 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
 
 
 def run_arguments(preset: str, data_dir: str | None, out_dir: str, steps: int, warmup: int, cap_gib: float,
-                  batch_size: int | None = None) -> list[str]:
+                  batch_size: int | None = None, log_every: int = 1) -> list[str]:
     """run_pretrain arguments of one benchmark run: a schedule under which the loss moves within a few steps (lr
-    1e-3, constant, no warm-up), every step logged, nothing saved. No batch size unless given: then the defaults
-    decide it, on CUDA the memory plan for `cap_gib`."""
+    1e-3, constant, no warm-up), a log line every `log_every` steps, nothing saved. No batch size unless given: then
+    the defaults decide it, on CUDA the memory plan for `cap_gib`."""
     return [
         "--preset", preset, "--output_dir", out_dir, "--max_steps", str(steps),
         *(["--data_dir", data_dir] if data_dir else []),
         *(["--per_device_train_batch_size", str(batch_size)] if batch_size is not None else []),
         "--memory_cap_gib", str(cap_gib), "--per_device_eval_batch_size", "1", "--max_eval_samples", "4",
-        "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no", "--save_final", "false",
+        "--logging_steps", str(log_every), "--eval_strategy", "no", "--save_strategy", "no", "--save_final", "false",
         "--warmup_steps", "0", "--lr_scheduler_type", "constant", "--learning_rate", "1e-3",
         "--profile_steps", str(warmup),
     ]
@@ -113,6 +118,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--cap_gib", type=float, default=24.0)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3, help="Logged steps left out of the medians.")
+    parser.add_argument("--log_every", type=int, default=1,
+                        help="Steps per log line (the defaults: 20); the medians are then over windows of this many "
+                             "steps. 1: every step's speed and loss (the spikes' figures need them).")
     parser.add_argument("--spike_from", type=int, default=0,
                         help="Count loss rises over the running minimum at the steps after this one (the warm-up's last).")
     parser.add_argument("--batch_size", type=int, default=None,
@@ -132,7 +140,8 @@ def main(argv=None) -> list[dict]:
     for preset in args.presets:
         out_dir = os.path.join(args.output_dir, preset)
         run_args = [
-            *run_arguments(preset, args.data_dir, out_dir, args.steps, args.warmup, args.cap_gib, args.batch_size),
+            *run_arguments(preset, args.data_dir, out_dir, args.steps, args.warmup, args.cap_gib, args.batch_size,
+                           args.log_every),
             "--bf16", "true", *(["--peak_flops", str(args.peak_flops)] if args.peak_flops else []), *args.extra,
         ]
         profile_path = os.path.join(args.output_dir, f"profile_{preset}.json") if args.profile else None

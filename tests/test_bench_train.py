@@ -23,6 +23,19 @@ def test_the_summary_measures_spikes_of_the_training_and_the_held_out_curves(tmp
     assert summarize("debug", str(tmp_path), warmup=2, spike_from=6)["loss_rise_over_min"] == 0.0
 
 
+def test_the_summary_of_windowed_logs_leaves_out_the_warm_up_by_steps(tmp_path):
+    # A log line every 3 steps (--log_every 3): the first with a speed at step 3 (compile warm-up before it), then
+    # windows ending at 6, 9, 12. A warm-up of 3 steps leaves out the first line only, whatever the window.
+    history = [{"step": s, "loss": 5.0, "tokens_per_second": tps, "mfu": tps / 1000, "depth": depth}
+               for s, tps, depth in ((3, 10.0, 1.0), (6, 100.0, 4.0), (9, 300.0, 6.0), (12, 200.0, 8.0))]
+    (tmp_path / "log_history.json").write_text(json.dumps([{"step": 1, "loss": 6.0}, *history]))
+    row = summarize("debug", str(tmp_path), warmup=3)
+    assert row["tokens_per_second"] == 200.0 and row["mfu"] == 0.2 and row["depth_mean"] == 6.0
+    every_step = [{"step": s, "loss": 5.0, "tokens_per_second": float(s), "depth": 1.0} for s in range(3, 13)]
+    (tmp_path / "log_history.json").write_text(json.dumps(every_step))
+    assert summarize("debug", str(tmp_path), warmup=3)["tokens_per_second"] == 9.0  # steps 6-12, as logs[3:] was
+
+
 def test_the_capped_runner_runs_a_module_as_main_with_its_arguments_and_exit_code(tmp_path, monkeypatch):
     import sys
 
