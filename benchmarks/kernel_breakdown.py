@@ -23,9 +23,11 @@ inductor's fused kernels (`triton_*`). The products of a recomputed forward are 
 forward's: the recompute's cost is the executed FLOPs over the model's (`flops_ratio` in the verify output).
 """
 
+import gzip
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 
@@ -142,7 +144,8 @@ class KernelProfile(TrainerCallback):
     """Trainer callback: the kernels of steps `start_step` to `stop_step` (default: the end of training), with the
     host's operations where `host`. `result` holds `breakdown_from_trace`'s dictionary once the profile ends; None if
     no step was profiled. `path`: also written there as JSON, with the profiler's tables of the top operations by GPU
-    time and by host time beside it (`.txt`)."""
+    time and by host time beside it (`.txt`) and the whole trace, gzipped (`.trace.json.gz`: every kernel, copy and
+    host event of the profiled steps, for questions the summary does not answer)."""
 
     def __init__(self, start_step: int, stop_step: int | None = None, host: bool = False, path: str | None = None):
         self.start_step, self.stop_step, self.host, self.path, self.result = start_step, stop_step, host, path, None
@@ -180,6 +183,10 @@ class KernelProfile(TrainerCallback):
             self._profiler.export_chrome_trace(trace_path)
             with open(trace_path) as f:
                 trace = json.load(f)
+            if self.path:
+                with open(trace_path, "rb") as f, gzip.open(os.path.splitext(self.path)[0] + ".trace.json.gz",
+                                                            "wb") as out:
+                    shutil.copyfileobj(f, out)
         self.result = breakdown_from_trace(trace, wall, max(self._steps, 1))
         if self.path:
             with open(self.path, "w") as f:

@@ -64,7 +64,7 @@ def test_the_host_events_overlapping_the_long_gaps_are_summed_by_name():
 
 
 def test_a_profile_of_some_steps_is_written_with_its_tables(tmp_path):
-    """KernelProfile from start_step to stop_step, host operations included, written as JSON and tables."""
+    """KernelProfile from start_step to stop_step, host operations included, written as JSON, tables and the trace."""
     import torch
     from types import SimpleNamespace
 
@@ -82,6 +82,11 @@ def test_a_profile_of_some_steps_is_written_with_its_tables(tmp_path):
     assert profile.result["steps"] == 2  # steps 2 and 3 (global_step 1 -> 3), not the ones after
     assert json.loads(path.read_text()) == profile.result
     assert "aten::mm" in (tmp_path / "profile.txt").read_text()
+    import gzip
+
+    with gzip.open(tmp_path / "profile.trace.json.gz") as f:
+        names = {event.get("name") for event in json.load(f)["traceEvents"]}
+    assert "aten::mm" in names and "aten::tanh" in names
 
 
 def test_every_triton_kernel_of_ours_has_its_kind():
