@@ -13,7 +13,9 @@ with the names of the longest such gap's kernels; `top_kernels` names the kernel
 matrix products (what a fused kernel could take next). With `host=True` the host's operations are recorded too, and
 `host_in_gaps` says what the host was running while the GPU idled in gaps of at least `HOST_GAP_US`: the host events
 overlapping them, summed by name (a call and the calls inside it each count the same stretch), the Python side of a step
-that starves the GPU.
+that starves the GPU. Where the host's launches are recorded, `idle_by_launch` splits all the idle time between
+operations, short gaps included, into the host's lateness (the next operation launched only after the GPU ran dry) and
+the device's own latency between operations already queued.
 
     python3 -m benchmarks.memory_probe --verify --breakdown ...   # a breakdown of each verified plan's steps
 
@@ -105,16 +107,38 @@ def _host_in_gaps(host: list[tuple[float, float, str]], gaps: list[tuple[float, 
     return [{"name": name[:100], "seconds_per_step": round(micros / 1e6 / steps, 7)} for name, micros in ranked]
 
 
+def _idle_by_launch(ops: list[tuple[float, float, int | None]], launches: dict[int, float], steps: int) -> dict:
+    """Every gap between the GPU's operations (start, end, correlation id), short ones included, split by when the
+    operation after it was launched: at or after the GPU ran dry (the host was late: Python, launches, waits) or
+    before (the device's own latency between queued operations), seconds per step; with the operations a step."""
+    late = queued = 0.0
+    end = float("-inf")
+    for start, stop, correlation in sorted(ops):
+        if start > end > float("-inf"):
+            launched = launches.get(correlation)
+            if launched is not None and launched >= end:
+                late += start - end
+            else:
+                queued += start - end
+        end = max(end, stop)
+    return {"host_late_seconds_per_step": round(late / 1e6 / steps, 7),
+            "queued_seconds_per_step": round(queued / 1e6 / steps, 7), "operations_per_step": round(len(ops) / steps, 1)}
+
+
 def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
     """Seconds per step by category, their shares of the wall time, the idle share and where the idle gaps lie,
     from a Chrome trace; `host_in_gaps` where it holds host events."""
-    seconds, kernels, by_name, host = {}, [], {}, []
+    seconds, kernels, by_name, host, ops, launches = {}, [], {}, [], [], {}
     for event in trace.get("traceEvents", ()):
         kind = event.get("cat")
         if kind in HOST_CATEGORIES and "dur" in event:
             host.append((float(event["ts"]), float(event["ts"]) + float(event["dur"]), event.get("name", "")))
+            if kind in ("cuda_runtime", "cuda_driver") and "correlation" in event.get("args", {}):
+                launches[event["args"]["correlation"]] = float(event["ts"])
         if kind not in ("kernel", *COPY_CATEGORIES) or "dur" not in event:
             continue
+        ops.append((float(event["ts"]), float(event["ts"]) + float(event["dur"]),
+                    event.get("args", {}).get("correlation")))
         name = event.get("name", "")
         label = "copies" if kind in COPY_CATEGORIES else category(name)
         seconds[label] = seconds.get(label, 0.0) + event["dur"] / 1e6
@@ -137,6 +161,8 @@ def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
                               for (label, name), value in sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]]}
     if host:
         result["host_in_gaps"] = _host_in_gaps(sorted(host), gaps, max(steps, 1))
+    if launches:
+        result["idle_by_launch"] = _idle_by_launch(ops, launches, max(steps, 1))
     return result
 
 

@@ -63,6 +63,22 @@ def test_the_host_events_overlapping_the_long_gaps_are_summed_by_name():
     assert "host_in_gaps" not in breakdown_from_trace({"traceEvents": events[:4]}, 3500e-6, 1)
 
 
+def test_the_idle_time_is_split_by_whether_the_host_launched_late():
+    """Gap before an operation launched after the GPU ran dry: the host's; before one queued earlier: the device's."""
+    ops = [("gemm_a", 0, 100, 1), ("gemm_b", 103, 100, 2), ("Memset (Device)", 300, 10, 3), ("_apply_kernel", 312, 8, 4)]
+    events = [{"cat": "gpu_memset" if name.startswith("Memset") else "kernel", "name": name, "ts": ts, "dur": dur,
+               "args": {"correlation": c}} for name, ts, dur, c in ops]
+    # launches: b queued during a (3 us gap: the device's), the memset launched at 280 after b ended at 203 (97 us:
+    # the host's), the apply queued at 290 (2 us: the device's)
+    events += [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5, "args": {"correlation": c}}
+               for ts, c in ((-10, 1), (50, 2), (280, 3), (290, 4))]
+    split = breakdown_from_trace({"traceEvents": events}, wall_seconds=320e-6, steps=2)["idle_by_launch"]
+    assert split["host_late_seconds_per_step"] == pytest.approx(97e-6 / 2)
+    assert split["queued_seconds_per_step"] == pytest.approx(5e-6 / 2)
+    assert split["operations_per_step"] == 2.0
+    assert "idle_by_launch" not in breakdown_from_trace({"traceEvents": events[:4]}, 320e-6, 2)
+
+
 def test_a_profile_of_some_steps_is_written_with_its_tables(tmp_path):
     """KernelProfile from start_step to stop_step, host operations included, written as JSON, tables and the trace."""
     import torch
