@@ -122,7 +122,8 @@ def _idle_by_launch(ops: list[tuple[float, float, int | None]], launches: dict[i
                 queued += start - end
         end = max(end, stop)
     return {"host_late_seconds_per_step": round(late / 1e6 / steps, 7),
-            "queued_seconds_per_step": round(queued / 1e6 / steps, 7), "operations_per_step": round(len(ops) / steps, 1)}
+            "queued_seconds_per_step": round(queued / 1e6 / steps, 7),
+            "operations_per_step": round(len(ops) / steps, 1)}
 
 
 def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:

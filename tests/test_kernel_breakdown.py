@@ -65,7 +65,8 @@ def test_the_host_events_overlapping_the_long_gaps_are_summed_by_name():
 
 def test_the_idle_time_is_split_by_whether_the_host_launched_late():
     """Gap before an operation launched after the GPU ran dry: the host's; before one queued earlier: the device's."""
-    ops = [("gemm_a", 0, 100, 1), ("gemm_b", 103, 100, 2), ("Memset (Device)", 300, 10, 3), ("_apply_kernel", 312, 8, 4)]
+    ops = [("gemm_a", 0, 100, 1), ("gemm_b", 103, 100, 2), ("Memset (Device)", 300, 10, 3),
+           ("_apply_kernel", 312, 8, 4)]
     events = [{"cat": "gpu_memset" if name.startswith("Memset") else "kernel", "name": name, "ts": ts, "dur": dur,
                "args": {"correlation": c}} for name, ts, dur, c in ops]
     # launches: b queued during a (3 us gap: the device's), the memset launched at 280 after b ended at 203 (97 us:
