@@ -487,3 +487,23 @@ def test_initial_states_come_from_a_table_built_once_and_equal_the_hash(monkeypa
     model.model.initial_states = init_recurrent_depth.InitialStates()
     assert torch.equal(out, model.generate(tokens(1, 10), num_steps=3, max_new_tokens=20, do_sample=False,
                                            pad_token_id=0, use_cache=False))
+
+
+def test_a_training_forward_without_positions_never_looks_for_packed_sequences(monkeypatch):
+    """transformers' search for packed sequences reads the device back (on a GPU the host then waits for the whole
+    step before it): it runs only on positions the caller gives, and those still mask each packed sequence apart."""
+    import transformers.masking_utils as masking
+
+    searched = []
+    find = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda ids: searched.append(ids) or find(ids))
+    model = tiny().train()
+    ids = tokens(batch=1, seq=12)
+    model(input_ids=ids, use_cache=False, num_steps=2)
+    assert searched == []
+    # Two sequences of 6 packed in one row, each at positions 0-5: the second one's logits are its own alone.
+    model.eval()
+    packed = model(input_ids=ids, position_ids=torch.arange(6).repeat(2)[None], use_cache=False, num_steps=2).logits
+    assert len(searched) == 1
+    alone = model(input_ids=ids[:, 6:], use_cache=False, num_steps=2).logits
+    torch.testing.assert_close(packed[:, 6:], alone, rtol=1e-4, atol=1e-4)
