@@ -292,6 +292,8 @@ def _ours(preset: str, args, timeout: float) -> dict:
     if error:
         return {"run": preset, "label": f"{preset}, defaults", "error": error}
     row = summarize(preset, out_dir, args.warmup)
+    if "error" in row:
+        return {"run": preset, "label": f"{preset}, defaults", "error": row["error"]}
     record = {"run": preset, "label": f"{preset}, defaults", "steps": row["steps"],
               "tokens_per_second": row["tokens_per_second"], "mfu_logged": row["mfu"],
               "trainer_peak_flops": args.trainer_peak_flops, "peak_reserved_gib": row["peak_reserved_gib"] or None}

@@ -59,10 +59,11 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
     logs = [e for e in history if "loss" in e and "tokens_per_second" in e]
     evaluated = [e for e in history if "eval_loss" in e]
     evals = [e["eval_loss"] for e in evaluated]
+    if not logs:  # e.g. a profiled run whose --log_every exceeds its steps: the profile is its result
+        return {"preset": preset, "error": "no log line with a speed (the compile warm-up's steps and --log_every)"}
     losses = [e["loss"] for e in logs]
     # The steps after the first `warmup` that report a speed (a log line covers the steps since the one before it)
-    steady = [e for e in logs if e.get("step", 0) >= logs[0].get("step", 0) + warmup] if logs else []
-    steady = steady or logs
+    steady = [e for e in logs if e.get("step", 0) >= logs[0].get("step", 0) + warmup] or logs
     row = {
         "preset": preset,
         "steps": len(logs),

@@ -34,6 +34,9 @@ def test_the_summary_of_windowed_logs_leaves_out_the_warm_up_by_steps(tmp_path):
     every_step = [{"step": s, "loss": 5.0, "tokens_per_second": float(s), "depth": 1.0} for s in range(3, 13)]
     (tmp_path / "log_history.json").write_text(json.dumps(every_step))
     assert summarize("debug", str(tmp_path), warmup=3)["tokens_per_second"] == 9.0  # steps 6-12, as logs[3:] was
+    # A log line every 20 steps over 14 (a profiled run): no speed to report, said as the row's error
+    (tmp_path / "log_history.json").write_text(json.dumps([{"step": 14, "train_runtime": 9.0}]))
+    assert "no log line with a speed" in summarize("debug", str(tmp_path), warmup=3)["error"]
 
 
 def test_the_capped_runner_runs_a_module_as_main_with_its_arguments_and_exit_code(tmp_path, monkeypatch):
