@@ -72,6 +72,8 @@ def call_positions(attention_mask: torch.Tensor | None, position_ids: torch.Tens
     Given positions on an accelerator are read back (one host sync) only without autograd: `generate` passes its
     positions at every step and waits for the device once per step anyway, and the read lets s_0 come from the
     table (one gather) instead of the hash (~76 ops per decode step). A training step does not wait for the device.
+    The causal mask gets the caller's positions, not these: transformers searches positions for packed sequences by
+    reading the device back (a host wait every training forward), and positions made here hold one sequence a row.
     """
     if torch.compiler.is_compiling():  # a compiled step computes s_0: no table state in the graph
         return (position_ids if position_ids is not None else

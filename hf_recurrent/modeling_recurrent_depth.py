@@ -362,13 +362,10 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
         past_seen = cache.get_seq_length() if cache is not None else 0
-        given_positions = position_ids
-        position_ids, max_position = call_positions(attention_mask, position_ids, inputs_embeds, past_seen)
+        positions, max_position = call_positions(attention_mask, position_ids, inputs_embeds, past_seen)
 
-        # Positions made here hold one sequence a row: transformers looks for packed sequences (a read of the device
-        # that waits for it, every training forward) only in positions the caller gave.
-        mask = create_causal_mask(config, inputs_embeds, attention_mask, cache, given_positions)
-        position_embeddings = rotary_phases(*self.rotary_emb(inputs_embeds, position_ids))
+        mask = create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)  # the caller's: call_positions
+        position_embeddings = rotary_phases(*self.rotary_emb(inputs_embeds, positions))
         # Layout of both in the class docstring; the attention layers append their weights to `attentions`.
         hidden_states = [] if output_hidden_states else None
         attentions = [] if output_attentions else None
@@ -389,7 +386,7 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
             record(hidden)
         embedded = self.prelude_norm(hidden)
 
-        state = self.initial_states(config, position_ids.expand(hidden.shape[0], -1), embedded.dtype, max_position)
+        state = self.initial_states(config, positions.expand(hidden.shape[0], -1), embedded.dtype, max_position)
         depth_exit = None
         if exit_threshold is not None:
             # A step may run on part of the batch without a cache or with a dynamic one (`adaptive_depth`).
