@@ -364,7 +364,7 @@ class RecurrentDepthModel(RecurrentDepthPreTrainedModel):
         past_seen = cache.get_seq_length() if cache is not None else 0
         positions, max_position = call_positions(attention_mask, position_ids, inputs_embeds, past_seen)
 
-        mask = create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)  # the caller's: call_positions
+        mask = create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)  # see call_positions
         position_embeddings = rotary_phases(*self.rotary_emb(inputs_embeds, positions))
         # Layout of both in the class docstring; the attention layers append their weights to `attentions`.
         hidden_states = [] if output_hidden_states else None
