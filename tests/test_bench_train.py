@@ -109,3 +109,22 @@ def test_two_runs_are_compared_step_by_step_at_the_depths_both_sampled(tmp_path,
     assert capsys.readouterr().out.strip() == "recurrent-3.3b: 1.200 (1.100-1.200) over 5 steps"
     with pytest.raises(SystemExit, match="no log_history.json"):
         main([str(tmp_path), str(tmp_path / "after")])
+
+
+def test_a_run_logged_every_few_steps_is_compared_over_its_windows(tmp_path, capsys):
+    """Every step logged against a line every 2 steps: each window's tokens over the seconds its steps took."""
+    import pytest
+
+    from benchmarks.step_ratio import compare
+
+    speeds = {2: 90.0, 3: 100.0, 4: 300.0, 5: 200.0, 6: 200.0, 7: 50.0, 8: 50.0}
+    depths = {2: 5, 3: 4, 4: 8, 5: 6, 6: 6, 7: 9, 8: 9}
+    baseline = [{"step": s, "tokens_per_second": v, "depth": depths[s]} for s, v in speeds.items()]
+    # steps 5-6 at 220 tokens/s (1.1x); 7-8 at 60 (1.2x) but sampled another mean depth: left out
+    changed = [{"step": s, "tokens_per_second": v, "depth": d}
+               for s, v, d in ((2, 80.0, 5.0), (4, 150.0, 6.0), (6, 220.0, 6.0), (8, 60.0, 8.0))]
+    result = compare(baseline, changed, skip=4)
+    assert result == pytest.approx({"median": 1.1, "low": 1.1, "high": 1.1, "steps": 2, "windows": 1})
+    # steps 3-4 of the baseline: 2 tokens' worth over 1/100 + 1/300 s = 150 tokens/s, as the changed line's
+    assert compare(baseline, changed, skip=2) == pytest.approx({"median": 1.05, "low": 1.0, "high": 1.1, "steps": 4,
+                                                                "windows": 2})
