@@ -456,7 +456,7 @@ def fused_factored_update(param, grad, row, col, momentum, step, keys, hyper, to
     # operands, fp32 accumulation), per chunk of rows; the back-projection in blocks of at most _BACK_NUMEL
     # elements, each added by the apply kernel.
     rank = projector.shape[-1]
-    scaled_basis = torch.mul(col_factor[:C, None], projector, out=grad.new_empty(projector.shape))  # cast as written
+    scaled_basis = torch.mul(col_factor[:C, None], projector, out=grad.new_empty(projector.shape))  # cast in-kernel
     basis_t = projector.t().to(grad.dtype)
     block = max(1, _BACK_NUMEL // C)
     for i, start in enumerate(range(0, R, rows_per_chunk)):
