@@ -329,6 +329,96 @@ def test_a_dropped_in_backward_optimizer_frees_its_weights_and_leaves_no_hooks()
     assert weight() is None
 
 
+class _FakeStream:
+    """Stands in for a CUDA stream on the CPU: logs what the in-backward hooks ask of it."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self.device = name, log, torch.device("cpu")
+
+    def wait_stream(self, other):
+        self.log.append(("wait", self.name, other.name))
+
+
+def test_updates_beside_backward_wait_for_their_gradient_and_backward_ends_after_them(monkeypatch):
+    # On one CUDA device the in-backward updates run on a stream of their own: each must wait for backward's work so
+    # far (its gradient), run inside its stream, keep its gradient from reuse until read, and the end of backward
+    # must make backward's stream wait for them all, once. Faked streams on the CPU; the updates are the same.
+    import contextlib
+    from trainer_ext.optim import in_backward as hooks_module
+
+    log = []
+    main = _FakeStream("main", log)
+    inside = []
+
+    @contextlib.contextmanager
+    def run_on(stream):
+        inside.append(stream.name)
+        yield
+        inside.pop()
+
+    monkeypatch.setattr(hooks_module.torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(hooks_module.torch.cuda, "stream", run_on)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda tensor, stream: log.append(("record", stream.name, tuple(tensor.shape))), raising=False)
+    update = LowMemoryAdafactor._update
+
+    def logged_update(self, p, group, index, grad=None):
+        log.append(("update", inside[-1] if inside else None, tuple(p.shape)))
+        return update(self, p, group, index, grad)
+
+    monkeypatch.setattr(LowMemoryAdafactor, "_update", logged_update)
+    reference, model = _mlp(), _mlp()
+    options = dict(lr=0.01, weight_decay=0.1, momentum=0.9)
+    plain = create_optimizer(reference, in_backward=True, **options)
+    beside = create_optimizer(model, in_backward=True, update_stream=True, **options)
+    assert beside._hooks.stream is None  # the CPU: no stream of its own
+    beside._hooks.stream = _FakeStream("updates", log)
+    for step, batch in enumerate(_batches(3)):
+        _loss(reference, batch).backward()
+        plain.step()
+        log.clear()
+        _loss(model, batch).backward()
+        beside.step()
+        updates = [entry for entry in log if entry[0] == "update"]
+        assert len(updates) == 6 and all(where == "updates" for _, where, _ in updates)
+        for i, entry in enumerate(log[:-1]):
+            if entry[0] == "update":  # waited before, its gradient recorded after
+                assert ("wait", "updates", "main") in log[:i]
+                assert log[i + 1] == ("record", "updates", entry[2])
+        assert log[-1] == ("wait", "main", "updates") and log.count(("wait", "main", "updates")) == 1
+        assert all(p.grad is None for p in model.parameters())
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    class Fails(torch.autograd.Function):  # a backward that raises after the last layer's updates were queued
+        forward = staticmethod(lambda ctx, x: x.clone())
+        backward = staticmethod(lambda ctx, grad: (_ for _ in ()).throw(RuntimeError("out of memory")))
+
+    inputs, targets = _batches(1)[0]
+    log.clear()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        (model[2:](Fails.apply(model[:2](inputs))) - targets).square().mean().backward()
+    assert [entry[0] for entry in log].count("update") == 4 and ("wait", "main", "updates") not in log
+    beside.step()
+    log.clear()
+    _loss(model, _batches(1)[0]).backward()  # the next backward still ends waiting for its updates
+    assert log[-1] == ("wait", "main", "updates")
+
+
+def test_update_stream_is_made_only_for_one_cuda_device():
+    from trainer_ext.optim.in_backward import update_stream
+
+    params = list(_mlp().parameters())
+    assert update_stream(params, True) is None  # the CPU
+    assert create_optimizer(_mlp(), lr=0.01, in_backward=True, update_stream=True)._hooks.stream is None
+    with pytest.raises(ValueError, match="update_stream"):
+        LowMemoryAdafactor(params, update_stream="yes")
+    if torch.cuda.is_available():
+        cuda = [torch.nn.Parameter(torch.zeros(2, device="cuda"))]
+        assert isinstance(update_stream(cuda, True), torch.cuda.Stream)
+        assert update_stream(cuda, False) is None
+
+
 # ----------------------------------------------------------------------------- non-finite gradients
 
 
@@ -482,3 +572,20 @@ def test_compiled_update_matches_eager_on_gpu():
     for reference, compiled in [(0, 1), (0, 2), (3, 4), (3, 5)]:
         for a, b in zip(results[reference], results[compiled]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fraction", [None, 0.25])
+def test_updates_on_their_own_stream_equal_those_on_backwards_on_gpu(fraction):
+    runs = []
+    for stream in (False, True):
+        model = _mlp(torch.bfloat16).cuda()
+        optimizer = create_optimizer(model, lr=0.01, weight_decay=0.1, in_backward=True, momentum=0.9,
+                                     momentum_rank_fraction=fraction, projection_interval=2, update_stream=stream)
+        assert (optimizer._hooks.stream is not None) == stream
+        for batch in _batches(4, torch.bfloat16):
+            _loss(model, [t.cuda() for t in batch]).backward()
+            optimizer.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -7,6 +7,13 @@ every replica takes the same update. The hooks reach the optimizer through a wea
 would close a cycle (parameter, its hook table, optimizer, parameter) through the tensor's C++ side, which Python's
 collector does not see, so every finished training of a process would keep its weights and optimizer state
 (results/in-process-trainings). The hooks go when the optimizer does.
+
+On one CUDA device the updates can run on a stream of their own (`update_stream`): an update's kernels are bound by
+the memory's bandwidth, backward's products by arithmetic, and the update of one layer's weights then runs beside the
+products of the layers before it instead of between them. Each update waits for what backward had queued when its
+hook ran (its gradient), its gradient is kept from reuse until the update has read it, and the end of backward makes
+the training's stream wait for every update, so that nothing after backward (the next forward, a checkpoint) reads a
+weight before it is written.
 """
 
 from __future__ import annotations
@@ -38,18 +45,51 @@ class BackwardHooks:
     def __init__(self, update):
         self._update = weakref.WeakMethod(update)
         self._handles: list = []
+        self.stream = None  # the CUDA stream the updates run on (`update_stream`), or None: backward's own
+        self._joined_backward = None  # the backward pass whose end waits for the updates (a backward that raised
+        # never reaches its end: the next one must queue its own wait)
         weakref.finalize(update.__self__, _remove, self._handles)
 
     def add(self, param: torch.Tensor) -> None:
-        update = self._update
+        update, hooks = self._update, weakref.ref(self)
 
         def hook(p: torch.Tensor) -> None:
-            update()(p)
+            run = hooks()
+            if run.stream is None:
+                update()(p)
+            else:
+                run.update_beside(p, update())
 
         self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
+    def update_beside(self, p: torch.Tensor, update) -> None:
+        """``update(p)`` on `stream`, after the work backward has queued so far; the end of this backward waits."""
+        stream, main = self.stream, torch.cuda.current_stream(self.stream.device)
+        stream.wait_stream(main)
+        backward = torch._C._current_graph_task_id()
+        if backward != self._joined_backward:
+            self._joined_backward = backward
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: main.wait_stream(stream))
+        grad = p.grad
+        with torch.cuda.stream(stream):
+            update(p)
+        grad.record_stream(stream)  # its memory is not handed out again before the update has read it
+
     def remove(self) -> None:
         _remove(self._handles)
+
+
+def update_stream(params, wanted: bool):
+    """A CUDA stream for the in-backward updates, or None (they run on backward's stream): where ``wanted`` and every
+    parameter lies on one CUDA device of a single process (a process of several has its updates after the
+    all-reduce, or on FSDP2's shards, on the streams those use)."""
+    import torch.distributed as dist
+
+    devices = {p.device for p in params}
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not wanted or several or len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return None
+    return torch.cuda.Stream(next(iter(devices)))
 
 
 def _remove(handles: list) -> None:

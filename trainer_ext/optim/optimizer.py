@@ -28,6 +28,7 @@ from trainer_ext.optim.in_backward import (
     BackwardHooks,
     check_gradient_accumulation,
     register_update_after_all_reduce,
+    update_stream,
 )
 from trainer_ext.optim.kernels import (
     EAGER_KERNELS,
@@ -119,6 +120,8 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
         fused: where compiled, update CUDA matrices and vectors with the Triton kernels of triton_kernels.py (one
             kernel per pass over a matrix, one per vector; no fp32 copy of the gradient). None (default) or True:
             yes; False: the compiled torch functions.
+        update_stream: in-backward mode on one CUDA device: run the updates on a stream of their own, beside
+            backward's products (in_backward.py). False (default): on backward's stream.
         seed: seed of the stochastic-rounding bits; saved in the state dict.
 
     Bookkeeping (``last_grad_norm``, ``last_step_skips``, ``skipped_updates``) is accumulated on the
@@ -144,6 +147,7 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
         max_chunk_numel: int = DEFAULT_MAX_CHUNK_NUMEL,
         compile: bool | None = None,
         fused: bool | None = None,
+        update_stream: bool = False,
         seed: int = 0,
     ):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
@@ -172,6 +176,9 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
         if fused not in (None, True, False):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
         self.fused = fused
+        if update_stream not in (True, False):
+            raise ValueError(f"update_stream must be True or False, got {update_stream!r}")
+        self.update_stream = update_stream
         self.seed = seed
         self._rng_keys: dict[tuple, torch.Tensor] = {}
         self._shards: dict[torch.Tensor, RowShard | None] = {}  # per parameter: the block this process holds
@@ -205,11 +212,13 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
         for p in self._position:
             if p.requires_grad:
                 self._hooks.add(p)
+        self._hooks.stream = update_stream(self._position, self.update_stream)
         self.in_backward = True
 
     def detach_from_backward(self) -> None:
         """Remove the backward hooks; ``step`` updates from ``.grad`` again."""
         self._hooks.remove()
+        self._hooks.stream = None
         self.in_backward = False
 
     def update_after_all_reduce(self, ddp_model) -> None:

@@ -187,6 +187,7 @@ class RecurrentTrainer(StabilityMixin, Trainer):
                 subspace_residual=resolve_subspace_residual(self.args.optimizer_subspace_residual, momentum),
                 beta2=self.args.adam_beta2,  # HF's flag, the same 0.999 default
                 fused=self.args.optimizer_fused,
+                update_stream=self.args.optimizer_update_stream,
                 seed=self.args.seed,
             )
         return self.optimizer
