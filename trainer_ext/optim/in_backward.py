@@ -13,7 +13,9 @@ the memory's bandwidth, backward's products by arithmetic, and the update of one
 products of the layers before it instead of between them. Each update waits for what backward had queued when its
 hook ran (its gradient), its gradient is kept from reuse until the update has read it, and the end of backward makes
 the training's stream wait for every update, so that nothing after backward (the next forward, a checkpoint) reads a
-weight before it is written.
+weight before it is written. Measured on recurrent-3.3b (BENCHMARKS.md): 28% of the updates' time hidden, 1.3% more
+tokens/s, and 3.5 GiB more memory reserved with the same allocated (most likely gradients whose memory waits for the
+updates' stream, which falls behind): off by default.
 """
 
 from __future__ import annotations
