@@ -187,10 +187,9 @@ class RecurrentTrainingArguments(TrainingArguments):
     optimizer_fused: bool = field(
         default=True, metadata={"help": "Update CUDA weight matrices with the optimizer's fused Triton kernels (three "
                                         "passes over each tensor); false: its compiled torch functions."})
-    optimizer_update_stream: bool = field(
-        default=False, metadata={"help": "On one CUDA device: run the in-backward updates on a CUDA stream of their "
-                                         "own, beside backward's products. Measured on recurrent-3.3b: 1.3% more "
-                                         "tokens/s and 3.5 GiB more reserved memory: off by default (BENCHMARKS.md)."})
+    optimizer_update_stream: bool = field(default=False, metadata={"help": (
+        "Run the in-backward updates on a CUDA stream of their own, beside backward's products (one GPU): on "
+        "recurrent-3.3b 1.3%% more tokens/s and 3.5 GiB more reserved memory, so off by default (BENCHMARKS.md).")})
     gc_interval: int = field(
         default=50, metadata={"help": "Run Python's garbage collector after every N-th step and nowhere else during "
                                       "training (its pauses would land inside steps); 0: automatic, as Python does."})
