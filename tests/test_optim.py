@@ -373,7 +373,7 @@ def test_updates_beside_backward_wait_for_their_gradient_and_backward_ends_after
     beside = create_optimizer(model, in_backward=True, update_stream=True, **options)
     assert beside._hooks.stream is None  # the CPU: no stream of its own
     beside._hooks.stream = _FakeStream("updates", log)
-    for step, batch in enumerate(_batches(3)):
+    for batch in _batches(3):
         _loss(reference, batch).backward()
         plain.step()
         log.clear()
