@@ -75,10 +75,10 @@ def test_console_entry_points_resolve_to_the_cli_package():
         assert callable(getattr(importlib.import_module(module), function)), name
 
 
-@pytest.mark.parametrize("name", sorted(_pyproject()["project"]["scripts"]))
-def test_every_console_entry_point_prints_its_help(name, capsys):
+@pytest.mark.parametrize("name, target", sorted(_pyproject()["project"]["scripts"].items()))
+def test_every_console_entry_point_prints_its_help(name, target, capsys):
     # argparse formats each help text with %: a bare % in one (say "1.3% faster") breaks --help for the whole command.
-    module, _, function = _pyproject()["project"]["scripts"][name].partition(":")
+    module, _, function = target.partition(":")
     with pytest.raises(SystemExit) as exit_:
         getattr(importlib.import_module(module), function)(["--help"])
     assert exit_.value.code in (0, None) and "usage:" in capsys.readouterr().out

@@ -218,7 +218,6 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
     def detach_from_backward(self) -> None:
         """Remove the backward hooks; ``step`` updates from ``.grad`` again."""
         self._hooks.remove()
-        self._hooks.stream = None
         self.in_backward = False
 
     def update_after_all_reduce(self, ddp_model) -> None:
