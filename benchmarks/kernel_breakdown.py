@@ -15,7 +15,11 @@ matrix products (what a fused kernel could take next). With `host=True` the host
 overlapping them, summed by name (a call and the calls inside it each count the same stretch), the Python side of a step
 that starves the GPU. Where the host's launches are recorded, `idle_by_launch` splits all the idle time between
 operations, short gaps included, into the host's lateness (the next operation launched only after the GPU ran dry) and
-the device's own latency between operations already queued.
+the device's own latency between operations already queued. With them `phases` splits the GPU's operations by the
+part of the step that launched them (`phase_of_launches`): forward (the training's thread), backward (autograd's
+thread), recompute (a compiled forward that autograd's thread ran: a checkpointed layer run again), optimizer (launched
+inside a parameter's gradient accumulation, where the in-backward update hooks run), transfers (copies between host and
+device, whoever launched them).
 
     python3 -m benchmarks.memory_probe --verify --breakdown ...   # a breakdown of each verified plan's steps
 
@@ -25,6 +29,7 @@ inductor's fused kernels (`triton_*`). The products of a recomputed forward are 
 forward's: the recompute's cost is the executed FLOPs over the model's (`flops_ratio` in the verify output).
 """
 
+import bisect
 import gzip
 import json
 import os
@@ -126,10 +131,54 @@ def _idle_by_launch(ops: list[tuple[float, float, int | None]], launches: dict[i
             "operations_per_step": round(len(ops) / steps, 1)}
 
 
+FORWARD_REGIONS = re.compile(r"^(CompiledFunction$|Torch-Compiled Region)")
+UPDATE_REGIONS = re.compile(r"AccumulateGrad")
+
+
+def _union(ranges: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """Sorted, merged (starts, ends) of the ranges."""
+    starts, ends = [], []
+    for start, stop in sorted(ranges):
+        if ends and start <= ends[-1]:
+            ends[-1] = max(ends[-1], stop)
+        else:
+            starts.append(start)
+            ends.append(stop)
+    return starts, ends
+
+
+def _inside(merged: tuple[list[float], list[float]], ts: float) -> bool:
+    index = bisect.bisect_right(merged[0], ts) - 1
+    return index >= 0 and ts <= merged[1][index]
+
+
+def phase_of_launches(events: list[dict]) -> dict:
+    """Correlation id -> the phase of the step that launched it, from a trace's host events: "backward" where autograd's
+    thread launched it (the thread running `autograd::engine` functions), "optimizer" inside that thread's gradient
+    accumulation, "recompute" inside a compiled forward on that thread, "forward" on any other thread."""
+    backward_threads = {e.get("tid") for e in events
+                        if e.get("cat") == "cpu_op" and e.get("name", "").startswith("autograd::engine")}
+    ops = [e for e in events if e.get("cat") == "cpu_op" and e.get("tid") in backward_threads and "dur" in e]
+    regions = {label: {tid: _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ops
+                                    if e["tid"] == tid and pattern.search(e["name"])])
+                       for tid in backward_threads}
+               for label, pattern in (("optimizer", UPDATE_REGIONS), ("recompute", FORWARD_REGIONS))}
+    phases = {}
+    for e in events:
+        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or "correlation" not in e.get("args", {}):
+            continue
+        tid, ts, phase = e.get("tid"), float(e["ts"]), "forward"
+        if tid in backward_threads:
+            phase = next((label for label in ("optimizer", "recompute") if _inside(regions[label][tid], ts)),
+                         "backward")
+        phases[e["args"]["correlation"]] = phase
+    return phases
+
+
 def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
     """Seconds per step by category, their shares of the wall time, the idle share and where the idle gaps lie,
     from a Chrome trace; `host_in_gaps` where it holds host events."""
-    seconds, kernels, by_name, host, ops, launches = {}, [], {}, [], [], {}
+    seconds, kernels, by_name, host, ops, launches, transfers = {}, [], {}, [], [], {}, set()
     for event in trace.get("traceEvents", ()):
         kind = event.get("cat")
         if kind in HOST_CATEGORIES and "dur" in event:
@@ -141,6 +190,8 @@ def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
         ops.append((float(event["ts"]), float(event["ts"]) + float(event["dur"]),
                     event.get("args", {}).get("correlation")))
         name = event.get("name", "")
+        if re.search(r"HtoD|DtoH", name):
+            transfers.add(len(ops) - 1)
         label = "copies" if kind in COPY_CATEGORIES else category(name)
         seconds[label] = seconds.get(label, 0.0) + event["dur"] / 1e6
         if label != "matmul":
@@ -164,7 +215,21 @@ def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
         result["host_in_gaps"] = _host_in_gaps(sorted(host), gaps, max(steps, 1))
     if launches:
         result["idle_by_launch"] = _idle_by_launch(ops, launches, max(steps, 1))
+        result["phases"] = _phases(ops, transfers, phase_of_launches(trace["traceEvents"]), wall, steps)
     return result
+
+
+def _phases(ops: list[tuple[float, float, int | None]], transfers: set[int], launched: dict, wall: float,
+            steps: int) -> dict:
+    """The GPU time of each phase of the step (`phase_of_launches`; "transfers": the host-device copies), seconds
+    per step, with the GPU's idle time; "unknown": operations whose launch the trace does not hold."""
+    seconds = dict.fromkeys(("forward", "recompute", "backward", "optimizer", "transfers"), 0.0)
+    for index, (start, stop, correlation) in enumerate(ops):
+        phase = "transfers" if index in transfers else launched.get(correlation, "unknown")
+        seconds[phase] = seconds.get(phase, 0.0) + (stop - start) / 1e6
+    busy = _busy_and_gaps([(start, stop, "") for start, stop, _ in ops])[0] / 1e6
+    seconds["idle"] = max(wall - busy, 0.0)
+    return {phase: round(value / max(steps, 1), 7) for phase, value in seconds.items()}
 
 
 class KernelProfile(TrainerCallback):

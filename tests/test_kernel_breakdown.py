@@ -80,6 +80,32 @@ def test_the_idle_time_is_split_by_whether_the_host_launched_late():
     assert "idle_by_launch" not in breakdown_from_trace({"traceEvents": events[:4]}, 320e-6, 2)
 
 
+def test_the_gpu_time_is_split_by_the_part_of_the_step_that_launched_it():
+    """Forward on the training's thread; on autograd's thread backward, a compiled forward run again (recompute) and
+    what a gradient's accumulation launched (the in-backward update); copies between host and device apart."""
+    ops = [  # (category, name, start us, duration us, correlation)
+        ("kernel", "gemm_fwd", 0, 100, 1), ("kernel", "triton_recomputed", 100, 40, 3),
+        ("kernel", "gemm_bwd", 140, 200, 2), ("kernel", "_apply_kernel", 340, 30, 4),
+        ("kernel", "triton_compiled_fwd", 400, 20, 5), ("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 420, 10, 6),
+        ("gpu_memset", "Memset (Device)", 430, 5, 8), ("kernel", "no_launch_recorded", 450, 10, 7)]
+    events = [{"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": c}}
+              for cat, name, ts, dur, c in ops]
+    host = [  # (thread, name, start, duration): thread 2 is autograd's (it runs autograd::engine functions)
+        (2, "autograd::engine::evaluate_function: CompiledFunctionBackward", 5, 40),
+        (2, "CompiledFunctionBackward", 6, 30), (2, "CompiledFunction", 10, 10),  # the recompute inside backward
+        (2, "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 50, 10),
+        (1, "Torch-Compiled Region: 0/0", 60, 10), (1, "CompiledFunction", 61, 8)]
+    events += [{"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid} for tid, name, ts, dur in host]
+    launches = ((1, -10, 1), (2, 12, 3), (2, 30, 2), (2, 55, 4), (1, 65, 5), (1, 66, 6), (2, 70, 8))
+    events += [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid,
+                "args": {"correlation": c}} for tid, ts, c in launches]
+    phases = breakdown_from_trace({"traceEvents": events}, wall_seconds=1000e-6, steps=2)["phases"]
+    assert phases == pytest.approx({"forward": 120e-6 / 2, "recompute": 40e-6 / 2, "backward": 205e-6 / 2,
+                                    "optimizer": 30e-6 / 2, "transfers": 10e-6 / 2, "unknown": 10e-6 / 2,
+                                    "idle": (1000 - 415) * 1e-6 / 2})  # busy: 0-370, 400-435, 450-460
+    assert "phases" not in breakdown_from_trace({"traceEvents": events[:len(ops)]}, 1000e-6, 2)
+
+
 def test_a_profile_of_some_steps_is_written_with_its_tables(tmp_path):
     """KernelProfile from start_step to stop_step, host operations included, written as JSON, tables and the trace."""
     import torch
