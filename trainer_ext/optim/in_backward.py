@@ -93,11 +93,12 @@ class BackwardHooks:
         stream waits for the oldest (on the device: the host does not block)."""
         self._pending.append((done, size))
         self._pending_bytes += size
-        while self._pending and (self._pending_bytes > self.max_pending_bytes or self._pending[0][0].query()):
+        while self._pending and self._pending[0][0].query():  # done: nothing to wait for
+            self._pending_bytes -= self._pending.popleft()[1]
+        while self._pending_bytes > self.max_pending_bytes:
             event, size = self._pending.popleft()
             self._pending_bytes -= size
-            if self._pending_bytes + size > self.max_pending_bytes:
-                main.wait_event(event)
+            main.wait_event(event)
 
     def remove(self) -> None:
         _remove(self._handles)
