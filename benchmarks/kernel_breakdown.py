@@ -22,6 +22,7 @@ inside a parameter's gradient accumulation, where the in-backward update hooks r
 device, whoever launched them).
 
     python3 -m benchmarks.memory_probe --verify --breakdown ...   # a breakdown of each verified plan's steps
+    python3 -m benchmarks.kernel_breakdown PROFILE.json   # a written profile again, from its trace (.trace.json.gz)
 
 The categories come from kernel names: cuBLAS / CUTLASS products, flash / cuDNN attention, our Triton kernels by
 their function names (trainer_ext/distill/ce_triton.py, kd_triton.py; trainer_ext/optim/triton_kernels.py),
@@ -288,3 +289,28 @@ class KernelProfile(TrainerCallback):
                 f.write(averages.table(sort_by="self_device_time_total", row_limit=25) + "\n"
                         + averages.table(sort_by="self_cpu_time_total", row_limit=40))
         self._profiler = None
+
+
+def main(argv=None) -> None:
+    """Break a written profile (`KernelProfile`'s `path`) down again from the trace beside it, with today's code; the
+    phases printed, the whole result written with --output."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("profile", help="a profile's JSON; its trace is the .trace.json.gz beside it")
+    parser.add_argument("--output", help="where to write the recomputed breakdown (JSON)")
+    args = parser.parse_args(argv)
+    stem = os.path.splitext(args.profile)[0]
+    with open(args.profile) as f:
+        written = json.load(f)
+    with gzip.open(stem + ".trace.json.gz") as f:
+        trace = json.load(f)
+    result = breakdown_from_trace(trace, written["step_seconds"] * written["steps"], written["steps"])
+    print(json.dumps({"step_seconds": result["step_seconds"], "phases": result.get("phases")}))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -80,7 +80,7 @@ def test_the_idle_time_is_split_by_whether_the_host_launched_late():
     assert "idle_by_launch" not in breakdown_from_trace({"traceEvents": events[:4]}, 320e-6, 2)
 
 
-def test_the_gpu_time_is_split_by_the_part_of_the_step_that_launched_it():
+def test_the_gpu_time_is_split_by_the_part_of_the_step_that_launched_it(tmp_path):
     """Forward on the training's thread; on autograd's thread backward, a compiled forward run again (recompute) and
     what a gradient's accumulation launched (the in-backward update); copies between host and device apart."""
     ops = [  # (category, name, start us, duration us, correlation)
@@ -104,6 +104,16 @@ def test_the_gpu_time_is_split_by_the_part_of_the_step_that_launched_it():
                                     "optimizer": 30e-6 / 2, "transfers": 10e-6 / 2, "unknown": 10e-6 / 2,
                                     "idle": (1000 - 415) * 1e-6 / 2})  # busy: 0-370, 400-435, 450-460
     assert "phases" not in breakdown_from_trace({"traceEvents": events[:len(ops)]}, 1000e-6, 2)
+    # A written profile broken down again from the trace beside it (its wall time from the profile)
+    import gzip
+
+    from benchmarks.kernel_breakdown import main
+
+    (tmp_path / "profile.json").write_text(json.dumps({"step_seconds": 500e-6, "steps": 2}))
+    with gzip.open(tmp_path / "profile.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    main([str(tmp_path / "profile.json"), "--output", str(tmp_path / "again.json")])
+    assert json.loads((tmp_path / "again.json").read_text())["phases"] == pytest.approx(phases)
 
 
 def test_a_profile_of_some_steps_is_written_with_its_tables(tmp_path):
