@@ -4,7 +4,6 @@ import gc
 import io
 import math
 import weakref
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -331,30 +330,25 @@ def test_a_dropped_in_backward_optimizer_frees_its_weights_and_leaves_no_hooks()
 
 
 class _FakeStream:
-    """Stands in for a CUDA stream on the CPU: logs what the in-backward hooks ask of it. Its events are done when
-    `done` says so."""
+    """Stands in for a CUDA stream on the CPU: logs what the in-backward hooks ask of it."""
 
-    def __init__(self, name, log, done=lambda: False):
-        self.name, self.log, self.device, self.done, self.events = name, log, torch.device("cpu"), done, 0
+    def __init__(self, name, log):
+        self.name, self.log, self.device = name, log, torch.device("cpu")
 
     def wait_stream(self, other):
         self.log.append(("wait", self.name, other.name))
 
-    def record_event(self):
-        self.events += 1
-        return SimpleNamespace(name=f"{self.name}:{self.events}", query=self.done)
 
-    def wait_event(self, event):
-        self.log.append(("wait", self.name, event.name))
-
-
-def _fake_streams(monkeypatch, log) -> _FakeStream:
-    """Backward's faked stream, with the hooks' stream switches and `record_stream` logged; the optimizer's updates
-    logged with the stream they ran in."""
+def test_updates_beside_backward_wait_for_their_gradient_and_backward_ends_after_them(monkeypatch):
+    # On one CUDA device the in-backward updates run on a stream of their own: each must wait for backward's work so
+    # far (its gradient), run inside its stream, keep its gradient from reuse until read, and the end of backward
+    # must make backward's stream wait for them all, once. Faked streams on the CPU; the updates are the same.
     import contextlib
     from trainer_ext.optim import in_backward as hooks_module
 
-    main, inside = _FakeStream("main", log), []
+    log = []
+    main = _FakeStream("main", log)
+    inside = []
 
     @contextlib.contextmanager
     def run_on(stream):
@@ -373,15 +367,6 @@ def _fake_streams(monkeypatch, log) -> _FakeStream:
         return update(self, p, group, index, grad)
 
     monkeypatch.setattr(LowMemoryAdafactor, "_update", logged_update)
-    return main
-
-
-def test_updates_beside_backward_wait_for_their_gradient_and_backward_ends_after_them(monkeypatch):
-    # On one CUDA device the in-backward updates run on a stream of their own: each must wait for backward's work so
-    # far (its gradient), run inside its stream, keep its gradient from reuse until read, and the end of backward
-    # must make backward's stream wait for them all, once. Faked streams on the CPU; the updates are the same.
-    log = []
-    _fake_streams(monkeypatch, log)
     reference, model = _mlp(), _mlp()
     options = dict(lr=0.01, weight_decay=0.1, momentum=0.9)
     plain = create_optimizer(reference, in_backward=True, **options)
@@ -418,34 +403,6 @@ def test_updates_beside_backward_wait_for_their_gradient_and_backward_ends_after
     log.clear()
     _loss(model, _batches(1)[0]).backward()  # the next backward still ends waiting for its updates
     assert log[-1] == ("wait", "main", "updates")
-
-
-@pytest.mark.parametrize("done", [False, True])
-def test_backward_waits_for_the_oldest_update_beyond_the_pending_bound(monkeypatch, done):
-    # With max_pending_bytes, backward runs ahead of at most that many gradient bytes whose updates are not done:
-    # beyond it backward's stream waits for the oldest update's event; updates already done are not waited for.
-    log = []
-    _fake_streams(monkeypatch, log)
-    model = _mlp()  # layers' gradients in backward's order: 2.bias, 2.weight, 1.bias, 1.weight, 0.bias, 0.weight
-    sizes = [p.numel() * p.element_size() for p in reversed(list(model.parameters()))]
-    beside = create_optimizer(model, lr=0.01, in_backward=True, update_stream=True, momentum=0.9)
-    beside._hooks.stream = _FakeStream("updates", log, done=lambda: done)
-    beside._hooks.max_pending_bytes = sizes[0] + sizes[1]  # the last layer's two gradients
-    for _ in range(2):  # the count starts afresh with each backward
-        log.clear()
-        _loss(model, _batches(1)[0]).backward()
-        beside.step()
-        waits = [entry[2] for entry in log if entry[:2] == ("wait", "main")]
-        if done:
-            assert waits == ["updates"]  # only the end of backward
-        else:
-            pending, expected = [], []
-            for index, size in enumerate(sizes):
-                pending.append((f"updates:{index + 1}", size))
-                while sum(s for _, s in pending) > beside._hooks.max_pending_bytes:
-                    expected.append(pending.pop(0)[0])
-            assert waits[:-1] == expected and waits[-1] == "updates" and len(expected) >= 2
-        beside._hooks.stream.events = 0
 
 
 def test_update_stream_is_made_only_for_one_cuda_device():

@@ -20,7 +20,6 @@ updates' stream, which falls behind): off by default.
 
 from __future__ import annotations
 
-import collections
 import weakref
 
 import torch
@@ -45,16 +44,10 @@ class BackwardHooks:
     """Post-accumulate-grad hooks calling ``update(param)``, a bound method held by weak reference and removed when
     its object is collected (or by ``remove``)."""
 
-    # With a stream: the most gradient bytes whose updates backward may run ahead of (their memory is not reused until
-    # read); beyond it backward's stream waits for the oldest. None: no bound.
-    max_pending_bytes: int | None = None
-
     def __init__(self, update):
         self._update = weakref.WeakMethod(update)
         self._handles: list = []
         self.stream = None  # the CUDA stream the updates run on (`update_stream`), or None: backward's own
-        self._pending = collections.deque()  # (event after an update, its gradient's bytes), oldest first
-        self._pending_bytes = 0
         self._joined_backward = None  # the backward pass whose end waits for the updates (a backward that raised
         # never reaches its end: the next one must queue its own wait)
         weakref.finalize(update.__self__, _remove, self._handles)
@@ -78,27 +71,11 @@ class BackwardHooks:
         backward = torch._C._current_graph_task_id()
         if backward != self._joined_backward:
             self._joined_backward = backward
-            self._pending.clear()
-            self._pending_bytes = 0
             torch.autograd.Variable._execution_engine.queue_callback(lambda: main.wait_stream(stream))
         grad = p.grad
         with torch.cuda.stream(stream):
             update(p)
         grad.record_stream(stream)  # its memory is not handed out again before the update has read it
-        if self.max_pending_bytes is not None:
-            self._bound_pending(main, stream.record_event(), grad.numel() * grad.element_size())
-
-    def _bound_pending(self, main, done, size: int) -> None:
-        """Count the update ending at event `done` as pending; while more than `max_pending_bytes` are, backward's
-        stream waits for the oldest (on the device: the host does not block)."""
-        self._pending.append((done, size))
-        self._pending_bytes += size
-        while self._pending and self._pending[0][0].query():  # done: nothing to wait for
-            self._pending_bytes -= self._pending.popleft()[1]
-        while self._pending_bytes > self.max_pending_bytes:
-            event, size = self._pending.popleft()
-            self._pending_bytes -= size
-            main.wait_event(event)
 
     def remove(self) -> None:
         _remove(self._handles)
