@@ -189,7 +189,7 @@ class RecurrentTrainingArguments(TrainingArguments):
                                         "passes over each tensor); false: its compiled torch functions."})
     optimizer_update_stream: bool = field(default=False, metadata={"help": (
         "Run the in-backward updates on a CUDA stream of their own, beside backward's products (one GPU): on "
-        "recurrent-3.3b 1.3%% more tokens/s and 3.5 GiB more reserved memory, so off by default (BENCHMARKS.md).")})
+        "recurrent-3.3b -1%% to +1.6%% tokens/s and about 3 GiB more reserved memory: off by default (BENCHMARKS.md).")})
     gc_interval: int = field(
         default=50, metadata={"help": "Run Python's garbage collector after every N-th step and nowhere else during "
                                       "training (its pauses would land inside steps); 0: automatic, as Python does."})
