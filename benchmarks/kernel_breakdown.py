@@ -18,8 +18,9 @@ operations, short gaps included, into the host's lateness (the next operation la
 the device's own latency between operations already queued. With them `phases` splits the GPU's operations by the
 part of the step that launched them (`phase_of_launches`): forward (the training's thread), backward (autograd's
 thread), recompute (a compiled forward that autograd's thread ran: a checkpointed layer run again), optimizer (launched
-inside a parameter's gradient accumulation, where the in-backward update hooks run), transfers (copies between host and
-device, whoever launched them).
+inside a parameter's gradient accumulation, where the in-backward update hooks run; under DDP they run in its
+communication hook and count as backward), transfers (copies between host and device, whoever launched them). Time on
+several streams at once (the updates' own stream, offload's copies) counts in each phase it belongs to.
 
     python3 -m benchmarks.memory_probe --verify --breakdown ...   # a breakdown of each verified plan's steps
     python3 -m benchmarks.kernel_breakdown PROFILE.json   # a written profile again, from its trace (.trace.json.gz)
