@@ -14,7 +14,7 @@ products of the layers before it instead of between them. Each update waits for 
 hook ran (its gradient), its gradient is kept from reuse until the update has read it, and the end of backward makes
 the training's stream wait for every update, so that nothing after backward (the next forward, a checkpoint) reads a
 weight before it is written. Measured on recurrent-3.3b (BENCHMARKS.md): 28% of the updates' time hidden, between 1%
-fewer and 1.6% more tokens/s over three calls, and about 3 GiB more memory reserved with the same allocated (not the
+fewer and 1.6% more tokens/s in three comparisons, and about 3 GiB more memory reserved with the same allocated (not the
 updates falling behind on the GPU: neither a high-priority stream nor a bound on how far backward ran ahead of them
 changed it; most likely the allocator, which hands a gradient's block out again only once the GPU has passed its
 update, while the host allocates backward's next buffers well ahead of the GPU): off by default.
