@@ -19,7 +19,8 @@ the device's own latency between operations already queued. With them `phases` s
 part of the step that launched them (`phase_of_launches`): forward (the training's thread), backward (autograd's
 thread), recompute (a compiled forward that autograd's thread ran: a checkpointed layer run again), optimizer (launched
 inside a parameter's gradient accumulation, where the in-backward update hooks run; under DDP they run in its
-communication hook and count as backward), transfers (copies between host and device, whoever launched them). Time on
+communication hook and count as backward), transfers (copies between host and device, whoever launched them), with
+each phase's operations a step (`phase_operations_per_step`) and its time by kind of kernel (`phase_kinds`). Time on
 several streams at once (the updates' own stream, offload's copies) counts in each phase it belongs to.
 
     python3 -m benchmarks.memory_probe --verify --breakdown ...   # a breakdown of each verified plan's steps
@@ -180,7 +181,7 @@ def phase_of_launches(events: list[dict]) -> dict:
 def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
     """Seconds per step by category, their shares of the wall time, the idle share and where the idle gaps lie,
     from a Chrome trace; `host_in_gaps` where it holds host events."""
-    seconds, kernels, by_name, host, ops, launches, transfers = {}, [], {}, [], [], {}, set()
+    seconds, kernels, by_name, host, ops, launches, transfers, labels = {}, [], {}, [], [], {}, set(), []
     for event in trace.get("traceEvents", ()):
         kind = event.get("cat")
         if kind in HOST_CATEGORIES and "dur" in event:
@@ -195,6 +196,7 @@ def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
         if re.search(r"HtoD|DtoH", name):
             transfers.add(len(ops) - 1)
         label = "copies" if kind in COPY_CATEGORIES else category(name)
+        labels.append(label)
         seconds[label] = seconds.get(label, 0.0) + event["dur"] / 1e6
         if label != "matmul":
             key = (label, name[:100])
@@ -217,21 +219,30 @@ def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
         result["host_in_gaps"] = _host_in_gaps(sorted(host), gaps, max(steps, 1))
     if launches:
         result["idle_by_launch"] = _idle_by_launch(ops, launches, max(steps, 1))
-        result["phases"] = _phases(ops, transfers, phase_of_launches(trace["traceEvents"]), wall, steps)
+        result.update(_phases(ops, labels, transfers, phase_of_launches(trace["traceEvents"]), wall, steps))
     return result
 
 
-def _phases(ops: list[tuple[float, float, int | None]], transfers: set[int], launched: dict, wall: float,
-            steps: int) -> dict:
+def _phases(ops: list[tuple[float, float, int | None]], labels: list[str], transfers: set[int], launched: dict,
+            wall: float, steps: int) -> dict:
     """The GPU time of each phase of the step (`phase_of_launches`; "transfers": the host-device copies), seconds
-    per step, with the GPU's idle time; "unknown": operations whose launch the trace does not hold."""
+    per step, with the GPU's idle time ("unknown": operations whose launch the trace does not hold); the operations a
+    step of each phase; each phase's seconds a step by kind of kernel."""
     seconds = dict.fromkeys(("forward", "recompute", "backward", "optimizer", "transfers"), 0.0)
-    for index, (start, stop, correlation) in enumerate(ops):
+    count, kinds = dict.fromkeys(seconds, 0), {}
+    for index, ((start, stop, correlation), label) in enumerate(zip(ops, labels)):
         phase = "transfers" if index in transfers else launched.get(correlation, "unknown")
         seconds[phase] = seconds.get(phase, 0.0) + (stop - start) / 1e6
+        count[phase] = count.get(phase, 0) + 1
+        by_kind = kinds.setdefault(phase, {})
+        by_kind[label] = by_kind.get(label, 0.0) + (stop - start) / 1e6
     busy = _busy_and_gaps([(start, stop, "") for start, stop, _ in ops])[0] / 1e6
     seconds["idle"] = max(wall - busy, 0.0)
-    return {phase: round(value / max(steps, 1), 7) for phase, value in seconds.items()}
+    steps = max(steps, 1)
+    return {"phases": {phase: round(value / steps, 7) for phase, value in seconds.items()},
+            "phase_operations_per_step": {phase: round(n / steps, 1) for phase, n in count.items()},
+            "phase_kinds": {phase: {label: round(value / steps, 7) for label, value in
+                                    sorted(by_kind.items(), key=lambda kv: -kv[1])} for phase, by_kind in kinds.items()}}
 
 
 class KernelProfile(TrainerCallback):
@@ -307,7 +318,8 @@ def main(argv=None) -> None:
     with gzip.open(stem + ".trace.json.gz") as f:
         trace = json.load(f)
     result = breakdown_from_trace(trace, written["step_seconds"] * written["steps"], written["steps"])
-    print(json.dumps({"step_seconds": result["step_seconds"], "phases": result.get("phases")}))
+    print(json.dumps({key: result.get(key) for key in ("step_seconds", "phases", "phase_operations_per_step",
+                                                        "phase_kinds")}))
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=1)

@@ -99,10 +99,17 @@ def test_the_gpu_time_is_split_by_the_part_of_the_step_that_launched_it(tmp_path
     launches = ((1, -10, 1), (2, 12, 3), (2, 30, 2), (2, 55, 4), (1, 65, 5), (1, 66, 6), (2, 70, 8))
     events += [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid,
                 "args": {"correlation": c}} for tid, ts, c in launches]
-    phases = breakdown_from_trace({"traceEvents": events}, wall_seconds=1000e-6, steps=2)["phases"]
+    result = breakdown_from_trace({"traceEvents": events}, wall_seconds=1000e-6, steps=2)
+    phases = result["phases"]
     assert phases == pytest.approx({"forward": 120e-6 / 2, "recompute": 40e-6 / 2, "backward": 205e-6 / 2,
                                     "optimizer": 30e-6 / 2, "transfers": 10e-6 / 2, "unknown": 10e-6 / 2,
                                     "idle": (1000 - 415) * 1e-6 / 2})  # busy: 0-370, 400-435, 450-460
+    assert result["phase_operations_per_step"] == {"forward": 1.0, "recompute": 0.5, "backward": 1.0,
+                                                   "optimizer": 0.5, "transfers": 0.5, "unknown": 0.5}
+    kinds = result["phase_kinds"]
+    assert kinds["backward"] == pytest.approx({"matmul": 100e-6, "copies": 2.5e-6})  # the product and the memset
+    assert kinds["forward"] == pytest.approx({"matmul": 50e-6, "compiled_elementwise": 10e-6})
+    assert kinds["optimizer"] == pytest.approx({"optimizer_kernels": 15e-6})
     assert "phases" not in breakdown_from_trace({"traceEvents": events[:len(ops)]}, 1000e-6, 2)
     # A written profile broken down again from the trace beside it (its wall time from the profile)
     import gzip
