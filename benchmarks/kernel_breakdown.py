@@ -219,15 +219,15 @@ def breakdown_from_trace(trace: dict, wall_seconds: float, steps: int) -> dict:
         result["host_in_gaps"] = _host_in_gaps(sorted(host), gaps, max(steps, 1))
     if launches:
         result["idle_by_launch"] = _idle_by_launch(ops, launches, max(steps, 1))
-        result.update(_phases(ops, labels, transfers, phase_of_launches(trace["traceEvents"]), wall, steps))
+        result.update(_phases(ops, labels, transfers, phase_of_launches(trace["traceEvents"]), wall - busy, steps))
     return result
 
 
 def _phases(ops: list[tuple[float, float, int | None]], labels: list[str], transfers: set[int], launched: dict,
-            wall: float, steps: int) -> dict:
+            idle: float, steps: int) -> dict:
     """The GPU time of each phase of the step (`phase_of_launches`; "transfers": the host-device copies), seconds
-    per step, with the GPU's idle time ("unknown": operations whose launch the trace does not hold); the operations a
-    step of each phase; each phase's seconds a step by kind of kernel."""
+    per step, with the GPU's `idle` seconds ("unknown": operations whose launch the trace does not hold); the
+    operations a step of each phase; each phase's seconds a step by kind of kernel."""
     seconds = dict.fromkeys(("forward", "recompute", "backward", "optimizer", "transfers"), 0.0)
     count, kinds = dict.fromkeys(seconds, 0), {}
     for index, ((start, stop, correlation), label) in enumerate(zip(ops, labels)):
@@ -236,8 +236,7 @@ def _phases(ops: list[tuple[float, float, int | None]], labels: list[str], trans
         count[phase] = count.get(phase, 0) + 1
         by_kind = kinds.setdefault(phase, {})
         by_kind[label] = by_kind.get(label, 0.0) + (stop - start) / 1e6
-    busy = _busy_and_gaps([(start, stop, "") for start, stop, _ in ops])[0] / 1e6
-    seconds["idle"] = max(wall - busy, 0.0)
+    seconds["idle"] = idle
     steps = max(steps, 1)
     return {"phases": {phase: round(value / steps, 7) for phase, value in seconds.items()},
             "phase_operations_per_step": {phase: round(n / steps, 1) for phase, n in count.items()},
