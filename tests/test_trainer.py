@@ -189,6 +189,25 @@ def test_bad_training_arguments_are_refused(tmp_path):
         RecurrentTrainingArguments(output_dir=str(tmp_path), optimizer="sgd")
 
 
+@pytest.mark.skipif(not hasattr(torch.backends, "fp32_precision"), reason="torch without the new fp32 API")
+@pytest.mark.parametrize("precision, tf32", [("tf32", True), ("ieee", False)])
+def test_the_arguments_leave_torchs_tf32_settings_in_agreement(tmp_path, precision, tf32):
+    """On a GPU transformers sets tf32 through torch's new API only, after which reading the legacy flag raised (as
+    Inductor's max-autotune does while compiling a matrix product); the arguments make the two agree."""
+    saved = torch.backends.fp32_precision, torch.get_float32_matmul_precision()
+    try:
+        torch.backends.fp32_precision = precision  # what TrainingArguments(tf32=...) does with CUDA and torch >= 2.9
+        if tf32:
+            with pytest.raises(RuntimeError, match="legacy and new APIs"):
+                torch.backends.cuda.matmul.allow_tf32
+        RecurrentTrainingArguments(output_dir=str(tmp_path), use_cpu=True)
+        assert torch.backends.cuda.matmul.allow_tf32 is tf32
+        assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+    finally:
+        torch.backends.fp32_precision = saved[0]
+        torch.set_float32_matmul_precision(saved[1])
+
+
 def test_run_pretrain_writes_a_loadable_checkpoint(tiny_data_dir, tmp_path):
     metrics = pretrain(parse_pretrain_job([
         "--data_dir", tiny_data_dir, "--output_dir", str(tmp_path / "run"), "--max_steps", "30",

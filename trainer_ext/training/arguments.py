@@ -18,7 +18,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_recurrent import presets
-from trainer_ext.compat import CHECKPOINTING_FLAG
+from trainer_ext.compat import CHECKPOINTING_FLAG, align_tf32_settings
 from trainer_ext.distill.losses import DIVERGENCES
 from trainer_ext.memory.device_profile import TRAINING_PROFILE_HELP, check_profile_value
 from trainer_ext.memory.placement import DEFAULT_PLACEMENTS, HOST_HELP, PLACEMENTS_HELP, check_host_gib, \
@@ -304,8 +304,7 @@ class RecurrentTrainingArguments(TrainingArguments):
             # In a log file every bar refresh is one more carriage-return line (thousands per run); the log lines
             # (loss, learning rate every --logging_steps) still say how far it got.
             self.disable_tqdm = not sys.stderr.isatty()
-        uses_release = self.optimizer == "low_memory" and self.optimizer_in_backward
-        if uses_release:
+        if self.optimizer == "low_memory" and self.optimizer_in_backward:
             # The optimizer's own check (optim.in_backward) says the same for library callers, without the flags.
             if self.gradient_accumulation_steps != 1:
                 raise ValueError(
@@ -318,6 +317,7 @@ class RecurrentTrainingArguments(TrainingArguments):
             self.max_grad_norm = 0.0
         with self._unset_warmup_checked_as_zero():
             super().__post_init__()
+        align_tf32_settings()  # transformers' tf32 left torch's legacy matmul flag disagreeing (compat.py)
 
     def _resolve_device_defaults(self):
         """Fields left None: batch sizes, checkpointing, torch.compile (on with CUDA) and the memory plan (auto with
