@@ -6,7 +6,8 @@ Each preset runs in its own process (clean peak-memory counters) through the sam
 scripts/run_pretrain.py with RecurrentTrainer, the low-memory optimizer in backward and the defaults: no batch
 size unless --batch_size is given, so on CUDA the memory plan for --cap_gib decides it (and the recompute set).
 The cap is `torch.cuda.set_per_process_memory_fraction(cap / total)`, set before anything is allocated.
-Prints one row per preset: median tokens/s and MFU after warm-up, peak reserved GiB, first and last loss.
+Prints one row per preset: median tokens/s and MFU after warm-up, peak reserved GiB, first and last loss; each
+run's whole output is also written, as it comes, to OUTPUT_DIR/train_PRESET.log.
 Every step is logged unless --log_every says otherwise: each log line waits for the GPU (the Trainer reads the loss),
 and the host's logging then runs while the GPU idles; the defaults log every 20 steps. With --log_every k the medians
 are over windows of k steps.
@@ -32,6 +33,18 @@ def child(cap_gib: float, run_args: list[str], profile_path: str | None = None) 
 
         callbacks = [KernelProfile(start_step=6, stop_step=10, host=True, path=profile_path)]
     pretrain(parse_pretrain_job(run_args), callbacks=callbacks)
+
+
+def run_logged(command: list[str], log_path: str) -> int:
+    """Run `command` with its output (stderr joined to stdout) passed through and written to `log_path` line by line
+    as it comes, so that a run stopped from outside (a time limit) leaves there how far it got; its exit code."""
+    with open(log_path, "w") as log, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as run:
+        for line in run.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+            log.flush()
+        return run.wait()
 
 
 def rise_over_running_min(losses: list[float], start: int, window: int = 1) -> float:
@@ -147,9 +160,9 @@ def main(argv=None) -> list[dict]:
         ]
         profile_path = os.path.join(args.output_dir, f"profile_{preset}.json") if args.profile else None
         code = f"from benchmarks.bench_train import child; child({args.cap_gib!r}, {run_args!r}, {profile_path!r})"
-        result = subprocess.run([sys.executable, "-c", code])
-        if result.returncode != 0:
-            rows.append({"preset": preset, "error": f"exit code {result.returncode}"})
+        returncode = run_logged([sys.executable, "-c", code], os.path.join(args.output_dir, f"train_{preset}.log"))
+        if returncode != 0:
+            rows.append({"preset": preset, "error": f"exit code {returncode}"})
             continue
         rows.append(summarize(preset, out_dir, args.warmup, args.spike_from))
         if profile_path and os.path.exists(profile_path):

@@ -2,6 +2,7 @@
 
 import json
 
+from benchmarks import bench_train
 from benchmarks.bench_train import rise_over_running_min, summarize
 
 
@@ -128,3 +129,15 @@ def test_a_run_logged_every_few_steps_is_compared_over_its_windows(tmp_path, cap
     # steps 3-4 of the baseline: 2 tokens' worth over 1/100 + 1/300 s = 150 tokens/s, as the changed line's
     assert compare(baseline, changed, skip=2) == pytest.approx({"median": 1.05, "low": 1.0, "high": 1.1, "steps": 4,
                                                                 "windows": 2})
+
+
+def test_each_runs_output_is_kept_in_a_log_beside_its_row(tmp_path, capsys):
+    """A run that fails (here on an optimizer the arguments refuse) leaves its whole output in train_PRESET.log, written
+    line by line as it comes (what a run stopped by a time limit leaves too), and still passed through."""
+    rows = bench_train.main(["--data_dir", str(tmp_path), "--presets", "debug", "--steps", "2",
+                             "--output_dir", str(tmp_path / "out"), "--extra", "--optimizer", "sgd"])
+    assert rows == [{"preset": "debug", "error": "exit code 1"}]
+    log = (tmp_path / "out" / "train_debug.log").read_text()
+    assert "--optimizer='sgd' is not allowed" in log and "Traceback" in log
+    assert log.strip().splitlines()[-1] in capsys.readouterr().out
+
