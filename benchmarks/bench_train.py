@@ -39,7 +39,8 @@ def run_logged(command: list[str], log_path: str) -> int:
     """Run `command` with its output (stderr joined to stdout) passed through and written to `log_path` line by line
     as it comes, so that a run stopped from outside (a time limit) leaves there how far it got; its exit code."""
     with open(log_path, "w") as log, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as run:
+                                                      text=True, errors="replace",
+                                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}) as run:
         for line in run.stdout:
             sys.stdout.write(line)
             log.write(line)
