@@ -11,6 +11,7 @@
 #       with the defaults (on CUDA: the memory plan's batch size and recompute, torch.compile); the batch-1 rows of
 #       BENCHMARKS.md: -- --per_device_train_batch_size 1 --memory_plan none --torch_compile false; SEQ=1024: the
 #       125M presets' data (seq 1024); the comparison's settings: -- --per_device_train_batch_size 32 --learning_rate 1e-3
+#       (each run's whole output, written as it comes: $OUT/NAME/train_PRESET.log)
 #   bash benchmarks/bench_gpu.sh distill [-- run_pretrain args]   PRESETS (default recurrent-3.3b) with and without an
 #       offline teacher cache (a transformer-125m teacher trained TEACHER_STEPS, default 150); VOCAB=99520: the
 #       students' head at llm-jp's vocabulary size; ARMS=cache: the cached runs only, ARMS=none: those without a
