@@ -32,6 +32,7 @@ inductor's fused kernels (`triton_*`). The products of a recomputed forward are 
 forward's: the recompute's cost is the executed FLOPs over the model's (`flops_ratio` in the verify output).
 """
 
+import argparse
 import bisect
 import gzip
 import json
@@ -305,8 +306,6 @@ class KernelProfile(TrainerCallback):
 def main(argv=None) -> None:
     """Break a written profile (`KernelProfile`'s `path`) down again from the trace beside it, with today's code; the
     phases printed, the whole result written with --output."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("profile", help="a profile's JSON; its trace is the .trace.json.gz beside it")
     parser.add_argument("--output", help="where to write the recomputed breakdown (JSON)")

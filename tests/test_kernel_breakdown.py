@@ -1,12 +1,13 @@
 """The step breakdown by kernel kind (benchmarks/kernel_breakdown.py) and the plan verification that reports it."""
 
+import gzip
 import json
 import os
 import re
 
 import pytest
 
-from benchmarks.kernel_breakdown import breakdown_from_trace, category
+from benchmarks.kernel_breakdown import breakdown_from_trace, category, main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,10 +113,6 @@ def test_the_gpu_time_is_split_by_the_part_of_the_step_that_launched_it(tmp_path
     assert kinds["optimizer"] == pytest.approx({"optimizer_kernels": 15e-6})
     assert "phases" not in breakdown_from_trace({"traceEvents": events[:len(ops)]}, 1000e-6, 2)
     # A written profile broken down again from the trace beside it (its wall time from the profile)
-    import gzip
-
-    from benchmarks.kernel_breakdown import main
-
     (tmp_path / "profile.json").write_text(json.dumps({"step_seconds": 500e-6, "steps": 2}))
     with gzip.open(tmp_path / "profile.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -142,8 +139,6 @@ def test_a_profile_of_some_steps_is_written_with_its_tables(tmp_path):
     assert profile.result["steps"] == 2  # steps 2 and 3 (global_step 1 -> 3), not the ones after
     assert json.loads(path.read_text()) == profile.result
     assert "aten::mm" in (tmp_path / "profile.txt").read_text()
-    import gzip
-
     with gzip.open(tmp_path / "profile.trace.json.gz") as f:
         names = {event.get("name") for event in json.load(f)["traceEvents"]}
     assert "aten::mm" in names and "aten::tanh" in names

@@ -1,5 +1,6 @@
 """What differs between the transformers lines this package supports (5.17 and the newest 5.x), named once."""
 
+import torch
 from transformers import TrainingArguments
 
 # TrainingArguments' activation checkpointing flag: transformers >= 5.24 renamed `gradient_checkpointing`.
@@ -29,8 +30,6 @@ def align_tf32_settings() -> None:
     raises ("mix of the legacy and new APIs"); Inductor's max-autotune reads it while lowering each matrix product,
     so `--torch_compile_mode max-autotune-no-cudagraphs` failed on its first compiled layer. Setting the legacy
     precision from the new one makes both say the same (and sets the CUDA matmul's own precision alike)."""
-    import torch
-
     precision = getattr(torch.backends, "fp32_precision", None)
     if precision in ("tf32", "ieee"):
         torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
