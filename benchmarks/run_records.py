@@ -22,6 +22,7 @@ import sys
 
 from benchmarks.memory_probe import config_fields
 from hf_recurrent import presets
+from trainer_ext.memory.placement import PLACEMENT_CHOICES
 from trainer_ext.memory.plan import PLAN_FILE, plan_for_preset, training_shape
 
 ROUNDING_GIB = 0.005
@@ -61,8 +62,11 @@ def run_vocab_size(log: str, given: int | None, run_planned: dict) -> int:
 def run_record(args) -> dict:
     run_planned = run_plan(args.log)
     args.vocab_size = run_vocab_size(args.log, args.vocab_size, run_planned)
+    # Plan files before the field were written when the plan kept or recomputed only, unless `all` was asked for.
+    placements = args.memory_placements or run_planned.get("placements", "recompute")
     plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, distill_topk=args.distill_topk,
-                           vocab_size=args.vocab_size, rank_fraction=args.optimizer_momentum_rank_fraction)
+                           vocab_size=args.vocab_size, rank_fraction=args.optimizer_momentum_rank_fraction,
+                           placements=placements)
     if args.batch_size is not None and plan.per_device_train_batch_size != args.batch_size:
         raise SystemExit(f"--calibration {args.calibration} plans batch {plan.per_device_train_batch_size}, the run "
                          f"trained at --batch_size {args.batch_size}: give the calibration the run was planned with.")
@@ -107,6 +111,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cap_gib", type=float, default=24.0)
     parser.add_argument("--calibration", required=True, help="The calibration the run's plan was made with.")
     parser.add_argument("--batch_size", type=int, default=None, help="The run's batch size (checked).")
+    parser.add_argument("--memory_placements", choices=PLACEMENT_CHOICES, default=None,
+                        help="The placements the run's plan chose among (default: its plan file's, else recompute, "
+                             "the default before plan files recorded them).")
     parser.add_argument("--optimizer_momentum_rank_fraction", type=float, default=None,
                         help="The run's, if it gave one (1: full momentum; default: the size-based default); checked "
                              "against its plan file's optimizer state.")

@@ -5,11 +5,11 @@
     hf-recurrent-plan-memory --preset recurrent-7b --device_profile rtx3090   # a 3090's plan and speed, anywhere
 
 A mixed-integer program picks, per batch size, where each prelude / coda layer and core step keeps what backward
-needs (keep or recompute; with --memory_placements all also selective recomputation and pinned host memory within
---memory_host_gib), fastest under a predicted peak reserved memory <= cap - margin; the batch of highest predicted
-tokens/s wins. The package's calibration is an H200's; --device_profile scales its step times to another card's bf16
-matmul rate and prices offload at its host-device bandwidth (rtx3090, rtx4090: datasheets; measure: this card,
-cached; or a file). Re-calibrate on yours:
+needs (keep, recompute or recompute selectively; with --memory_placements all also offload to pinned host memory
+within --memory_host_gib), fastest under a predicted peak reserved memory <= cap - margin; the batch of highest
+predicted tokens/s wins. The package's calibration is an H200's; --device_profile scales its step times to another
+card's bf16 matmul rate and prices offload at its host-device bandwidth (rtx3090, rtx4090: datasheets; measure: this
+card, cached; or a file). Re-calibrate on yours:
 
     python3 -m benchmarks.memory_probe --output probes.jsonl            # on the GPU, a few minutes
     hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json   # then plan with --calibration

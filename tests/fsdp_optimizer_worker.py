@@ -13,7 +13,10 @@ Rank 0 writes OUT/losses-<momentum>.json (the global batch's loss and the gradie
 OUT/weights-<momentum>.pt (the whole weights at the end); several --momentum modes run one after the other in the
 same processes. `--stop_after K` saves a distributed checkpoint after step K to OUT/checkpoint and stops
 (a run killed there); `--resume DIR` loads one and trains the remaining steps; `--full_state`: the checkpoint is
-gathered on rank 0 instead.
+gathered on rank 0 instead. `--placement mixed`: activation checkpointing on before the sharding and, after it, the
+layers placed as a memory plan places them (`PLACEMENT`: recomputed, recomputed selectively, kept), as the Trainer and
+`RecomputeCallback` do; the losses and weights are those of keeping everything, and each step's entry counts the calls
+of the prelude layer's MLP (recomputed: 2).
 """
 
 import argparse
@@ -32,13 +35,17 @@ from fsdp_worker import shard  # noqa: E402
 from launcher import leave_without_teardown  # noqa: E402
 from hf_recurrent import presets  # noqa: E402
 from hf_recurrent.modeling_recurrent_depth import RecurrentDepthForCausalLM  # noqa: E402
+from trainer_ext.compat import set_checkpointing  # noqa: E402
 from trainer_ext.distill.losses import chunked_lm_loss  # noqa: E402
+from trainer_ext.memory.recompute import Applications, RecomputeSet  # noqa: E402
 from trainer_ext.optim.optimizer import create_optimizer  # noqa: E402
 from trainer_ext.training.distributed import bind_optimizer, decoder_hidden  # noqa: E402
 
 GLOBAL_BATCH, SEQ_LEN = 8, 16
 MOMENTUM = {"none": {}, "full": {"momentum": 0.9},
             "subspace": {"momentum": 0.9, "momentum_rank_fraction": 0.25, "projection_interval": 2}}
+# The prelude layer recomputed, core step 0 and the coda layer recomputed selectively, core step 1 kept.
+PLACEMENT = RecomputeSet(prelude=(0,), selective_recompute=Applications(core_steps=(0,), coda=(0,)))
 
 
 def model_config():
@@ -56,6 +63,7 @@ def main(argv=None) -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--trainer_path", action="store_true")
     parser.add_argument("--full_state", action="store_true", help="checkpoints gathered on rank 0, not sharded")
+    parser.add_argument("--placement", choices=("keep", "mixed"), default="keep")
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -75,6 +83,8 @@ def run(args, momentum: str, world: int, rank: int) -> None:
     make_optimizer = functools.partial(create_optimizer, lr=3e-3, weight_decay=0.01, compile=False,
                                        **MOMENTUM[momentum])
     optimizer = make_optimizer(model) if args.trainer_path else None
+    if args.placement == "mixed":
+        set_checkpointing(model, True)
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -84,6 +94,10 @@ def run(args, momentum: str, world: int, rank: int) -> None:
             sharded = {id(whole[name]): p for name, p in model.named_parameters()}
             for group in optimizer.param_groups:
                 group["params"] = [sharded[id(p)] for p in group["params"]]
+    calls = []
+    if args.placement == "mixed":
+        PLACEMENT.apply(model)
+        model.model.prelude[0].mlp.register_forward_hook(lambda *_: calls.append(1))  # inside the checkpoint
     if optimizer is None:
         optimizer = make_optimizer(model)
     else:
@@ -109,7 +123,9 @@ def run(args, momentum: str, world: int, rank: int) -> None:
         if world > 1:
             dist.all_reduce(loss)
             loss /= world
-        history.append({"step": step + 1, "loss": loss.item(), "grad_norm": optimizer.last_grad_norm})
+        history.append({"step": step + 1, "loss": loss.item(), "grad_norm": optimizer.last_grad_norm,
+                        "prelude_calls": len(calls)})
+        calls.clear()
         if args.stop_after == step + 1:
             save(model, optimizer, os.path.join(args.out, "checkpoint"), step + 1, args.full_state)
             break

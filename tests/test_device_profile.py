@@ -43,7 +43,7 @@ def test_a_profile_scales_the_step_times_by_the_matmul_rates_and_keeps_the_memor
             assert scaled.families[name].compiled_time_coefficients == pytest.approx(
                 [c * factor for c in fit.compiled_time_coefficients])
         assert scaled.families[name].memory_coefficients == fit.memory_coefficients
-    # The default placements (keep / recompute): their costs scale with the matmul rate alone.
+    # The default placements (keep / recompute / selective): their costs scale with the matmul rate alone.
     h200 = plan_for_preset("recurrent-7b", 2048, None)
     rtx3090 = plan_for_preset("recurrent-7b", 2048, None, device_profile=SPEC_PROFILES["rtx3090"])
     # The same card size gives the same plan (the memory model is the calibration's), at a 3090's speed.
@@ -66,7 +66,7 @@ def test_cli_prints_the_plan_a_3090_would_get_with_its_tokens_per_second(preset,
     (line,) = [line for line in out.splitlines() if "tokens/s" in line]
     assert "speed on NVIDIA GeForce RTX 3090 (datasheet: 71.0 TFLOP/s bf16, 31.5 GB/s host-device, 24 GiB)" in line
     assert "the step times of NVIDIA H200 x 9.37" in line
-    # With the default placements (keep / recompute) the plans differ in the step-time scale only.
+    # With the default placements (keep / recompute / selective) the plans differ in the step-time scale only.
     assert main(["--device_profile", "rtx3090", "--preset", preset, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert main(["--preset", preset, "--json"]) == 0
@@ -149,7 +149,8 @@ def test_a_measured_profile_of_this_card_is_plausible():
 
 def test_a_training_plan_with_every_placement_is_made_for_the_card_it_runs_on(tmp_path, monkeypatch, caplog):
     """On a 3090, `--memory_placements all` prices offload at the 3090's compute and link (its profile measured once),
-    as `hf-recurrent-plan-memory --device_profile rtx3090` prints; keep / recompute alone needs no profile."""
+    as `hf-recurrent-plan-memory --device_profile rtx3090` prints; keep / recompute / selective (the default) need
+    no profile."""
     from hf_recurrent import presets
     from trainer_ext.memory.device_profile import training_profile
     from trainer_ext.memory.plan import MemoryPlanCallback, apply_memory_plan
@@ -168,6 +169,7 @@ def test_a_training_plan_with_every_placement_is_made_for_the_card_it_runs_on(tm
     every, default = args(memory_placements="all"), args()  # set up on the CPU before CUDA is faked
     measured = _fake_card(monkeypatch, flops=spec.matmul_flops)
     assert training_profile(None, "recompute", calibration) is None and measured == []
+    assert training_profile(None, default.memory_placements, calibration) is None and measured == []
     assert training_profile("rtx3090", "recompute", calibration) is spec
     profile = training_profile(None, "all", calibration)
     assert profile.name == "NVIDIA GeForce RTX 3090" and len(measured) == 1

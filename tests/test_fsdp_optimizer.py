@@ -67,6 +67,15 @@ def test_trainer_order_and_loss_under_fsdp2(tmp_path, single):
     assert_same_run(sharded["subspace"], single["trainer"]["subspace"])
 
 
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_a_memory_plans_placements_under_fsdp2_train_as_one_process_keeping_everything(tmp_path, single, nproc):
+    """Layers recomputed and recomputed selectively (the default plan's placements on a GPU) on sharded layers: the
+    losses, gradient norms and weights of one process that keeps every activation."""
+    placed = run_worker(tmp_path, nproc, ("subspace",), "--placement", "mixed")
+    assert [h["prelude_calls"] for h in placed["subspace"][0]] == [2] * STEPS  # recomputed in backward
+    assert_same_run(placed["subspace"], single["worker"]["subspace"])
+
+
 def test_uneven_shards_are_exercised():
     """The worker's MLP has 91 rows (gate, up) and 91 columns (down): the last shards on 2 and 4 processes are
     shorter, and the down projection's column statistics span every shard."""

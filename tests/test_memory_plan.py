@@ -426,8 +426,8 @@ def fake_24gb_cuda(monkeypatch, *args_list):
 
 
 def test_memory_plan_auto_sets_batch_and_recompute_before_training(tmp_path, monkeypatch):
-    args, kept = (RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True)
-                  for _ in range(2))
+    args, kept = (RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True,
+                                             memory_placements=placements) for placements in ("selective", "recompute"))
     fake_24gb_cuda(monkeypatch, args, kept)
     callbacks = apply_memory_plan(args, presets.get("recurrent-7b"), 2048, 2)
     recompute = next(c for c in callbacks if isinstance(c, RecomputeCallback)).recompute
@@ -437,7 +437,8 @@ def test_memory_plan_auto_sets_batch_and_recompute_before_training(tmp_path, mon
     assert args.per_device_eval_batch_size == plan.per_device_train_batch_size
     assert getattr(args, CHECKPOINTING_FLAG) is True and recompute == plan.recompute and not recompute.empty
     assert plan.cap_gib == 24 and plan.predicted_peak_gib <= 24 - 1.4
-    # recurrent-3.3b's plan keeps every activation (its subspace momentum leaves the room): no checkpointing at all.
+    # recurrent-3.3b's plan of keep or recompute keeps every activation (its subspace momentum leaves the room): no
+    # checkpointing at all.
     callbacks = apply_memory_plan(kept, presets.get("recurrent-3.3b"), 2048, 2)
     plan = next(c for c in callbacks if isinstance(c, MemoryPlanCallback)).plan
     assert plan.recompute.empty and getattr(kept, CHECKPOINTING_FLAG) is False

@@ -216,21 +216,39 @@ def test_training_passes_its_host_bound_to_the_plan_and_the_offload_hooks(tmp_pa
     assert plan.host_cap_gib == 3 and placed.max_host_bytes == 3 * GIB and placed.recompute == plan.recompute
 
 
-def test_by_default_the_plan_keeps_or_recomputes_and_asked_for_all_it_may_place_more(tmp_path, capsys):
-    """Selective recomputation and offload are priced by the analytic model until GPU probes calibrate them: a
-    training run's plan and the command's default choose between keep and recompute only, even where the program
-    with every placement predicts a faster step (a 3090 with host memory for offload)."""
+def test_a_training_with_the_defaults_applies_its_plans_selective_applications(tmp_path, monkeypatch):
+    args = RecurrentTrainingArguments(output_dir=str(tmp_path), memory_plan="auto", torch_compile=True)
+    fake_24gb_cuda(monkeypatch, args)
+    callbacks = apply_memory_plan(args, presets.get("recurrent-3.3b"), 2048, 2)
+    plan = next(c for c in callbacks if isinstance(c, MemoryPlanCallback)).plan
+    placed = next(c for c in callbacks if isinstance(c, RecomputeCallback)).recompute
+    assert plan.placements == args.memory_placements == "selective" and placed == plan.recompute
+    assert placed.selective_recompute and not placed.offload
+    assert args.per_device_train_batch_size == plan.per_device_train_batch_size
+
+
+def test_by_default_the_plan_may_recompute_selectively_and_only_asked_for_all_it_offloads(tmp_path, capsys):
+    """Selective recomputation is calibrated by GPU probe pairs and chosen by default; offload would pin many GiB of
+    host memory on a consumer card and is chosen only with `all`, even where the program predicts it faster (a 3090
+    with host memory for it); `recompute` leaves selective out."""
     from trainer_ext.cli.plan_memory import main
 
     profile = dict(device_profile=SPEC_PROFILES["rtx3090"], memory_host_gib=32)
-    default = plan_for_preset("recurrent-7b", 2048, None, **profile)
-    every = plan_for_preset("recurrent-7b", 2048, None, placements="all", **profile)
-    assert _offloaded(default) == 0 and not any(default.placement["selective"].values())
+    default = plan_for_preset("recurrent-3.3b", 2048, None, **profile)
+    only_recompute = plan_for_preset("recurrent-3.3b", 2048, None, placements="recompute", **profile)
+    every = plan_for_preset("recurrent-3.3b", 2048, None, placements="all", **profile)
+    assert _offloaded(default) == 0 and any(default.placement["selective"].values())
+    assert not any(only_recompute.placement["selective"].values()) and _offloaded(only_recompute) == 0
+    assert default.predicted_tokens_per_second > only_recompute.predicted_tokens_per_second
     assert _offloaded(every) > 0 and every.predicted_tokens_per_second > default.predicted_tokens_per_second
+    # The flags that give exactly a plan name its placements where they are not the default's.
+    assert "--memory_placements" not in default.exact_flags
+    assert "--memory_placements recompute" in only_recompute.exact_flags
+    assert "--memory_placements all --memory_host_gib 32" in every.exact_flags
     with pytest.raises(SystemExit):  # argparse names the flag and its choices
         main(["--preset", "recurrent-7b", "--memory_placements", "some"])
     assert "--memory_placements" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"--memory_placements='some'.*\['recompute', 'all'\]"):
+    with pytest.raises(ValueError, match=r"--memory_placements='some'.*\['recompute', 'selective', 'all'\]"):
         RecurrentTrainingArguments(output_dir=str(tmp_path), memory_placements="some")
 
 

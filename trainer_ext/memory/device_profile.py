@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from trainer_ext.devices import synchronize
 from trainer_ext.memory.estimator import GIB, Calibration
-from trainer_ext.memory.placement import DEFAULT_PLACEMENTS
+from trainer_ext.memory.placement import OFFLOAD_PLACEMENTS
 
 logger = logging.getLogger(__name__)
 
@@ -219,14 +219,15 @@ def resolve_device_profile(value: str | None, calibration_path: str | None = Non
 def training_profile(value: str | None, placements: str, calibration: Calibration,
                      calibration_path: str | None = None) -> DeviceProfile | None:
     """The card a training's plan is made for (TRAINING_PROFILE_HELP): `value` as `--device_profile` takes it; unset,
-    where the plan may also recompute selectively or offload, this CUDA device's measured profile unless it is the
-    calibration's card (keep / recompute alone: a profile scales every step time alike and changes no choice). A
-    measurement that fails (WSL2 limits pinned memory) is logged and the plan made at the calibration card's speed."""
+    where the plan may offload (`--memory_placements all`), this CUDA device's measured profile unless it is the
+    calibration's card (keep, recompute and selective alone: a profile scales every step time alike and changes no
+    choice). A measurement that fails (WSL2 limits pinned memory) is logged and the plan made at the calibration
+    card's speed."""
     if value:
         return resolve_device_profile(value, calibration_path)
     import torch
 
-    if placements == DEFAULT_PLACEMENTS or not torch.cuda.is_available() or (
+    if placements != OFFLOAD_PLACEMENTS or not torch.cuda.is_available() or (
             torch.cuda.get_device_name() == calibration.info.get("device_name")):
         return None
     try:

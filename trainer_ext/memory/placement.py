@@ -38,9 +38,11 @@ model above with its fixed time fitted (on an H100, 12 offloaded probes of recur
 ratio to the same step recomputed: 0.49 ms an application, within 3.2% at the median and 8.5% at most on those same
 probes; 1.6 ms and 1.2% / 5.9% when the references' times came from one fit of every compiled probe, small models'
 included); its window is measured (above).
-So the program chooses between keep and recompute unless asked for more (`--memory_placements all`, PLACEMENT_CHOICES):
-probes now price the other two, but offload by default would pin many GiB of host memory on a consumer card, which
-WSL2 may refuse mid-training, and no such card has run a plan with it yet.
+By default the program chooses among keep, recompute and selective recomputation (`--memory_placements selective`,
+PLACEMENT_CHOICES; `recompute` leaves selective out): selective is priced by probe pairs, and recurrent-3.3b's plan
+with it (batch 3, most applications selective, against batch 2 with nothing recomputed) trained 7.5% faster on an
+H100. Offload is offered only when asked for (`all`): by default it would pin many GiB of host memory on a consumer
+card, which WSL2 may refuse mid-training, and no such card has run a plan with it yet.
 The bandwidths are the device profile's (`--device_profile`), or for the calibration's own device the datasheet link
 in CALIBRATION_DEVICE_HOST_DEVICE_BYTES_PER_SECOND; where neither is known, offload is not offered. Host memory: the
 pinned memory all processes of the host may use (`--memory_host_gib`, default HOST_FRACTION of the machine's RAM;
@@ -59,14 +61,15 @@ SELECTIVE_TIME_FRACTION = 0.1
 OFFLOAD_SECONDS_PER_APPLICATION = 5e-4
 OFFLOAD_WINDOW_APPLICATIONS = 2
 HOST_FRACTION = 0.5
-# What the program may choose: keep / recompute (calibrated), or all four (selective: calibrated from probe pairs where
-# the calibration has them, else analytic; offload: an analytic time, a measured window).
-PLACEMENT_CHOICES = ("recompute", "all")
-DEFAULT_PLACEMENTS = "recompute"
-PLACEMENTS_HELP = ("The placements the memory plan may choose per layer application: recompute (keep or recompute, "
-                   "the calibrated ones, the default) or all (also selective recomputation and offload to pinned "
-                   "host memory: selective priced by the calibration's probe pairs where it has them, offload by an "
-                   "analytic time model and the device memory offloaded probes measured).")
+# What the program may choose: keep / recompute (calibrated), those and selective recomputation (calibrated from probe
+# pairs where the calibration has them, else analytic), or all four (offload: an analytic time, a measured window).
+PLACEMENT_CHOICES = ("recompute", "selective", "all")
+DEFAULT_PLACEMENTS = "selective"
+OFFLOAD_PLACEMENTS = "all"  # the choices that include offload
+PLACEMENTS_HELP = ("The placements the memory plan may choose per layer application: recompute (keep or recompute), "
+                   "selective (also selective recomputation: the products' and attention's outputs kept, the rest "
+                   "run again; priced by the calibration's probe pairs; the default) or all (also offload to pinned "
+                   "host memory, priced by an analytic time model and the device memory offloaded probes measured).")
 # PCIe 5.0 x16: 32 GT/s per lane, 128b/130b encoding (PCI-SIG, PCI Express Base Specification 5.0), each way.
 CALIBRATION_DEVICE_HOST_DEVICE_BYTES_PER_SECOND = {"NVIDIA H200": 32e9 * 16 * 128 / 130 / 8}
 HOST_HELP = ("Pinned host memory, GiB, that activation offload may use on this machine, all processes together "
@@ -182,7 +185,8 @@ class Program:
         """The placements but keep the program may choose: `choices`, offload where the bandwidth is known."""
         if self.choices == "recompute":
             return (RECOMPUTE,)
-        return (RECOMPUTE, SELECTIVE) + ((OFFLOAD,) if self.offload_seconds is not None else ())
+        offload = self.choices == OFFLOAD_PLACEMENTS and self.offload_seconds is not None
+        return (RECOMPUTE, SELECTIVE) + ((OFFLOAD,) if offload else ())
 
     def _counts(self, placement: RecomputeSet) -> tuple[int, int, int]:
         """(recomputed in full, selective, offloaded) applications of `placement`."""

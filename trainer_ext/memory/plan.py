@@ -1,8 +1,8 @@
 """The memory planner: batch size and recompute set decided once, before training, for a memory cap.
 
 For each candidate batch size a mixed-integer program (`placement.py`, `scipy.optimize.milp`, HiGHS) chooses where
-each prelude layer, coda layer and graph-building core step keeps what backward needs (keep or recompute; with
-`placements="all"` also selective recomputation and offload to pinned host memory), minimising the predicted step
+each prelude layer, coda layer and graph-building core step keeps what backward needs (keep, recompute or selective
+recomputation; with `placements="all"` also offload to pinned host memory), minimising the predicted step
 time subject to the predicted peak reserved memory <= cap - margin and the host-memory bound (`estimator.py`'s
 calibrated terms, `placement.py`'s analytic ones; both linear in the choice at a fixed batch size). The batch size
 with the highest predicted tokens/s wins. A plain
@@ -68,6 +68,7 @@ class MemoryPlan:
     host_gib: float = 0.0  # pinned host memory the offloaded applications use
     host_cap_gib: float | None = None  # the bound on it, per process
     vocab_size: int | None = None  # the head's rows the plan was made for (a training run's: its data tokenizer's)
+    placements: str = DEFAULT_PLACEMENTS  # the choices the program had (`placement.PLACEMENT_CHOICES`)
 
     @property
     def placement_description(self) -> str:
@@ -86,11 +87,11 @@ class MemoryPlan:
 
     @property
     def exact_flags(self) -> str:
-        """The training flags that give exactly this plan (its cap; the placements and the host bound where it places
-        more than keep / recompute)."""
-        more = any(any(self.placement.get(kind, {}).values()) for kind in ("selective", "offload"))
+        """The training flags that give exactly this plan (its cap; the placements where they are not the default's,
+        the host bound where it offloads)."""
+        choices = f" --memory_placements {self.placements}" if self.placements != DEFAULT_PLACEMENTS else ""
         host = f" --memory_host_gib {self.host_cap_gib * self.num_processes:g}" if self.host_gib else ""
-        return f"--memory_cap_gib {self.cap_gib:g}" + (" --memory_placements all" if more else "") + host
+        return f"--memory_cap_gib {self.cap_gib:g}" + choices + host
 
     @property
     def host_description(self) -> str:
@@ -117,8 +118,8 @@ class MemoryPlan:
                 "predicted_tokens_per_second": round(self.predicted_tokens_per_second, 1),
                 "calibration": self.calibration, "num_processes": self.num_processes, "sharding": self.sharding,
                 "per_rank_fixed_gib": self.fixed_gib, "device_profile": self.device_profile,
-                "placement": self.placement, "placement_description": self.placement_description,
-                "host_gib": round(self.host_gib, 3),
+                "placements": self.placements, "placement": self.placement,
+                "placement_description": self.placement_description, "host_gib": round(self.host_gib, 3),
                 "host_cap_gib": None if self.host_cap_gib is None else round(self.host_cap_gib, 3),
                 "vocab_size": self.vocab_size, "candidates": self.candidates}
 
@@ -219,7 +220,7 @@ def plan_memory(shape: ModelShape, seq_len: int, cap_gib: float, calibration: Ca
                       num_processes=shape.num_processes, sharding=shape.sharding,
                       fixed_gib={name: round(size / GIB, 3) for name, size in fixed.items()},
                       placement=table, host_gib=host / GIB, host_cap_gib=host_bytes / GIB,
-                      vocab_size=shape.vocab_size)
+                      vocab_size=shape.vocab_size, placements=placements)
 
 
 def plan_for_preset(preset: str, seq_len: int, cap_gib: float | None, calibration_path: str | None = None,
