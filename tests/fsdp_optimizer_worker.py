@@ -44,8 +44,8 @@ from trainer_ext.training.distributed import bind_optimizer, decoder_hidden  # n
 GLOBAL_BATCH, SEQ_LEN = 8, 16
 MOMENTUM = {"none": {}, "full": {"momentum": 0.9},
             "subspace": {"momentum": 0.9, "momentum_rank_fraction": 0.25, "projection_interval": 2}}
-# The prelude layer recomputed, core step 0 and the coda layer recomputed selectively, core step 1 kept.
-PLACEMENT = RecomputeSet(prelude=(0,), selective_recompute=Applications(core_steps=(0,), coda=(0,)))
+# The prelude layer recomputed, core step 0 recomputed selectively, core step 1 and the coda layer kept.
+PLACEMENT = RecomputeSet(prelude=(0,), selective_recompute=Applications(core_steps=(0,)))
 
 
 def model_config():

@@ -52,10 +52,14 @@ def assert_matches_one_process(logged: list[dict], replicas: list[dict], single)
 
 
 def test_replicas_stay_identical_and_match_one_process_on_the_global_batch(tiny_data_dir, tmp_path, single):
-    """4 processes (2 processes: the next test, a run stopped and resumed)."""
-    logged, replicas = train(tiny_data_dir, tmp_path, 4)
+    """4 processes (2 processes: the next test, a run stopped and resumed), their layers placed as a memory plan places
+    them on a GPU (a layer recomputed, a core step recomputed selectively, a layer kept): replicas and losses of one
+    process, which recomputes every layer, and the kept layer's MLP runs once a step on every process."""
+    logged, replicas = train(tiny_data_dir, tmp_path, 4, "--placement_mixed")
     assert len(logged) == STEPS
     assert_matches_one_process(logged, replicas, single)
+    for rank in range(4):
+        assert json.loads((tmp_path / f"coda-calls-{rank}.json").read_text()) == STEPS
 
 
 def test_a_run_stopped_at_a_checkpoint_resumes_the_losses_on_every_process(tiny_data_dir, tmp_path, single):
