@@ -37,7 +37,6 @@ class RecordReplica(TrainerCallback):
         torch.save(weights, os.path.join(args.output_dir, f"replica-{rank}.pt"))
 
 
-
 class CountCodaCalls(TrainerCallback):
     """Counts the calls of the coda layer's MLP (inside a checkpoint, where there is one) and writes them when training
     ends."""
