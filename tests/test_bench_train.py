@@ -140,4 +140,3 @@ def test_each_runs_output_is_kept_in_a_log_beside_its_row(tmp_path, capsys):
     log = (tmp_path / "out" / "train_debug.log").read_text()
     assert "--optimizer='sgd' is not allowed" in log and "Traceback" in log
     assert log.strip().splitlines()[-1] in capsys.readouterr().out
-
