@@ -3,6 +3,7 @@
 
 import contextlib
 import copy
+import dataclasses
 import json
 import pathlib
 import re
@@ -382,7 +383,12 @@ def test_cli_recalibrates_from_a_probe_file(tmp_path, capsys):
     written = load_calibration(str(out)).info
     assert written["fit_command"].startswith("hf-recurrent-plan-memory --calibrate")
     assert written["offload"] == load_calibration().info["offload"]  # the offloaded probes' window, fitted too
-    assert load_calibration(str(out)).families == load_calibration().families  # the committed fit, reproduced
+    # the committed fit, reproduced (to the last bits numpy's and scipy's releases may round differently)
+    refit, committed = load_calibration(str(out)).families, load_calibration().families
+    assert refit.keys() == committed.keys()
+    for family in committed:
+        for name, value in dataclasses.asdict(committed[family]).items():
+            assert getattr(refit[family], name) == (value if value is None else pytest.approx(value, rel=1e-9)), name
     assert main(["--preset", "recurrent-3.3b", "--calibration", str(out), "--json"]) == 0
     assert main(["--preset", "recurrent-3.3b", "--calibration", str(tmp_path / "bad.json")]) != 0
     assert "not a memory calibration" in capsys.readouterr().err
