@@ -6,6 +6,8 @@
 Runs, each in its own process (clean peak-memory counters; an out-of-memory error is recorded as data), one after
 the other; on a machine with several GPUs peer A runs on the last GPU for the whole call, beside the others:
   peak    the device's bf16 matmul peak: median TFLOP/s of 8192^3 matmuls after 2 s of warm-up, measured in this call
+          at its start and again at its end (peak-end): a fresh machine's card measured up to 3.6% slower at first
+          than ten minutes later (BENCHMARKS.md), so MFU is against the larger of the two
   peer-a  transformers LlamaForCausalLM 6.74B (Llama-2-7B shape) from config in bf16, SDPA, non-reentrant
           checkpointing, random tokens, batch 4; GaLore AdamW8bit (rank 128, update_proj_gap 200, scale 0.25) on
           the attention and MLP projections, bitsandbytes AdamW8bit on the rest, one optimizer per parameter stepped
@@ -56,7 +58,8 @@ PIP_NAMES = {"galore_torch": "galore-torch", "bitsandbytes": "bitsandbytes", "li
 # proportion). Peer A's share is for its model and its timed steps only: its first step, GaLore's SVD of all 224
 # projection matrices (242.2-246.7 s on H200s, 2026-12-01 and 02), has a budget of its own. Ours need about 50 s
 # each (start, compile, 12 steps), peer B about 40 s: a 540 s call holds them all.
-SHARES = {"peak": 0.08, "peer-a": 0.14, "peer-b": 0.14}
+SHARES = {"peak": 0.08, "peer-a": 0.14, "peer-b": 0.14, "peak-end": 0.02}
+PEAK_RUNS = ("peak", "peak-end")
 PRESET_SHARE = 0.28
 PEER_A_FIRST_STEP_SECONDS = 270.0  # the SVD step and the 6.74B model's start on an H200, with 20 s to spare
 # The matmul peak's own budget (about 15 s on an H200): as a share alone, a call shorter than 540 s left it under the
@@ -98,12 +101,13 @@ def _write(out_path: str, record: dict) -> None:
         json.dump(record, f)
 
 
-def peak_child(device: str, size: int, out_path: str, samples: int = 20, per_sample: int = 10) -> None:
+def peak_child(device: str, size: int, out_path: str, samples: int = 20, per_sample: int = 10,
+               run: str = "peak") -> None:
     """The matmul rate as `hf-recurrent-plan-memory --device_profile measure` measures it (clocks warmed 2 s)."""
     from trainer_ext.memory.device_profile import measure_matmul_flops
 
     flops = measure_matmul_flops(device, size, samples, per_sample, warmup_seconds=2.0 if device == "cuda" else 0.1)
-    _write(out_path, {"run": "peak", "matmul_size": size, "peak_flops": flops, "tflops": round(flops / 1e12, 1)})
+    _write(out_path, {"run": run, "matmul_size": size, "peak_flops": flops, "tflops": round(flops / 1e12, 1)})
 
 
 def _peer_optimizers(model, kind: str, device: str) -> tuple[dict, str]:
@@ -258,7 +262,7 @@ def table(records: list[dict], summary: dict) -> str:
     lines = ["| run | batch | tokens/s | peak reserved GiB | MFU | MFU 6N | MFU logged (trainer peak) |",
              "|---|---|---|---|---|---|---|"]
     for r in records:
-        if r["run"] in ("peak", "summary"):
+        if r["run"] in (*PEAK_RUNS, "summary"):
             continue
         status = r.get("skipped") or r.get("error")
         tokens = f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else status or "-"
@@ -375,7 +379,7 @@ def main(argv=None) -> list[dict]:
 
     start = time.time()
     runs = [r for r in ("peak", "peer-a") if r in args.runs] + [p for p in presets if "ours" in args.runs] + \
-        (["peer-b"] if "peer-b" in args.runs else [])
+        (["peer-b"] if "peer-b" in args.runs else []) + (["peak-end"] if "peak" in args.runs else [])
     # With several GPUs peer A (GaLore's first step alone takes about 4 minutes) runs on the last one for the whole
     # call while the other runs take turns on the first, the same card type: one call holds them all.
     aside = None
@@ -386,7 +390,7 @@ def main(argv=None) -> list[dict]:
     skips = {run: missing_package(PEERS[run]["requires"][:None if cuda else 2]) for run in runs if run in PEERS}
     first_step = args.peer_a_first_step_seconds
     first_step = {"peer-a": (PEER_A_FIRST_STEP_SECONDS if cuda else 0.0) if first_step is None else first_step,
-                  "peak": PEAK_SECONDS if cuda else 0.0}
+                  **{run: PEAK_SECONDS if cuda else 0.0 for run in PEAK_RUNS}}
     first_step = {run: seconds for run, seconds in first_step.items() if run in runs and not skips.get(run)}
     records = []
     for i, run in enumerate(runs):
@@ -402,7 +406,7 @@ def main(argv=None) -> list[dict]:
         else:
             process = _start_peer(run, args, seq_len, timeout) if run in PEERS else _start(
                 f"from benchmarks.bench_peers import peak_child; peak_child({args.device!r}, "
-                f"{8192 if cuda else 512}, {out_path!r})", os.path.join(args.output_dir, f"{run}.log"))
+                f"{8192 if cuda else 512}, {out_path!r}, run={run!r})", os.path.join(args.output_dir, f"{run}.log"))
             record = _collect(run, args, process, timeout)
         record.update(device=args.device, dry_run=not cuda)
         records.append(record)
@@ -413,22 +417,23 @@ def main(argv=None) -> list[dict]:
         records.insert(1 if records and records[0]["run"] == "peak" else 0, record)
         print(json.dumps(record), flush=True)
 
-    measured = next((r["peak_flops"] for r in records if r["run"] == "peak" and "peak_flops" in r), None)
+    peaks = {r["run"]: r["peak_flops"] for r in records if r["run"] in PEAK_RUNS and "peak_flops" in r}
+    measured = max(peaks.values(), default=None)  # the card warm: the larger of the call's start and end
     peak = measured or args.peak_flops
     if peak is None:
         print("No measured peak (the peak run failed or was left out) and no --peak_flops: MFU not computed.")
     else:
         add_mfu(records, peak)
     summary = summarize_ratios(records, presets if "ours" in args.runs else [])  # ratios of the presets that ran
-    summary.update(peak_flops=peak, peak_measured=measured is not None, dry_run=not cuda,
+    summary.update(peak_flops=peak, peak_measured=measured is not None, peaks_measured=sorted(peaks.items()), dry_run=not cuda,
                    seconds=round(time.time() - start, 1))
     with open(output, "w") as f:
         for record in records + [summary]:
             f.write(json.dumps(record) + "\n")
     if not cuda:
         print("Dry run on CPU: the structure only; the numbers are not results.")
-    print(f"MFU against {peak / 1e12:.1f} TFLOP/s ({'measured' if summary['peak_measured'] else '--peak_flops'}); "
-          if peak else "", end="")
+    source = ", ".join(f"{run} {flops / 1e12:.1f}" for run, flops in peaks.items()) or "--peak_flops"
+    print(f"MFU against {peak / 1e12:.1f} TFLOP/s ({source}); " if peak else "", end="")
     print(f"results in {output}\n" + table(records, summary))
     return records + [summary]
 

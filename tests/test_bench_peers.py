@@ -137,3 +137,21 @@ def test_a_dry_run_reserves_no_first_step_budget_for_a_peer_that_is_skipped(benc
                           "--peer_a_first_step_seconds", "300", "--output_dir", str(tmp_path)])
     assert records[0]["skipped"] == "skipped: galore-torch not installed (pip install galore-torch)"
     assert seen == [{}]
+
+
+def test_the_peak_is_measured_at_the_calls_start_and_end_and_mfu_is_against_the_larger(bench, tmp_path, capsys):
+    """A fresh machine's card measured 670.5 TFLOP/s in a call's first seconds and 695.2 ten minutes later: an MFU
+    against the first alone would be 3.6% too high for runs that trained on the warm card."""
+    import json
+
+    records = bench.main(["--device", "cpu", "--runs", "peak", "--steps", "4", "--max_seconds", "120",
+                          "--output_dir", str(tmp_path)])
+    assert [r["run"] for r in records] == ["peak", "peak-end", "summary"]  # the end one last
+    peaks = {r["run"]: r["peak_flops"] for r in records[:2]}
+    assert dict(records[-1]["peaks_measured"]) == peaks and records[-1]["peak_flops"] == max(peaks.values())
+    assert f"MFU against {max(peaks.values()) / 1e12:.1f} TFLOP/s (peak " in capsys.readouterr().out
+    # the MFU of a run against the larger peak, as the call computes it
+    run = {"run": "peer-b", "tokens_per_second": 1_000.0, "flops_per_token": 6e11}
+    bench.add_mfu([run], max(670.5e12, 695.2e12))
+    assert run["mfu"] == pytest.approx(6e14 / 695.2e12, abs=1e-4)
+    assert json.loads((tmp_path / "peak-end.json").read_text())["run"] == "peak-end"
