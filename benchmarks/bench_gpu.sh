@@ -37,7 +37,7 @@
 #   bash benchmarks/bench_gpu.sh init [init_grad_norm args]   first-step gradient norm of the full 3.3b and 7b presets
 #   bash benchmarks/bench_gpu.sh peers [bench_peers args]   one call: the matmul peak, Llama-7B with GaLore 8-bit + Liger
 #       and with HF Adafactor (both in backward, batch 4), our 3.3b and 7b presets with the defaults, all under a
-#       24 GiB cap: MFU table and ratio to the GaLore peer; $OUT/peers.jsonl (STEPS default 12, SECONDS_LIMIT 540)
+#       24 GiB cap: MFU table and ratio to the GaLore peer; $OUT/peers.jsonl (STEPS default 21, SECONDS_LIMIT 540)
 #   bash benchmarks/bench_gpu.sh adaptive [evaluate args]   recurrent-125m trained on ~12M tokens of Python sources
 #       (STEPS default 360 of 32 x 1024), then evaluated at n = 1 / 4 / 12 and with exit thresholds at n_max = 12:
 #       mean core steps, CE cost, the evaluation's and batch-1 / batch-8 decoding's speed-ups with the shared cache,
@@ -219,7 +219,7 @@ case $STAGE in
     python3 benchmarks/init_grad_norm.py --presets recurrent-3.3b recurrent-7b --seq_len 2048 "$@" 2>&1 | grep '^{' ;;
   peers)  # needs galore-torch, liger-kernel, bitsandbytes wheels in .whl/ (else peer A is reported as skipped)
     prepare_2048
-    python3 -m benchmarks.bench_peers --data_dir $DATA --cap_gib 24 --steps "${STEPS:-12}" --warmup 3 \
+    python3 -m benchmarks.bench_peers --data_dir $DATA --cap_gib 24 --steps "${STEPS:-21}" --warmup 3 \
       --max_seconds "${SECONDS_LIMIT:-540}" --output_dir "$OUT/peers" --output "$OUT/peers.jsonl" "$@" 2>&1 | quiet
     for log in "$OUT"/peers/*.log; do tail -60 "$log" > "$log.tail" && mv "$log.tail" "$log"; done ;;
   adaptive)

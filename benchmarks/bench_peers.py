@@ -57,7 +57,7 @@ PIP_NAMES = {"galore_torch": "galore-torch", "bitsandbytes": "bitsandbytes", "li
 # Shares of what --max_seconds leaves after the first-step budgets (time a run leaves goes to the runs after it, in
 # proportion). Peer A's share is for its model and its timed steps only: its first step, GaLore's SVD of all 224
 # projection matrices (242.2-246.7 s on H200s, 2026-12-01 and 02), has a budget of its own. Ours need about 50 s
-# each (start, compile, 12 steps), peer B about 40 s: a 540 s call holds them all.
+# each (start, compile, 21 steps), peer B about 50 s: a 540 s call holds them all.
 SHARES = {"peak": 0.08, "peer-a": 0.14, "peer-b": 0.14, "peak-end": 0.02}
 PEAK_RUNS = ("peak", "peak-end")
 PRESET_SHARE = 0.28
@@ -343,9 +343,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--cap_gib", type=float, default=24.0)
     parser.add_argument("--seq_len", type=int, default=None, help="The peers' (default 2048; 128 on CPU).")
     parser.add_argument("--peer_batch_size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=21,
+                        help="Steps of each run: ours log 4 windows of --log_every steps after the warm-up (their "
+                             "medians; the depth each step draws moves a window's MFU by a few percent).")
     parser.add_argument("--warmup", type=int, default=3, help="Steps left out of the medians.")
-    parser.add_argument("--log_every", type=int, default=3,
+    parser.add_argument("--log_every", type=int, default=4,
                         help="Our trainings' steps per log line, whose medians are then over windows of this many "
                              "steps: a log line waits for the GPU (the defaults log every 20 steps; the peers' timed "
                              "steps wait for it at their ends).")
