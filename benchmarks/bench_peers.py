@@ -427,8 +427,8 @@ def main(argv=None) -> list[dict]:
     else:
         add_mfu(records, peak)
     summary = summarize_ratios(records, presets if "ours" in args.runs else [])  # ratios of the presets that ran
-    summary.update(peak_flops=peak, peak_measured=measured is not None, peaks_measured=sorted(peaks.items()), dry_run=not cuda,
-                   seconds=round(time.time() - start, 1))
+    summary.update(peak_flops=peak, peak_measured=measured is not None, peaks_measured=sorted(peaks.items()),
+                   dry_run=not cuda, seconds=round(time.time() - start, 1))
     with open(output, "w") as f:
         for record in records + [summary]:
             f.write(json.dumps(record) + "\n")

@@ -56,7 +56,7 @@ def relative_errors(out, inputs, reference) -> dict:
     magnitude."""
     got = [out] + [t.grad for t in inputs]
     names = ("out", "dq", "dk", "dv")
-    return {n: float((g.float() - r).abs().max() / r.abs().max()) for n, g, r in zip(names, got, reference)}
+    return {n: float((g.detach().float() - r).abs().max() / r.abs().max()) for n, g, r in zip(names, got, reference)}
 
 
 def backends_run(fn, inputs, grad) -> list[str]:
