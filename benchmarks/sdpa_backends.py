@@ -81,7 +81,7 @@ def measure(batch: int, args, device) -> list[dict]:
     flops = 4 * batch * args.heads * args.seq_len ** 2 * args.head_dim * 3.5 / 2  # causal: half; backward 2.5x
     shape = {"batch": batch, "heads": args.heads, "kv_heads": args.kv_heads, "seq_len": args.seq_len,
              "head_dim": args.head_dim, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-             else "cpu", "torch": torch.__version__}
+             else "cpu", "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
     records = []
     for name, backend in BACKENDS.items():
         record = {**shape, "kind": "backend", "backend": name}
