@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 
-from trainer_ext.memory.estimator import FIT_OBJECTIVES
+from trainer_ext.memory.estimator import DEFAULT_FIT_OBJECTIVE, FIT_OBJECTIVES
 
 # Batch unit per preset: the grid's batch sizes are multiples of it (small models need more tokens to load the GPU).
 BATCH_UNIT = {"debug": 1, "recurrent-125m": 4, "recurrent-1b": 2, "recurrent-3.3b": 1, "recurrent-7b": 1,
@@ -439,7 +439,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fit", metavar="PROBES", default=None, help="Fit a calibration from this probe file.")
     parser.add_argument("--calibration", default=None, help="With --fit: where to write it (default: the "
                                                             "package's trainer_ext/memory/calibration.json).")
-    parser.add_argument("--fit_objective", choices=FIT_OBJECTIVES, default="bytes",
+    parser.add_argument("--fit_objective", choices=FIT_OBJECTIVES, default=DEFAULT_FIT_OBJECTIVE,
                         help="With --fit: what the peak's upper bound minimises (trainer_ext.memory.estimator).")
     parser.add_argument("--probe_command", default=None, help="With --fit: the command that measured the probes "
                                                               "(recorded in the calibration).")

@@ -34,10 +34,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 PROBES = REPO / "results" / "memory-probes" / "probes.jsonl"
 
 # A calibration with round numbers: 0.5 GiB constant, activation terms of a plausible size, a teacher's top-k, a V x H
-# transient, a weight matrix's worth, smaller kept activations and a larger transient when compiled; the same for a
-# plain Transformer. Memory coefficients in `estimator.MEMORY_FEATURES` order: the shared ones, then the compiled ones.
-_ROUND = FamilyFit(memory_coefficients=[0.5, 20.0, 4.0, 3.0, 6.0, 2.0, 12.0, 16.0, 4.0,
-                                        0.5, 14.0, 3.0, 3.0, 6.0, 9.0, 18.0],
+# transient, a weight matrix's worth, two chunks of bf16 logits, the head, the old records' cast, smaller kept
+# activations and a larger transient when compiled; the same for a plain Transformer. Memory coefficients in
+# `estimator.MEMORY_FEATURES` order: the shared ones, then the compiled ones.
+_ROUND = FamilyFit(memory_coefficients=[0.5, 20.0, 4.0, 3.0, 6.0, 2.0, 12.0, 16.0, 4.0, 2.0, 1.0, 2.0,
+                                        0.5, 14.0, 3.0, 3.0, 6.0, 9.0, 18.0, 2.0, 1.0],
                    theta=0.6, time_coefficients=[0.01, 0.002, 0.0015, 0.0005, 0.003, 0.02], compile_factor=0.8)
 SYNTHETIC = Calibration({"recurrent": _ROUND, "transformer": _ROUND}, info={})
 
@@ -87,7 +88,8 @@ def test_a_cap_too_small_for_any_plan_names_the_smallest_peak_and_the_fix():
 
 
 def _synthetic_probes(calibration, transformer=False):
-    """Probe records of recurrent presets (or plain Transformers) whose peaks and times `calibration` predicts."""
+    """Probe records of recurrent presets (or plain Transformers) whose peaks and times `calibration` predicts; every
+    third one from before the head's gradient was cast in place (no `outer_norms`), its peak holding that cast."""
     records = []
     names = ("transformer-debug", "transformer-125m", "transformer-3.3b") if transformer else (
         "recurrent-125m", "recurrent-1b", "recurrent-3.3b", "recurrent-7b")
@@ -101,6 +103,7 @@ def _synthetic_probes(calibration, transformer=False):
         for momentum in (None, 0.0):
             shape = training_shape(config, momentum)
             for batch, seq, name, topk, compiled in specs:
+                old = len(records) % 3 == 0
                 if transformer and name not in ("all", "none"):
                     continue  # a Transformer recomputes every layer or none
                 chosen = RecomputeSet.named(name, shape, shape.graph_steps)
@@ -115,7 +118,9 @@ def _synthetic_probes(calibration, transformer=False):
                         "vocab_size", *(("num_hidden_layers",) if transformer else (
                             "n_prelude_layers", "n_core_layers", "n_coda_layers", "mean_recurrence",
                             "backprop_depth", "injection")))},
-                    "peak_reserved_bytes": calibration.peak_bytes(shape, batch, seq, count, topk, compiled),
+                    **({} if old else {"outer_norms": "compiled" if compiled else "eager"}),
+                    "peak_reserved_bytes": calibration.peak_bytes(dataclasses.replace(shape, head_cast=old), batch,
+                                                                  seq, count, topk, compiled),
                     "step_seconds": [seconds * 20, seconds, seconds, seconds, seconds]})
     return records
 
@@ -141,7 +146,8 @@ def test_the_fit_recovers_known_coefficients_from_synthetic_probes():
 
 def test_each_family_is_fitted_to_its_own_probes_and_survives_a_round_trip(tmp_path):
     # Probes of a plain Transformer made with other coefficients: the fit keeps them apart from the recurrent ones.
-    other = FamilyFit([0.3, 9.0, 30.0, 2.0, 0.0, 40.0, 6.0, 5.0, 8.0, 0.4, 4.0, 20.0, 1.5, 0.0, 5.0, 2.0], 0.2,
+    other = FamilyFit([0.3, 9.0, 30.0, 2.0, 0.0, 40.0, 6.0, 5.0, 8.0, 3.0, 0.5, 2.5,
+                       0.4, 4.0, 20.0, 1.5, 0.0, 5.0, 2.0, 1.0, 2.0], 0.2,
                       [0.02, 0.001, 0.001, 0.0, 0.004, 0.01], 0.7)
     calibration = Calibration({"recurrent": _ROUND, "transformer": other}, info={})
     records = _synthetic_probes(calibration) + _synthetic_probes(calibration, transformer=True)
@@ -162,12 +168,12 @@ def test_each_family_is_fitted_to_its_own_probes_and_survives_a_round_trip(tmp_p
 
 def test_the_fit_bounds_noisy_probes_from_above():
     # Peaks with an allocator's cache on top (0-1 GiB, varying from probe to probe): the fit predicts none of them
-    # under its measured peak, and over-predicts by less than that cache on average.
+    # under its measured peak, and the fit in bytes over-predicts by less than that cache on average.
     records = _synthetic_probes(SYNTHETIC)
     cache = [GIB * ((7 * n) % 11) / 10 for n in range(len(records))]
     for record, extra in zip(records, cache):
         record["peak_reserved_bytes"] += extra
-    fitted = fit_calibration(records, leave_one_out=False)
+    fitted = fit_calibration(records, leave_one_out=False, objective="bytes")
     found = fitted.info["residuals"]
     assert found["peak_largest_under_prediction"] == 0.0
     assert min(r["peak_error"] for r in found["per_probe"]) >= 0.0
@@ -286,9 +292,8 @@ def test_step_times_are_fitted_to_the_calibrations_card_and_peaks_to_every_cards
 
 
 def test_the_committed_calibration_reproduces_the_committed_probes():
-    # No probe's peak predicted under its measured value (the allocator's cache included); within 5% where plans for a
-    # 24 GiB card land (compiled, as on CUDA by default, and 8 GiB or more), 3% on average; the residuals it records
-    # are the ones its coefficients give.
+    # No probe's peak predicted under its measured value (the allocator's cache included); within 7.5% everywhere, 3%
+    # on average; the residuals it records are the ones its coefficients give.
     from trainer_ext.memory.calibrate import as_measured_now
 
     calibration = load_calibration()
@@ -303,15 +308,12 @@ def test_the_committed_calibration_reproduces_the_committed_probes():
     assert min(r["peak_error"] for r in found["per_probe"]) >= 0.0  # never under (the least-squares fit: 48 of 103)
     large = [r for r in found["per_probe"] if r["preset"].startswith("recurrent") and r["measured_peak_gib"] >= 8]
     assert len(large) >= 50 and min(r["peak_error"] for r in large) >= 0.0
-    # Within 5% on the calibration's card (4.88% at most since the records measured before the outer norms were
-    # compiled are fitted at what the step holds now and the offload probes' references joined; 5.26% before, when an
-    # H100's peaks had joined the fit and the training runs' records taken their data's vocabulary); another card's
-    # records are held to "never under" only (an H100's verify of the cached recurrent-3.3b plan at batch 4 with the
-    # norms compiled peaked 11% under its prediction: the in-place cast of the head's gradient is not a term)
-    planned = [r for r in found["per_probe"] if r["compile"] and r["measured_peak_gib"] >= 8
-               and r["device_name"] == calibration.info["device_name"]]
+    # The fit minimises the worst probe's over-prediction: every probe within 7.5%, both cards, eager and compiled
+    # (7.46%; the summed-GiB fit of the features before the loss-logits, head and head-cast terms left the 125M probes
+    # 22.5% over and, with the 2026-12-07 verify records, the H200's compiled probes of 8 GiB or more 5.35%)
+    planned = [r for r in found["per_probe"] if r["compile"] and r["measured_peak_gib"] >= 8]
     assert {r["preset"] for r in planned} >= {"recurrent-3.3b", "recurrent-7b"}
-    assert max(abs(r["peak_error"]) for r in planned) <= 0.05
+    assert found["peak_max_relative_error"] <= 0.075 and max(r["peak_error"] for r in planned) <= 0.075
     for key in ("device_name", "torch", "transformers", "date", "probe_command", "fit_command"):
         assert calibration.info[key], key
     assert "NVIDIA" in calibration.info["device_name"]
@@ -396,7 +398,7 @@ def test_cli_recalibrates_from_a_probe_file(tmp_path, capsys):
     old = {**json.loads(out.read_text()), "format_version": 1}
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert main(["--preset", "recurrent-3.3b", "--calibration", str(tmp_path / "old.json")]) != 0
-    assert re.search(r"format_version 1, expected 4.*hf-recurrent-plan-memory --calibrate", capsys.readouterr().err)
+    assert re.search(r"format_version 1, expected 5.*hf-recurrent-plan-memory --calibrate", capsys.readouterr().err)
 
 
 def test_defaults_resolve_to_no_plan_and_no_compile_on_cpu(tmp_path):

@@ -29,8 +29,9 @@ def _record(tmp_path, log_path, *extra):
 
 
 def test_a_run_record_carries_the_runs_plan_and_its_largest_logged_peak(tmp_path):
-    # A log without a plan file beside it: a run from before plan files recorded their placements (keep or recompute).
-    plan = plan_for_preset("recurrent-3.3b", 2048, 24.0, None, distill_topk=64, vocab_size=99520,
+    # A log without a plan file beside it: a run from before plan files recorded their placements (keep or recompute),
+    # under a 22 GiB cap (where the plan recomputes some layers).
+    plan = plan_for_preset("recurrent-3.3b", 2048, 22.0, None, distill_topk=64, vocab_size=99520,
                            placements="recompute")
     entries = _log_entries([18.4, 22.68, 22.5], [6017.0, 13890.0, 14000.0])
     history = tmp_path / "log_history.json"
@@ -38,22 +39,23 @@ def test_a_run_record_carries_the_runs_plan_and_its_largest_logged_peak(tmp_path
     console = tmp_path / "console.log"  # the trainer's console lines: one Python dict per line
     console.write_text("Memory plan: ...\n" + "\n".join(repr(e) for e in entries) + "\n")
     batch = plan.per_device_train_batch_size
-    (record,) = _record(tmp_path, history, "--batch_size", str(batch))
+    (record,) = _record(tmp_path, history, "--batch_size", str(batch), "--cap_gib", "22")
     assert record["batch_size"] == batch and record["recompute_set"] == plan.recompute.to_dict()
     assert record["distill_topk"] == 64 and record["config"]["vocab_size"] == 99520 and record["status"] == "ok"
     assert record["peak_reserved_bytes"] == int((22.68 + 0.005) * 2**30)  # the largest, rounded up
     assert record["step_seconds"] == [round(batch * 2048 / tps, 5) for tps in (6017.0, 13890.0, 14000.0)]
     assert ModelShape.from_record(record).vocab_size == 99520 and probe_recomputed(record) >= 1
-    again = _record(tmp_path, console)[-1]
+    again = _record(tmp_path, console, "--cap_gib", "22")[-1]
     assert {k: v for k, v in again.items() if k != "log"} == {k: v for k, v in record.items() if k != "log"}
     # A run whose plan file records its placements (the default's, with selective recomputation) gets that plan.
-    selective = plan_for_preset("recurrent-3.3b", 2048, 24.0, None, distill_topk=64, vocab_size=99520)
+    selective = plan_for_preset("recurrent-3.3b", 2048, 22.0, None, distill_topk=64, vocab_size=99520)
     assert selective.recompute != plan.recompute and selective.placements == "selective"
     run = tmp_path / "run"
     run.mkdir()
     (run / "memory_plan.json").write_text(json.dumps({"placements": "selective", "vocab_size": 99520}))
     (run / "log_history.json").write_text(history.read_text())
-    assert _record(tmp_path, run / "log_history.json")[-1]["recompute_set"] == selective.recompute.to_dict()
+    recorded = _record(tmp_path, run / "log_history.json", "--cap_gib", "22")[-1]
+    assert recorded["recompute_set"] == selective.recompute.to_dict()
 
 
 def test_a_run_is_timed_at_the_depths_it_sampled(tmp_path):

@@ -21,7 +21,8 @@ import math
 
 import numpy as np
 
-from trainer_ext.memory.estimator import CALIBRATION_FILE, Calibration, ModelShape, fit_calibration
+from trainer_ext.memory.estimator import CALIBRATION_FILE, DEFAULT_FIT_OBJECTIVE, Calibration, ModelShape, \
+    fit_calibration
 from trainer_ext.memory.probes import measured, read_probes, steady_step_seconds
 from trainer_ext.memory.placement import Program
 from trainer_ext.memory.recompute import RecomputeSet
@@ -88,7 +89,7 @@ def fit_offload(records: list[dict], calibration: Calibration) -> dict | None:
 
 
 def write_calibration_from_probes(probes_path: str, output: str | None = None, command: str | None = None,
-                                  probe_command: str | None = None, objective: str = "bytes") -> str:
+                                  probe_command: str | None = None, objective: str = DEFAULT_FIT_OBJECTIVE) -> str:
     """Fit the probes of `probes_path` and write the calibration to `output` (default: the package's file)."""
     records = [as_measured_now(record) for record in read_probes(probes_path)]
     calibration = fit_calibration(records, probe_command=probe_command, fit_command=command, source=probes_path,

@@ -5,7 +5,7 @@ applications that recompute their activations, the optimizer state, a cached tea
 
     peak = weights + optimizer state + processes' terms       (known: bytes per parameter, accountant, `processes`)
          + c . [1, N * kept * I, N * kept * H, N * recomputed * H, N * graph steps * adapter width, N * H,
-                N * top-k, max(theta * V * H, N * (H + I)), H * I]
+                N * top-k, max(theta * V * H, N * (H + I)), H * I, min(N, 2 * chunk) * V, V * H, V * H * old]
 
 with N = batch * sequence tokens, H / I / V the hidden, MLP and vocabulary sizes, `kept` / `recomputed` the layer
 applications of the graph-building part of the loop that keep their activations / only their input. The eighth term
@@ -13,23 +13,24 @@ is the larger of two transients: the head's update at the start of backward (abo
 (about N x (H + I)). It also covers the gradients one process has at any moment: the in-backward update consumes each
 as it is made, so no whole gradient exists (DDP's buckets, which do hold one, are a term of `processes`). The ninth,
 one MLP weight matrix's worth of elements, is a batch-independent part that grows with the model's width (the update's
-temporaries of one matrix); without it the 125M presets and the 3.3B/7B ones share one constant, which over-predicted
-the 125M probes by up to 63% (the probes have two widths, so H x H would fit them alike). A cached teacher adds its
-top-k ids and log-probs of the batch (the seventh term); its loss runs in the fused kernels as plain CE does, over the
-same chunk of logits in the head's dtype (a fixed number of bytes, in the constant), with no (positions x V) fp32
-temporaries. A compiled step fuses elementwise work, so it keeps other buffers than an eager one: every term but
-N * H and H * I has a coefficient of its own for compiled steps (the features' `compiled_` entries; an eager
+temporaries of one matrix). A cached teacher adds its top-k ids and log-probs of the batch (the seventh term); its
+loss runs in the fused kernels as plain CE does. The loss holds two chunks' logits (`distill.losses.
+default_chunk_size` positions each, bf16) once N has two, a chunk's made before the last one's are freed: the tenth
+term (without it transformer-125m's one-chunk batch was over-predicted by 22%). V x H on its own, the eleventh, is the
+head's constant part, which the eighth term's maximum had to carry (recurrent-125m's batch 32 was 20% over). The
+twelfth is a correction, not a term of any plan: records measured before the head's gradient was cast inside its fp32
+accumulator held its bf16 copy at their peak (`probes.holds_head_cast`; fitted at about 2.4 bytes an element). A
+compiled step fuses elementwise work, so it keeps other buffers than an eager one: every term but N * H, H * I and the
+correction has a coefficient of its own for compiled steps (the features' `compiled_` entries; an eager
 configuration's are zero, and the other way round).
 
 The coefficients c >= 0 and theta are fitted to the probes' peak reserved memory as an upper bound: a linear program
-(`scipy.optimize.linprog`, HiGHS) minimises the summed over-prediction in bytes (`FIT_OBJECTIVES`: or the summed
-relative one, or the largest relative one) subject to no probe being predicted under its measured peak, theta by a grid
-search for the smallest such sum. The measured peak is reserved memory, whose part over the allocated bytes (the
-allocator's cache, 0.06-2.9 GiB in the committed probes) moves by up to 0.9 GiB between neighbouring shapes; a
-least-squares fit predicted 48 of the 103 probes under their measured peak (by up to 6.4% at 8 GiB or more), this one
-none, at the cost of over-predicting where a probe's cache is below its neighbours'. Between and beyond the probed
-shapes nothing bounds the cache: the plan's margin is for that. The features carry the model's shape, so every preset of
-a family shares them. The two families, our recurrent-depth model and a plain Transformer (transformers' Llama code,
+(`scipy.optimize.linprog`, HiGHS) minimises the largest relative over-prediction (`FIT_OBJECTIVES`: or the summed one,
+in bytes or relative) subject to no probe being predicted under its measured peak, theta by a grid search. The
+measured peak is reserved memory, whose part over the allocated bytes (the allocator's cache, 0.06-2.9 GiB in the
+committed probes) moves by up to 0.9 GiB between neighbouring shapes: between and beyond the probed shapes nothing
+bounds the cache, and the plan's margin is for that. The features carry the model's shape, so every preset of a
+family shares them; the two families, our recurrent-depth model and a plain Transformer (transformers' Llama code,
 other saved tensors), are fitted apart.
 
     step time = t . [1, N * training FLOPs / token, N * recompute FLOPs / token, training FLOPs / token,
@@ -38,9 +39,8 @@ other saved tensors), are fitted apart.
 FLOPs per token from `hf_recurrent.cost`'s per-layer count (forward, backward at twice the forward, a recomputed
 layer one more forward); the per-token and per-application terms are the launch-bound part of small batches. Eager
 and compiled steps have coefficients of their own, each fitted to its probes: an eager step launches every kernel
-from Python and spends a fixed part of each step on it, which a compiled one does not. (Compiled times as the eager
-coefficients times one fitted factor, as before, put 0.17 s of eager overhead into every compiled step of the
-3.3b: 50% too long at batch 1 and 22% too short at batch 8, so plans leaned to large batches.)
+from Python and spends a fixed part of each step on it, which a compiled one does not (one factor over the eager
+coefficients put 0.17 s of eager overhead into every compiled step of the 3.3b).
 
 Every term is linear in the number of recomputed applications at a fixed batch size, which the planner's mixed-integer
 program relies on (`placement.py`). `fit_calibration` turns probe records (`benchmarks/memory_probe.py`) into a
@@ -55,19 +55,21 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from trainer_ext.memory.probes import PROBE_COMMAND, measured, probe_recomputed, steady_step_seconds, timed_depths, \
-    usable_probes
+from trainer_ext.distill.losses import default_chunk_size
+from trainer_ext.memory.probes import PROBE_COMMAND, holds_head_cast, measured, probe_recomputed, steady_step_seconds, \
+    timed_depths, usable_probes
 
 GIB = 2**30
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 CALIBRATE_COMMAND = "hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json"
 _SHARED_FEATURES = ("constant", "kept_intermediate", "kept_hidden", "recomputed_hidden", "adapter", "unique_hidden",
-                    "distill_topk", "transient", "weight_matrix")
-_COMPILE_DEPENDENT = (0, 1, 2, 3, 4, 6, 7)  # the features whose compiled counterparts follow the shared ones, in order
+                    "distill_topk", "transient", "weight_matrix", "loss_logits", "head", "head_cast")
+_COMPILE_DEPENDENT = (0, 1, 2, 3, 4, 6, 7, 9, 10)  # the features whose compiled counterparts follow the shared ones
 MEMORY_FEATURES = _SHARED_FEATURES + tuple(f"compiled_{_SHARED_FEATURES[i]}" for i in _COMPILE_DEPENDENT)
 TIME_FEATURES = ("constant", "training_flops", "recompute_flops", "flops_per_token", "layer_applications",
                  "parameters")
-FORMAT_VERSION = 4  # 3: least squares, fewer compiled terms, no weight-matrix term
+FORMAT_VERSION = 5  # 4: no logits, head or head-cast terms; 3: least squares, fewer compiled terms, no weight matrix
+MIN_MEMORY_PROBES = len(MEMORY_FEATURES) - 1  # a family's fit: a probe per term (the head-cast correction is none)
 MIN_COMPILED_TIME_PROBES = 2 * len(TIME_FEATURES)  # compiled probes that get coefficients of their own
 # From this size up (recurrent-1b, not the 125M presets) a compiled step is bound by the device's work, below it by the
 # host's kernel launches (recurrent-125m's batch 8 ran faster than its batch 4 on the H200): no one linear model
@@ -75,9 +77,10 @@ MIN_COMPILED_TIME_PROBES = 2 * len(TIME_FEATURES)  # compiled probes that get co
 # (`FamilyFit.large_compiled_time_coefficients`).
 LARGE_MODEL_PARAMS = 5e8
 _THETAS = tuple(round(0.01 * i, 2) for i in range(0, 801, 2))  # grid of the transient's V x H multiple
-# What the memory fit minimises under its bound (`_upper_bound`): "bytes" (the default: the probes of most memory, where
-# plans for a card land, weigh most), "relative" (every probe alike), "minimax" (the worst probe's relative error).
+# What the memory fit minimises under its bound (`_upper_bound`): "bytes" (the probes of most memory, where plans for a
+# card land, weigh most), "relative" (every probe alike), "minimax" (the default: the worst probe's relative error).
 FIT_OBJECTIVES = ("bytes", "relative", "minimax")
+DEFAULT_FIT_OBJECTIVE = "minimax"
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class ModelShape:
     num_processes: int = 1
     sharding: str | None = None
     process_terms: tuple[tuple[str, int], ...] = ()
+    head_cast: bool = False  # a record whose peak held the head gradient's cast (the last feature); never a plan
 
     @property
     def fixed_bytes(self) -> int:
@@ -128,7 +132,8 @@ class ModelShape:
     def from_record(cls, record: dict):
         from types import SimpleNamespace
 
-        return cls.from_config(SimpleNamespace(**record["config"]), record["optimizer_state_bytes"], record["params"])
+        shape = cls.from_config(SimpleNamespace(**record["config"]), record["optimizer_state_bytes"], record["params"])
+        return replace(shape, head_cast=holds_head_cast(record))
 
     @property
     def graph_applications(self) -> int:
@@ -152,11 +157,13 @@ class ModelShape:
 def memory_features(shape: ModelShape, batch_size: int, seq_len: int, recomputed: float, theta: float,
                     distill_topk: int = 0, compiled: bool = False) -> np.ndarray:
     """The memory features (GiB units) of a configuration with `recomputed` layer applications recomputed."""
-    tokens, h, i = batch_size * seq_len, shape.hidden_size, shape.intermediate_size
+    tokens, h, i, v = batch_size * seq_len, shape.hidden_size, shape.intermediate_size, shape.vocab_size
     kept = shape.graph_applications - recomputed
+    logits = min(tokens, 2 * default_chunk_size(v, 2)) * v  # two chunks of the fused kernels' bf16 logits at most
     shared = np.array([GIB, tokens * kept * i, tokens * kept * h, tokens * recomputed * h,
                        tokens * shape.graph_steps * shape.adapter_width * h, tokens * h, tokens * distill_topk,
-                       max(theta * shape.vocab_size * h, tokens * (h + i)), h * i], dtype=float) / GIB
+                       max(theta * v * h, tokens * (h + i)), h * i, logits, v * h, v * h * shape.head_cast],
+                      dtype=float) / GIB
     dependent = list(_COMPILE_DEPENDENT)
     own = np.zeros(len(dependent))
     if compiled:  # the compiled coefficients carry these terms instead of the shared ones
@@ -322,7 +329,7 @@ def load_calibration(path: str | None = None) -> Calibration:
 # -- fitting
 
 
-def _fit_memory(shapes, probes, thetas=_THETAS, objective: str = "bytes"):
+def _fit_memory(shapes, probes, thetas=_THETAS, objective: str = DEFAULT_FIT_OBJECTIVE):
     """Coefficients and theta with no probe predicted under its peak, at the least `objective` (`FIT_OBJECTIVES`)."""
     fixed = np.array([s.fixed_bytes / GIB for s in shapes])
     measured = np.array([p["peak_reserved_bytes"] / GIB for p in probes])
@@ -420,8 +427,8 @@ def fit_selective(records: list[dict], calibration: Calibration) -> dict | None:
             "pairs": len(multiples)}
 
 
-def fit_calibration(records: list[dict], probe_command: str | None = None, fit_command: str | None = None,
-                    source: str = "probes", leave_one_out: bool = True, objective: str = "bytes") -> Calibration:
+def fit_calibration(records: list[dict], probe_command: str | None = None, fit_command: str | None = None, source:
+                    str = "probes", leave_one_out: bool = True, objective: str = DEFAULT_FIT_OBJECTIVE) -> Calibration:
     """A calibration fitted to the usable probe records, each model family's coefficients to its own probes, with
     its residuals on them (and, with `leave_one_out`, the peak error of each probe predicted by a fit without it).
 
@@ -443,9 +450,9 @@ def fit_calibration(records: list[dict], probe_command: str | None = None, fit_c
                          f"`{PROBE_COMMAND}`.")
     families, device = {}, probes[0].get("device_name")
     for family, (shapes, members) in by_family.items():
-        if len(members) < len(MEMORY_FEATURES):
+        if len(members) < MIN_MEMORY_PROBES:
             raise ValueError(f"{source}: {len(members)} usable probes of {family} models (status ok, CUDA memory "
-                             f"figures); a fit needs at least {len(MEMORY_FEATURES)}. Measure more with "
+                             f"figures); a fit needs at least {MIN_MEMORY_PROBES}. Measure more with "
                              f"`{PROBE_COMMAND}`, or leave that family's presets out of the probe file.")
         memory, theta = _fit_memory(shapes, members, objective=objective)
         timed = [(s, p) for s, p in zip(shapes, members) if p.get("device_name") == device] or zip(shapes, members)

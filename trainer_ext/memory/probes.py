@@ -46,6 +46,14 @@ def usable_probes(records: list[dict]) -> list[dict]:
             and default_allocator(r.get("allocator", ""))]
 
 
+def holds_head_cast(record: dict) -> bool:
+    """Whether a record was measured before the head's gradient was cast to bf16 inside its fp32 accumulator (the
+    loss's `head_grad_in_place`): its peak held the cast beside the accumulator, V x H bf16. Those are the records
+    without `outer_norms` (written since the same change: `calibrate.as_measured_now` marks the compiled ones it
+    adjusts "eager (adjusted)")."""
+    return record.get("outer_norms") in (None, "eager (adjusted)")
+
+
 def probe_recomputed(record: dict, graph_steps: int | None = None) -> int:
     """Layer applications a probe recomputed: one per prelude / coda layer, the core layers per core step (of its
     first `graph_steps` graph-building core steps where given: a sampled depth below the backprop depth builds
