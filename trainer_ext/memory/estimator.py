@@ -19,7 +19,7 @@ default_chunk_size` positions each, bf16) once N has two, a chunk's made before 
 term (without it transformer-125m's one-chunk batch was over-predicted by 22%). V x H on its own, the eleventh, is the
 head's constant part, which the eighth term's maximum had to carry (recurrent-125m's batch 32 was 20% over). The
 twelfth is a correction, not a term of any plan: records measured before the head's gradient was cast inside its fp32
-accumulator held its bf16 copy at their peak (`probes.holds_head_cast`; fitted at about 2.4 bytes an element). A
+accumulator held its bf16 copy at their peak (`probes.holds_head_cast`; fitted at 2.0 bytes an element). A
 compiled step fuses elementwise work, so it keeps other buffers than an eager one: every term but N * H, H * I and the
 correction has a coefficient of its own for compiled steps (the features' `compiled_` entries; an eager
 configuration's are zero, and the other way round).
