@@ -5,9 +5,9 @@ Offload's window is the device memory an offloaded step holds beyond what the pr
 applications `OffloadActivations` keeps on their way out in forward or fetched ahead in backward, and the allocator's
 cache of blocks freed across its two streams. `memory_probe --offload_probes` measures offloaded steps; the window is
 the largest number of applications' kept bytes any of them needed (an upper bound, as the peaks): on an H100 the
-allocated bytes matched the two applications, the reserved ones needed up to 2.84 by the committed fit's peaks
-(recurrent-7b at batch 2). With the probes' fully recomputed references, `fit_offload` also fits offload's fixed time
-per application.
+allocated bytes matched the two applications, the reserved ones needed up to 4.34 by the committed fit's peaks
+(recurrent-7b's unique layers at batch 1, 1.3 GiB of allocator cache). With the probes' fully recomputed
+references, `fit_offload` also fits offload's fixed time per application.
 
 Records of compiled recurrent steps measured before the training compiled the norms outside its decoder layers
 (`trainer_ext.training.compiling`; such records have no `outer_norms` field) held each of those norms' input in fp32
@@ -54,22 +54,31 @@ def _pair(record: dict) -> tuple:
         record.get("device_name")
 
 
+def reference_of(records: list[dict], index: int) -> dict | None:
+    """The `recompute_reference` of the offloaded probe `records[index]` (the same batch recomputed in full, in the
+    same process): of those of its card, preset, batch and length, the nearest in the file, since a call's records
+    are written together and another day's may pair the same way; None without one."""
+    found = [(abs(i - index), i) for i, r in enumerate(records) if measured(r)
+             and r.get("recompute") == "recompute_reference" and _pair(r) == _pair(records[index])]
+    return records[min(found)[1]] if found else None
+
+
 def fit_offload(records: list[dict], calibration: Calibration) -> dict | None:
     """The offload window (module docstring) from the offloaded probes in `records`, with `calibration`'s peaks of
-    the rest of each step; None without such a probe. Where a probe's `recompute_reference` (the same batch recomputed
-    in full, in the same process) is in `records` too, also the fixed time an offloaded application adds (the hooks'
-    launches, the copies' and events' host work): the least squares over the probes of the ratio of the offloaded
-    step to its reference, predicted against measured (a ratio, so that another card than the calibration's can give
-    it)."""
-    references = {_pair(r): r for r in records if measured(r) and r.get("recompute") == "recompute_reference"}
+    the rest of each step; None without such a probe. Where a probe's `recompute_reference` is in `records` too
+    (`reference_of`), also the fixed time an offloaded application adds (the hooks' launches, the copies' and events'
+    host work): the least squares over the probes of the ratio of the offloaded step to its reference, predicted
+    against measured (a ratio, so that another card than the calibration's can give it)."""
     windows, rows = [], []
-    for record in filter(offloaded, records):
+    for index, record in enumerate(records):
+        if not offloaded(record):
+            continue
         program = Program(ModelShape.from_record(record), calibration, record["batch_size"], record["seq_len"],
                           bool(record.get("compile")), record.get("distill_topk", 0), "all")
         placement = RecomputeSet.from_dict(record["recompute_set"])
         peak = program.peak_bytes(placement)
         windows.append((record["peak_reserved_bytes"] - (peak - program.window_bytes)) / program.keep_bytes)
-        reference = references.get(_pair(record))
+        reference = reference_of(records, index)
         if reference is not None and program.offload_seconds is not None:
             _, seconds, host = program.evaluate(placement)
             count = host / program.keep_bytes  # offloaded applications

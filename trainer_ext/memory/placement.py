@@ -34,10 +34,10 @@ selectively and in full in one process; `estimator.fit_selective`, run by the ca
 selective application holds over a full recompute's input, as a multiple of S (the largest over the pairs, an upper
 bound like the peaks), and the share of a full recompute's time it still costs (the median), kept in the
 calibration's `selective` entry. Without pairs S and SELECTIVE_TIME_FRACTION stand as above. Offload's time is the
-model above with its fixed time fitted (on an H100, 12 offloaded probes of recurrent-3.3b and 7b at batch 1-4, as a
-ratio to the same step recomputed: 0.49 ms an application, within 3.2% at the median and 8.5% at most on those same
-probes; 1.6 ms and 1.2% / 5.9% when the references' times came from one fit of every compiled probe, small models'
-included); its window is measured (above).
+model above with its fixed time fitted (on an H100, 24 offloaded probes of recurrent-3.3b and 7b at batch 1-4 over
+two days, as a ratio to the same step recomputed: 0.01 ms an application; the first day's within 2.8% at the median
+and 8.1% at most, the second's, out of sample before they joined, within 7% at batch 2 and 4); its window is measured
+(above).
 By default the program chooses among keep, recompute and selective recomputation (`--memory_placements selective`,
 PLACEMENT_CHOICES; `recompute` leaves selective out): selective is priced by probe pairs, and recurrent-3.3b's plan
 with it (batch 3, most applications selective, against batch 2 with nothing recomputed) trained 7.5% faster on an
