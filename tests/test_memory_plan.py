@@ -291,6 +291,44 @@ def test_step_times_are_fitted_to_the_calibrations_card_and_peaks_to_every_cards
     assert [mixed.info["residuals"][k] for k in summary] == [alone.info["residuals"][k] for k in summary]
 
 
+def test_the_head_cast_correction_is_a_term_of_old_records_only():
+    # Records measured before the head's gradient was cast inside its fp32 accumulator (no `outer_norms`, or adjusted
+    # by `as_measured_now`) held its bf16 copy, V x H, at their peak; a plan never does: the committed correction (about
+    # 2 bytes an element) adds nothing to a plan's peak and its coefficient x V x H to an old record's.
+    from trainer_ext.memory.calibrate import as_measured_now
+    from trainer_ext.memory.estimator import MEMORY_FEATURES, memory_features
+
+    records = [r for r in read_probes(str(PROBES)) if r["preset"] == "recurrent-3.3b" and r.get("compile")]
+    old = next(r for r in records if "outer_norms" not in r)
+    assert ModelShape.from_record(old).head_cast and ModelShape.from_record(as_measured_now(old)).head_cast
+    assert not ModelShape.from_record(next(r for r in records if r.get("outer_norms") == "compiled")).head_cast
+    plan_shape, calibration = _shape(), load_calibration()
+    marked = dataclasses.replace(plan_shape, head_cast=True)
+    cast = MEMORY_FEATURES.index("head_cast")
+    coefficient = calibration.families["recurrent"].memory_coefficients[cast]
+    assert not plan_shape.head_cast and 1.5 <= coefficient <= 2.5
+    head = plan_shape.vocab_size * plan_shape.hidden_size
+    for compiled in (False, True):
+        assert memory_features(plan_shape, 3, 2048, 0, 0.5, compiled=compiled)[cast] == 0
+        assert memory_features(marked, 3, 2048, 0, 0.5, compiled=compiled)[cast] == pytest.approx(head / GIB)
+        extra = (calibration.peak_bytes(marked, 3, 2048, 0, 0, compiled)
+                 - calibration.peak_bytes(plan_shape, 3, 2048, 0, 0, compiled))
+        assert extra == pytest.approx(coefficient * head, rel=1e-6)
+
+
+def test_the_loss_holds_two_chunks_of_logits_at_most():
+    # A chunk's logits are made before the last one's are freed: one chunk's worth at one chunk of tokens, two from
+    # two chunks on, however long the batch.
+    from trainer_ext.distill.losses import default_chunk_size
+    from trainer_ext.memory.estimator import MEMORY_FEATURES, memory_features
+
+    shape = _shape()
+    logits, chunk = MEMORY_FEATURES.index("loss_logits"), default_chunk_size(shape.vocab_size, 2)
+    assert memory_features(shape, 1, chunk, 0, 0.5)[logits] == pytest.approx(chunk * shape.vocab_size / GIB)
+    for batch in (2, 8):
+        assert memory_features(shape, batch, chunk, 0, 0.5)[logits] == pytest.approx(2 * chunk * shape.vocab_size / GIB)
+
+
 def test_the_committed_calibration_reproduces_the_committed_probes():
     # No probe's peak predicted under its measured value (the allocator's cache included); within 7.5% everywhere, 3%
     # on average; the residuals it records are the ones its coefficients give.
