@@ -46,12 +46,16 @@ def usable_probes(records: list[dict]) -> list[dict]:
             and default_allocator(r.get("allocator", ""))]
 
 
+# The `outer_norms` of a record that `calibrate.as_measured_now` adjusted (measured with the norms outside the decoder
+# layers eager).
+ADJUSTED_OUTER_NORMS = "eager (adjusted)"
+
+
 def holds_head_cast(record: dict) -> bool:
     """Whether a record was measured before the head's gradient was cast to bf16 inside its fp32 accumulator (the
     loss's `head_grad_in_place`): its peak held the cast beside the accumulator, V x H bf16. Those are the records
-    without `outer_norms` (written since the same change: `calibrate.as_measured_now` marks the compiled ones it
-    adjusts "eager (adjusted)")."""
-    return record.get("outer_norms") in (None, "eager (adjusted)")
+    without `outer_norms` (written since the same change) or adjusted for them (`ADJUSTED_OUTER_NORMS`)."""
+    return record.get("outer_norms") in (None, ADJUSTED_OUTER_NORMS)
 
 
 def probe_recomputed(record: dict, graph_steps: int | None = None) -> int:
