@@ -298,6 +298,44 @@ def test_gradient_accumulation_is_refused_in_backward():
         _loss(model, batch).backward()
 
 
+def test_a_gate_asked_at_the_first_update_in_backward_skips_or_lets_the_whole_step_through():
+    gated_model, reference_model = _mlp(), _mlp()
+    gated = create_optimizer(gated_model, lr=0.01, momentum=0.9, in_backward=True)
+    reference = create_optimizer(reference_model, lr=0.01, momentum=0.9, in_backward=True)
+    asked = []
+
+    def decide(answer):
+        def gate():  # asked before any weight of the step changed, once a step
+            asked.append(all(torch.equal(a, b) for a, b in zip(gated_model.parameters(), before)))
+            return answer
+        return gate
+
+    for step, batch in enumerate(_batches(4)):
+        before = [p.detach().clone() for p in gated_model.parameters()]
+        state = {id(p): {k: v.clone() for k, v in gated.state[p].items() if torch.is_tensor(v)}
+                 for p in gated_model.parameters() if p in gated.state}
+        skip = step == 2
+        gated.gate_backward(decide(not skip))
+        _loss(gated_model, batch).backward()
+        gated.step()
+        assert all(p.grad is None for p in gated_model.parameters())  # a skipped step frees its gradients too
+        if skip:  # no weight and no optimizer state changed
+            assert all(torch.equal(a, b) for a, b in zip(gated_model.parameters(), before))
+            assert all(torch.equal(v, state[id(p)][k]) for p in gated_model.parameters()
+                       for k, v in gated.state[p].items() if torch.is_tensor(v))
+            continue
+        _loss(reference_model, batch).backward()
+        reference.step()
+        # a step let through is the ungated optimizer's (the reference skips what the gated one skipped)
+        assert all(torch.equal(a, b) for a, b in zip(gated_model.parameters(), reference_model.parameters()))
+    assert asked == [True] * 4
+    gated.gate_backward(decide(False))
+    gated.step()  # a gate that no update asked for ends with the step: the next backward updates
+    before = [p.detach().clone() for p in gated_model.parameters()]
+    _loss(gated_model, _batches(1)[0]).backward()
+    assert not any(torch.equal(a, b) for a, b in zip(gated_model.parameters(), before)) and len(asked) == 4
+
+
 def test_param_group_added_after_attach_is_updated_in_backward():
     model = _mlp()
     first, rest = model[0], nn.Sequential(*model[1:])

@@ -288,6 +288,42 @@ def test_loss_spike_and_nan_loss_skip_the_update_and_are_logged(tiny_data_dir, t
     assert math.isnan(written["interventions"][1]["value"])
 
 
+def test_the_guard_decides_inside_backward_at_the_first_update_and_outside_it_with_a_stock_optimizer(
+        tiny_data_dir, tmp_path, monkeypatch):
+    # In one process with the in-backward optimizer the loss is read once backward's first operations are queued (no
+    # wait for the GPU before backward), still before any weight changes; a stock optimizer's guard reads it before.
+    from trainer_ext.optim.optimizer import LowMemoryAdafactor
+
+    events = []
+    check_loss, update = StabilityGuard.check_loss, LowMemoryAdafactor._update
+
+    def recorded_check(guard, step, value):
+        events.append(("decide", step, torch._C._current_graph_task_id() != -1))
+        return check_loss(guard, step, value)
+
+    def recorded_update(optimizer, *args, **kwargs):
+        events.append(("update",))
+        return update(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(StabilityGuard, "check_loss", recorded_check)
+    monkeypatch.setattr(LowMemoryAdafactor, "_update", recorded_update)
+    trainer = make_trainer(tiny_data_dir, tmp_path / "in_backward", max_steps=4, save_strategy="no",
+                           stability_warmup_steps=2)
+    inject(trainer, {3: SPIKE})
+    trainer.train()
+    decisions = [i for i, event in enumerate(events) if event[0] == "decide"]
+    assert [events[i] for i in decisions] == [("decide", step, True) for step in (1, 2, 3, 4)]
+    updates = [sum(1 for e in events[i + 1:j] if e[0] == "update") for i, j in zip(decisions, decisions[1:] + [None])]
+    assert decisions[0] == 0 and updates[2] == 0 and updates[0] == updates[1] == updates[3] > 0  # step 3 skipped
+    assert trainer.stability.skipped_steps == 1
+
+    events.clear()
+    stock = make_trainer(tiny_data_dir, tmp_path / "stock", max_steps=2, save_strategy="no", optimizer="hf",
+                         optim="adamw_torch")
+    stock.train()
+    assert events == [("decide", 1, False), ("decide", 2, False)]
+
+
 def test_the_trainers_nan_filter_is_off_inside_guarded_steps_only(tiny_data_dir, tmp_path):
     # The guard's stand-ins make the Trainer's filter (two waits for the GPU per step) redundant inside steps; it is
     # back for evaluation and after training, also after a failed step, and untouched without the guard.

@@ -161,6 +161,8 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
         self._position: dict[torch.Tensor, tuple[int, int]] = {}
         self._num_steps = 0  # finished optimizer steps
         self._last_hooked_step: list[int] = []
+        self._gate: Callable[[], bool] | None = None  # asked before this step's first in-backward update
+        self._skipping = False  # this step's in-backward updates are skipped (the gate said so)
         super().__init__(params, defaults)
         if not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1:
             raise ValueError(f"max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r}")
@@ -266,8 +268,19 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
                 "and use non-reentrant activation checkpointing (use_reentrant=False)"
             )
         self._last_hooked_step[index] = self._num_steps
-        self._update(p, self.param_groups[group_index], index)
+        if self._gate is not None:
+            decide, self._gate = self._gate, None
+            self._skipping = not decide()
+        if not self._skipping:
+            self._update(p, self.param_groups[group_index], index)
         p.grad = None
+
+    def gate_backward(self, decide: Callable[[], bool]) -> None:
+        """Call ``decide()`` at this step's first in-backward update, before it: False skips every update of the
+        step (each gradient is dropped as it arrives; no weight and no state changes). A decision that needs a value
+        of the forward pass (the stability guard's, on the loss) then waits for that value while backward's first
+        operations are queued, instead of before them with the GPU idle. The gate lasts until ``step``."""
+        self._gate = decide
 
     # -- classic mode and step bookkeeping
 
@@ -286,6 +299,7 @@ class LowMemoryAdafactor(StepBookkeeping, torch.optim.Optimizer):
                 for p in group["params"]:
                     if p.grad is not None:
                         self._update(p, group, self._position[p][1])
+        self._gate, self._skipping = None, False
         self._finish_step()
         return loss
 

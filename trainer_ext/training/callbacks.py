@@ -80,6 +80,10 @@ class TrainingHooksCallback(TrainerCallback):
             # Before the scheduler steps: it must never see (and build on) the guard's lowered rate.
             self.trainer._restore_scheduled_lr()
 
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if args.stability_guard:
+            self.trainer._settle_stability()
+
     def on_step_begin(self, args, state, control, **kwargs):
         self.trainer._count_warmup_step(starting=True)
         if args.stability_guard and self._nan_filter is None:

@@ -2,8 +2,8 @@
 
 A mixin of `RecurrentTrainer` (trainer.py), which sets `self.stability` (a `StabilityGuard`, or None when
 `--stability_guard false`), `self._window` (the logging window's counters) and `unwrapped_optimizer`: the guard reads
-each training loss before its backward (`_guarded_loss`), the optimizer's gradient norm a step later, scales the
-learning rate, rolls the run back to a checkpoint or stops it, and writes the interventions.
+each training loss before the step's first update (`_guarded_loss`), the optimizer's gradient norm a step later,
+scales the learning rate, rolls the run back to a checkpoint or stops it, and writes the interventions.
 """
 
 import logging
@@ -33,6 +33,8 @@ class StabilityMixin:
         self._skipping_step = None  # step whose update is being skipped
         self._grad_norm_step = None  # step whose gradient norm the guard has not seen yet
         self._scheduled_lrs = None  # the scheduler's learning rates while the guard's multiplier is applied
+        self._pending_loss = None  # (step, its loss on its way to the host) until the guard decides in backward
+        self._stop_after_backward = None  # an intervention that rolls back or stops once backward has ended
 
     def _start_stability_guard(self, state):
         """A fresh guard for each `train()`, or the checkpoint's when resuming."""
@@ -45,17 +47,36 @@ class StabilityMixin:
     def _guarded_loss(self, model, loss):
         """`loss`, or, when the guard skips this step, a stand-in with no graph to the parameters.
 
-        The decision has to come before backward: the in-backward optimizer updates each weight as its gradient
-        arrives. Backward of the stand-in reaches no parameter, so no weight and no optimizer state changes (a zero
-        gradient would not do: the second-moment and momentum decay would still run); the Trainer's
-        `optimizer.step()` then only does bookkeeping (in backward) or passes over parameters without a gradient
-        (stock optimizers), and the scheduler steps as usual, so the schedule stays a function of the step.
+        The decision has to come before any update: the in-backward optimizer updates each weight as its gradient
+        arrives. In one process it comes at the step's first update (`LowMemoryAdafactor.gate_backward`): the loss
+        travels to the host behind the forward pass while backward's first operations are queued, so the GPU does
+        not idle while the host waits for the loss and then launches backward; a skipped step drops its gradients
+        as they arrive. Otherwise (stock optimizers, several processes, whose loss is averaged first) the loss is
+        read here, and a skipped step gets a stand-in whose backward reaches no parameter, so no weight and no
+        optimizer state changes (a zero gradient would not do: the second-moment and momentum decay would still
+        run); the Trainer's `optimizer.step()` then only does bookkeeping (in backward) or passes over parameters
+        without a gradient (stock optimizers). The scheduler steps as usual: the schedule stays a function of the
+        step.
         """
         step = self.state.global_step + 1  # numbered as in the logs
         if self._skipping_step == step:  # an earlier micro-batch of this step was already bad
             return self._stand_in(loss)
-        value = self._loss_value(loss)
-        self._observe_grad_norm()  # the previous step's, complete by now: the read above has waited for more
+        optimizer = self.unwrapped_optimizer
+        if self.accelerator.num_processes == 1 and getattr(optimizer, "in_backward", False) \
+                and hasattr(optimizer, "gate_backward"):
+            self._pending_loss = (step, _on_its_way_to_host(loss.detach()))
+            optimizer.gate_backward(self._decide_pending)
+            return self._stand_in(loss, keep_graph=True)
+        if self._decide(step, self._loss_value(loss)):
+            return loss
+        if self.args.gradient_accumulation_steps > 1:
+            model.zero_grad(set_to_none=True)  # the whole step is skipped, its earlier micro-batches too
+        return self._stand_in(loss)
+
+    def _decide(self, step: int, value: float) -> bool:
+        """The guard's decision on step `step`'s loss `value`: True to update (at the rate it sets), False to skip.
+        A stop or rollback runs now, or, inside backward, once it has ended (`_settle_stability`)."""
+        self._observe_grad_norm()  # the previous step's, complete by now: the loss waited for more
         intervention = self.stability.check_loss(step, value)
         if math.isfinite(value):
             self._window["finite_sum"] += value
@@ -65,25 +86,44 @@ class StabilityMixin:
         if intervention is None:
             self._scale_lr(self.stability.lr_scale(step))
             self._grad_norm_step = step
-            return loss
+            return True
         logger.warning("stability guard: %s", intervention.describe())
         if self.stability.should_stop:
-            self._roll_back_or_stop(intervention)
+            if torch._C._current_graph_task_id() == -1:
+                self._roll_back_or_stop(intervention)
+            else:  # weights restored now would change what the rest of backward reads
+                self._stop_after_backward = intervention
         self._skipping_step = step
         if self._grad_norm_step == step:
             self._grad_norm_step = None
-        if self.args.gradient_accumulation_steps > 1:
-            model.zero_grad(set_to_none=True)  # the whole step is skipped, its earlier micro-batches too
-        return self._stand_in(loss)
+        return False
 
-    def _stand_in(self, loss):
-        """The loss value for the Trainer's running sum, detached from the graph; backward of it is a no-op.
+    def _decide_pending(self) -> bool:
+        step, value = self._pending_loss
+        self._pending_loss = None
+        return self._decide(step, value())
+
+    def _settle_stability(self):
+        """After backward, before the optimizer's step: a decision no update asked for (a backward that reached no
+        parameter), and the stop or rollback decided inside backward."""
+        if self._pending_loss is not None:
+            self._decide_pending()
+        if self._stop_after_backward is not None:
+            intervention, self._stop_after_backward = self._stop_after_backward, None
+            self._roll_back_or_stop(intervention)
+
+    def _stand_in(self, loss, keep_graph: bool = False):
+        """The loss value for the Trainer's running sum: detached from the graph (backward of it is a no-op), or,
+        with `keep_graph`, the loss itself where it is finite.
 
         A non-finite loss is replaced by the running mean: the Trainer's sum would stay NaN for the rest of the run
         (or, with its NaN filter, count the step as a 0.0 loss at the start of a logging window). `log` then
         reports the window's finite losses, or NaN. `torch.where` keeps this free of a device sync.
         """
-        finite = torch.where(torch.isfinite(loss), loss.detach(), self.stability.loss_mean or 0.0)
+        mean = self.stability.loss_mean or 0.0
+        if keep_graph:
+            return torch.where(torch.isfinite(loss.detach()), loss, mean)
+        finite = torch.where(torch.isfinite(loss), loss.detach(), mean)
         return finite.requires_grad_()
 
     def _loss_value(self, loss) -> float:
@@ -156,3 +196,20 @@ class StabilityMixin:
         logs["stability/skipped_steps"] = self.stability.skipped_steps
         logs["stability/interventions"] = len(self.stability.interventions)
         logs["stability/lr_scale"] = self.stability.lr_scale(self.state.global_step)
+
+
+def _on_its_way_to_host(value: torch.Tensor):
+    """A function returning `value` as a float: on CUDA copied to pinned host memory behind the work queued so far,
+    so that the call waits for that work only, not for what is queued after this."""
+    if value.device.type != "cuda":
+        return value.item
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(value.device))
+
+    def read() -> float:
+        ready.synchronize()
+        return host.item()
+
+    return read
