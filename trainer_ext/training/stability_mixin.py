@@ -127,10 +127,10 @@ class StabilityMixin:
         return finite.requires_grad_()
 
     def _loss_value(self, loss) -> float:
-        """The loss on the host: the guard's one device sync per step (on several processes, their mean, so that
-        every process takes the same decision). It replaces the two waits of the Trainer's NaN filter after backward,
-        which is off inside guarded steps (`TrainingHooksCallback`): the guard's stand-ins keep the logged loss
-        finite."""
+        """The loss on the host before backward, where the guard does not decide inside it: a device sync per step
+        (on several processes, their mean, so that every process takes the same decision). Either way the guard's
+        read replaces the two waits of the Trainer's NaN filter after backward, which is off inside guarded steps
+        (`TrainingHooksCallback`): the guard's stand-ins keep the logged loss finite."""
         if self.accelerator.num_processes > 1:
             loss = self.accelerator.reduce(loss.detach(), reduction="mean")
         return loss.detach().item()
