@@ -324,6 +324,17 @@ def test_the_guard_decides_inside_backward_at_the_first_update_and_outside_it_wi
     assert events == [("decide", 1, False), ("decide", 2, False)]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_loss_on_its_way_to_the_host_reads_back_after_later_work_is_queued():
+    from trainer_ext.training.stability_mixin import _on_its_way_to_host
+
+    loss = torch.randn(4096, 4096, device="cuda").square().mean()
+    read = _on_its_way_to_host(loss)
+    later = torch.randn(4096, 4096, device="cuda")
+    later.copy_(later @ later)  # queued after the copy: the read does not wait for it
+    assert read() == loss.item()
+
+
 def test_the_trainers_nan_filter_is_off_inside_guarded_steps_only(tiny_data_dir, tmp_path):
     # The guard's stand-ins make the Trainer's filter (two waits for the GPU per step) redundant inside steps; it is
     # back for evaluation and after training, also after a failed step, and untouched without the guard.

@@ -45,7 +45,8 @@ class StabilityMixin:
         self._reset_stability_bookkeeping()
 
     def _guarded_loss(self, model, loss):
-        """`loss`, or, when the guard skips this step, a stand-in with no graph to the parameters.
+        """What the Trainer backpropagates and sums for the log: `loss` where the guard lets the step update, else a
+        stand-in (finite, as the loss where that is).
 
         The decision has to come before any update: the in-backward optimizer updates each weight as its gradient
         arrives. In one process it comes at the step's first update (`LowMemoryAdafactor.gate_backward`): the loss
