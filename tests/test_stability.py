@@ -326,13 +326,13 @@ def test_the_guard_decides_inside_backward_at_the_first_update_and_outside_it_wi
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_loss_on_its_way_to_the_host_reads_back_after_later_work_is_queued():
-    from trainer_ext.training.stability_mixin import _on_its_way_to_host
+    from trainer_ext.devices import to_host_later
 
     loss = torch.randn(4096, 4096, device="cuda").square().mean()
-    read = _on_its_way_to_host(loss)
+    read = to_host_later(loss)
     later = torch.randn(4096, 4096, device="cuda")
     later.copy_(later @ later)  # queued after the copy: the read does not wait for it
-    assert read() == loss.item()
+    assert read().is_pinned() and read().item() == loss.item()
 
 
 def test_the_trainers_nan_filter_is_off_inside_guarded_steps_only(tiny_data_dir, tmp_path):

@@ -1,6 +1,6 @@
 """The one reading of `--device auto` and `--dtype auto` shared by every entry point, whether Triton (the fused
 kernels' compiler, on Linux x86-64 installs) is there, how much memory a CUDA device has for this process, how
-its caching allocator is set, and waiting for it."""
+its caching allocator is set, and waiting for it (all of it, or one value on its way to the host)."""
 
 import functools
 import importlib.util
@@ -44,6 +44,23 @@ def synchronize(device: torch.device | str | None = None) -> None:
             torch.cuda.synchronize()
     elif torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def to_host_later(value: torch.Tensor):
+    """A function returning `value` on the host: on CUDA copied to pinned host memory behind the work queued so far,
+    so that calling it waits for that work only, not for what is queued after this; elsewhere `value` itself."""
+    if value.device.type != "cuda":
+        return lambda: value
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(value.device))
+
+    def read() -> torch.Tensor:
+        ready.synchronize()
+        return host
+
+    return read
 
 
 @dataclass(frozen=True)

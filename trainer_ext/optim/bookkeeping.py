@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from trainer_ext.devices import to_host_later
+
 __all__ = ["StepBookkeeping"]
 
 
@@ -30,28 +32,19 @@ class StepBookkeeping:
 
     def _finish_step(self) -> None:
         self._num_steps += 1
-        snapshot = []
-        for device, totals in self._totals.items():
-            if device.type == "cuda":
-                host = torch.empty(2, dtype=totals.dtype, pin_memory=True)
-                host.copy_(totals, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                snapshot.append((host, event))
-            else:
-                snapshot.append((totals, None))
+        on_gpu = any(device.type == "cuda" for device in self._totals)
+        snapshot = [to_host_later(totals) for totals in self._totals.values()]
         self._totals = {}
         self._pending.append(snapshot)
         # Leave the newest GPU snapshot unread: reading it now would wait for the GPU.
-        keep = 1 if any(event is not None for _, event in snapshot) else 0
+        keep = 1 if on_gpu else 0
         while len(self._pending) > keep:
             self._resolve(self._pending.popleft())
 
     def _resolve(self, snapshot: list) -> None:
         grad_sq, skips = 0.0, 0
-        for host, event in snapshot:
-            if event is not None:
-                event.synchronize()
+        for read in snapshot:
+            host = read()
             grad_sq += float(host[0])
             skips += int(host[1])
         self._last_grad_norm = math.sqrt(grad_sq) if math.isfinite(grad_sq) else float("nan")

@@ -13,6 +13,7 @@ import os
 import torch
 
 from trainer_ext.checkpoints import complete_checkpoints, read_trainer_state
+from trainer_ext.devices import to_host_later
 from trainer_ext.training.rollback import restore_in_place, unstable_training_message
 from trainer_ext.training.stability import (
     STABILITY_STATE_KEY,
@@ -65,7 +66,7 @@ class StabilityMixin:
         optimizer = self.unwrapped_optimizer
         if self.accelerator.num_processes == 1 and getattr(optimizer, "in_backward", False) \
                 and hasattr(optimizer, "gate_backward"):
-            self._pending_loss = (step, _on_its_way_to_host(loss.detach()))
+            self._pending_loss = (step, to_host_later(loss.detach()))
             optimizer.gate_backward(self._decide_pending)
             return self._stand_in(loss, keep_graph=True)
         if self._decide(step, self._loss_value(loss)):
@@ -102,7 +103,7 @@ class StabilityMixin:
     def _decide_pending(self) -> bool:
         step, value = self._pending_loss
         self._pending_loss = None
-        return self._decide(step, value())
+        return self._decide(step, value().item())
 
     def _settle_stability(self):
         """After backward, before the optimizer's step: a decision no update asked for (a backward that reached no
@@ -198,19 +199,3 @@ class StabilityMixin:
         logs["stability/interventions"] = len(self.stability.interventions)
         logs["stability/lr_scale"] = self.stability.lr_scale(self.state.global_step)
 
-
-def _on_its_way_to_host(value: torch.Tensor):
-    """A function returning `value` as a float: on CUDA copied to pinned host memory behind the work queued so far,
-    so that the call waits for that work only, not for what is queued after this."""
-    if value.device.type != "cuda":
-        return value.item
-    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-    host.copy_(value, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(value.device))
-
-    def read() -> float:
-        ready.synchronize()
-        return host.item()
-
-    return read
