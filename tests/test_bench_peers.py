@@ -146,3 +146,33 @@ def test_a_dry_run_reserves_no_first_step_budget_for_a_peer_that_is_skipped(benc
                           "--peer_a_first_step_seconds", "300", "--output_dir", str(tmp_path)])
     assert records[0]["skipped"] == "skipped: galore-torch not installed (pip install galore-torch)"
     assert seen == [{}]
+
+
+def test_a_run_of_ours_stopped_after_its_log_history_keeps_its_figures_and_a_stale_one_does_not(bench, tmp_path,
+                                                                                                 monkeypatch):
+    # A fresh machine's first compile made recurrent-3.3b's run outlast its share on its way out, after it had
+    # trained and written its log history: its figures are kept, marked. A log history older than the run is not its.
+    import argparse
+    import os
+
+    args = argparse.Namespace(output_dir=str(tmp_path), data_dir=str(tmp_path / "data"), steps=12, warmup=2,
+                              cap_gib=24.0, log_every=4, trainer_peak_flops=780e12, device="cuda")
+    history = [{"loss": 9.0 - step / 10, "tokens_per_second": 17000.0 + step, "mfu": 0.70, "depth": 8.0,
+                "peak_reserved_gib": 22.2, "step": step} for step in (4, 8, 12)]
+    out_dir = tmp_path / "recurrent-3.3b"
+    out_dir.mkdir()
+
+    def stopped_on_its_way_out(code, timeout, log_path):
+        (out_dir / "log_history.json").write_text(json.dumps(history))
+        return f"timeout after {timeout:.0f} s (raise --max_seconds)"
+
+    monkeypatch.setattr(bench, "_run", stopped_on_its_way_out)
+    record = bench._ours("recurrent-3.3b", args, 74.0)
+    assert record["tokens_per_second"] == 17010.0 and record["peak_reserved_gib"] == 22.2
+    assert record["stopped"] == "timeout after 74 s (raise --max_seconds), after its log history was written"
+    assert "error" not in record and record["flops_per_token"] == pytest.approx(0.70 * 780e12 / 17010.0)
+
+    os.utime(out_dir / "log_history.json", (0, 0))  # an earlier run's, left in the output folder
+    monkeypatch.setattr(bench, "_run", lambda code, timeout, log_path: "timeout after 74 s (raise --max_seconds)")
+    assert bench._ours("recurrent-3.3b", args, 74.0) == {"run": "recurrent-3.3b", "label": "recurrent-3.3b, defaults",
+                                                         "error": "timeout after 74 s (raise --max_seconds)"}
