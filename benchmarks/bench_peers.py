@@ -22,9 +22,11 @@ Step time: the median after --warmup steps (the peers time each step; ours: the 
 --log_every steps, as a training logs every 20: each line waits for the GPU). Peer A's
 first step runs GaLore's SVD of every projection (242-247 s on an H200, once every 200 steps): it is recorded as
 `first_step_seconds`, left out of the median, and has its own budget (--peer_a_first_step_seconds) on top of peer A's
-share of the call, so one call of 540 s measures the peak, peer A, both presets and peer B. On a fresh machine
-ours compile from cold (38 s against 9 for recurrent-3.3b on an H100): a run of ours stopped by its share after it
-wrote its log history (trained and evaluated) keeps its figures, marked `stopped`.
+share of the call, so one call of 540 s measures the peak, peer A, both presets and peer B. Every run is
+time-boxed: the peers stop timing 10 s before their share ends, ours stop training after the first step past their
+share minus 20 s (evaluation and exit), marked `time_boxed` when that was before --steps; on a fresh machine ours
+compile from cold (38 s against 9 for recurrent-3.3b on an H100). A run of ours stopped at its share after it wrote
+its log history (trained and evaluated) keeps its figures, marked `stopped`.
 MFU, all against the peak measured above:
   mfu     model FLOPs per token from `hf_recurrent.cost.flops_per_token` (attention and head included, the depth
           each step ran, recompute not counted) x tokens/s. For ours it is the trainer's logged MFU rescaled from
@@ -68,6 +70,9 @@ PEER_A_FIRST_STEP_SECONDS = 270.0  # the SVD step and the 6.74B model's start on
 # 20 s a run needs once peer A's first step was set aside, and the call measured no peak (2026-12-05, 470 s).
 PEAK_SECONDS = 30.0
 BAR = 1.05
+# What a run of ours needs after its last step: its evaluation (4 s for recurrent-3.3b on an H100), its log history
+# and its exit. Training stops after the first step past its share minus this, as the peers stop before theirs.
+OURS_EXIT_SECONDS = 20.0
 
 
 def run_timeout(runs: list[str], index: int, seconds_left: float, first_step_seconds: dict[str, float]) -> float:
@@ -293,8 +298,9 @@ def _ours(preset: str, args, timeout: float) -> dict:
                 "--overwrite_output_dir", "true", "--peak_flops", str(args.trainer_peak_flops),
                 *(["--bf16", "true"] if cuda else ["--use_cpu", "true"])]
     cap = args.cap_gib if cuda else None
-    code = f"from benchmarks.bench_train import child; child({cap!r}, {run_args!r})"
     started = time.time()
+    deadline = started + timeout - OURS_EXIT_SECONDS
+    code = f"from benchmarks.bench_train import child; child({cap!r}, {run_args!r}, deadline={deadline!r})"
     error = _run(code, timeout, os.path.join(args.output_dir, f"{preset}.log"))
     # A run stopped after it wrote its log history (trained, evaluated; a fresh machine's first compile made the
     # 3.3b's run 74 s long, and it was stopped on its way out) has every figure: they are kept.
@@ -307,7 +313,8 @@ def _ours(preset: str, args, timeout: float) -> dict:
     record = {"run": preset, "label": f"{preset}, defaults", "steps": row["steps"],
               "tokens_per_second": row["tokens_per_second"], "mfu_logged": row["mfu"],
               "trainer_peak_flops": args.trainer_peak_flops, "peak_reserved_gib": row["peak_reserved_gib"] or None,
-              **({"stopped": f"{error}, after its log history was written"} if error else {})}
+              **({"stopped": f"{error}, after its log history was written"} if error else {}),
+              **({"time_boxed": True} if (row.get("last_step") or 0) < args.steps else {})}
     plan_path = os.path.join(out_dir, "memory_plan.json")
     if os.path.isfile(plan_path):
         with open(plan_path) as f:

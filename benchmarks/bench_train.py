@@ -19,20 +19,31 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 from benchmarks.capped import set_memory_cap
 
 
-def child(cap_gib: float, run_args: list[str], profile_path: str | None = None) -> None:
+def child(cap_gib: float, run_args: list[str], profile_path: str | None = None, deadline: float | None = None) -> None:
+    """One benchmark run in this process, under the cap; with `deadline` (a `time.time()`) training stops after the
+    first step that ends past it, and the run evaluates and writes its log history as after its last step."""
     set_memory_cap(cap_gib)
+    from transformers import TrainerCallback
+
     from trainer_ext.run.pretrain import parse_pretrain_job, pretrain
 
-    callbacks = None
+    class StopAtDeadline(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if time.time() >= deadline and not control.should_training_stop:
+                print(f"step {state.global_step}: the benchmark's deadline has passed; training stops", flush=True)
+                control.should_training_stop = True
+
+    callbacks = [StopAtDeadline()] if deadline is not None else []
     if profile_path:  # steps 7-10: the kernels by kind, where the GPU idled and what the host ran meanwhile
         from benchmarks.kernel_breakdown import KernelProfile
 
-        callbacks = [KernelProfile(start_step=6, stop_step=10, host=True, path=profile_path)]
-    pretrain(parse_pretrain_job(run_args), callbacks=callbacks)
+        callbacks.append(KernelProfile(start_step=6, stop_step=10, host=True, path=profile_path))
+    pretrain(parse_pretrain_job(run_args), callbacks=callbacks or None)
 
 
 def run_logged(command: list[str], log_path: str) -> int:
@@ -81,6 +92,7 @@ def summarize(preset: str, out_dir: str, warmup: int, spike_from: int = 0) -> di
     row = {
         "preset": preset,
         "steps": len(logs),
+        "last_step": logs[-1].get("step"),
         "tokens_per_second": round(statistics.median(e["tokens_per_second"] for e in steady), 1),
         "mfu": round(statistics.median(e.get("mfu", float("nan")) for e in steady), 4),
         # A recurrent run's figures depend on the depths its steps drew (seeded: the same in every run of a preset):

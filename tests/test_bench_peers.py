@@ -154,6 +154,7 @@ def test_a_run_of_ours_stopped_after_its_log_history_keeps_its_figures_and_a_sta
     # trained and written its log history: its figures are kept, marked. A log history older than the run is not its.
     import argparse
     import os
+    import time
 
     args = argparse.Namespace(output_dir=str(tmp_path), data_dir=str(tmp_path / "data"), steps=12, warmup=2,
                               cap_gib=24.0, log_every=4, trainer_peak_flops=780e12, device="cuda")
@@ -162,15 +163,23 @@ def test_a_run_of_ours_stopped_after_its_log_history_keeps_its_figures_and_a_sta
     out_dir = tmp_path / "recurrent-3.3b"
     out_dir.mkdir()
 
-    def stopped_on_its_way_out(code, timeout, log_path):
+    def stopped_on_its_way_out():
         (out_dir / "log_history.json").write_text(json.dumps(history))
-        return f"timeout after {timeout:.0f} s (raise --max_seconds)"
+        return "timeout after 74 s (raise --max_seconds)"
 
-    monkeypatch.setattr(bench, "_run", stopped_on_its_way_out)
+    codes = []
+    monkeypatch.setattr(bench, "_run", lambda code, timeout, log_path: codes.append(code) or stopped_on_its_way_out())
+    started = time.time()
     record = bench._ours("recurrent-3.3b", args, 74.0)
     assert record["tokens_per_second"] == 17010.0 and record["peak_reserved_gib"] == 22.2
     assert record["stopped"] == "timeout after 74 s (raise --max_seconds), after its log history was written"
     assert "error" not in record and record["flops_per_token"] == pytest.approx(0.70 * 780e12 / 17010.0)
+    # The child stops training after the first step past its share less the time its evaluation and exit take.
+    deadline = float(codes[0].split("deadline=")[1].rstrip(")"))
+    assert started + 74.0 - bench.OURS_EXIT_SECONDS <= deadline <= time.time() + 74.0 - bench.OURS_EXIT_SECONDS
+    assert "time_boxed" not in record  # it ran its 12 steps
+    args.steps = 21
+    assert bench._ours("recurrent-3.3b", args, 74.0)["time_boxed"] is True
 
     os.utime(out_dir / "log_history.json", (0, 0))  # an earlier run's, left in the output folder
     monkeypatch.setattr(bench, "_run", lambda code, timeout, log_path: "timeout after 74 s (raise --max_seconds)")

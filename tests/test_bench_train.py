@@ -140,3 +140,16 @@ def test_each_runs_output_is_kept_in_a_log_beside_its_row(tmp_path, capsys):
     log = (tmp_path / "out" / "train_debug.log").read_text()
     assert "--optimizer='sgd' is not allowed" in log and "Traceback" in log
     assert log.strip().splitlines()[-1] in capsys.readouterr().out
+
+
+def test_a_run_with_a_deadline_stops_after_the_first_step_past_it_and_still_writes_its_log_history(
+        tiny_data_dir, tmp_path, capsys):
+    # The peer benchmark gives each run of ours a deadline inside its share (its evaluation and exit after it), so
+    # that a slow start (a fresh machine's first compile) costs steps, not the run's figures.
+    out = tmp_path / "debug"
+    run_args = bench_train.run_arguments("debug", tiny_data_dir, str(out), steps=50, warmup=1, cap_gib=24)
+    bench_train.child(None, [*run_args, "--use_cpu", "true"], deadline=0.0)
+    history = json.loads((out / "log_history.json").read_text())
+    assert [e["step"] for e in history if "loss" in e] == [1] and any("eval_loss" in e for e in history)
+    assert bench_train.summarize("debug", str(out), 0)["last_step"] == 1
+    assert "step 1: the benchmark's deadline has passed; training stops" in capsys.readouterr().out
