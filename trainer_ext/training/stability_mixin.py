@@ -198,4 +198,3 @@ class StabilityMixin:
         logs["stability/skipped_steps"] = self.stability.skipped_steps
         logs["stability/interventions"] = len(self.stability.interventions)
         logs["stability/lr_scale"] = self.stability.lr_scale(self.state.global_step)
-
