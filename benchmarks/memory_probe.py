@@ -45,6 +45,7 @@ import tempfile
 import time
 
 from trainer_ext.memory.estimator import DEFAULT_FIT_OBJECTIVE, FIT_OBJECTIVES
+from trainer_ext.memory.probes import HEAD_GRAD_IN_WEIGHT_DTYPE
 
 # Batch unit per preset: the grid's batch sizes are multiples of it (small models need more tokens to load the GPU).
 BATCH_UNIT = {"debug": 1, "recurrent-125m": 4, "recurrent-1b": 2, "recurrent-3.3b": 1, "recurrent-7b": 1,
@@ -290,7 +291,8 @@ def run_probe(model, spec: dict, steps: int, device: str, output_dir: str) -> di
               "loss_chunk_size": args.loss_chunk_size or default_chunk_size(
                   config.vocab_size, chunk_logit_bytes(model.dtype, torch.device(device), online_teacher=False)),
               "distill_topk": TOPK if spec["distill"] else 0, "config": config_fields(config),
-              "outer_norms": "compiled" if spec["compile"] else "eager"}  # calibrate.as_measured_now reads it
+              "outer_norms": "compiled" if spec["compile"] else "eager",  # calibrate.as_measured_now reads it
+              "head_grad": HEAD_GRAD_IN_WEIGHT_DTYPE}
     _reset_model(model)
     _free(device)
     if cuda:

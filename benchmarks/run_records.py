@@ -24,6 +24,7 @@ from benchmarks.memory_probe import config_fields
 from hf_recurrent import presets
 from trainer_ext.memory.placement import PLACEMENT_CHOICES
 from trainer_ext.memory.plan import PLAN_FILE, plan_for_preset, training_shape
+from trainer_ext.memory.probes import HEAD_GRAD_IN_WEIGHT_DTYPE
 
 ROUNDING_GIB = 0.005
 
@@ -92,6 +93,7 @@ def run_record(args) -> dict:
         "vocab_size": config.vocab_size, "params": shape.params, "optimizer_state_bytes": shape.optimizer_state_bytes,
         "graph_steps": shape.graph_steps, "num_steps": shape.num_steps,
         "config": config_fields(config), "outer_norms": "compiled" if plan.torch_compile else "eager",
+        "head_grad": HEAD_GRAD_IN_WEIGHT_DTYPE,
         "status": "ok", "peak_reserved_bytes": int((max(float(e["peak_reserved_gib"]) for e in entries)
                                                     + ROUNDING_GIB) * 2**30),
         "peak_allocated_bytes": int((max(float(e["peak_allocated_gib"]) for e in entries) + ROUNDING_GIB) * 2**30),

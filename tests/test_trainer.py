@@ -277,26 +277,6 @@ def test_torch_compile_compiles_each_layer_and_keeps_state_dict_keys(tiny_data_d
     assert not any(key.startswith("_orig_mod") or "._orig_mod" in key for key in trainer.model.state_dict())
 
 
-@pytest.mark.parametrize("in_backward", [True, False])
-def test_the_head_gradient_is_cast_in_its_accumulator_only_where_the_update_consumes_it(tiny_data_dir, tmp_path,
-                                                                                       monkeypatch, in_backward):
-    # With the update in backward (the default) the head's gradient is used and freed as backward delivers it, so
-    # the loss may cast it inside its fp32 accumulator's bytes; a gradient kept until the optimizer's step may not
-    # (it would hold those bytes through the whole backward). Evaluation computes no gradient.
-    calls = []
-    loss = trainer_module.chunked_lm_loss
-    def recorded(*args, **kwargs):
-        calls.append((torch.is_grad_enabled(), kwargs["head_grad_in_place"]))
-        return loss(*args, **kwargs)
-
-    monkeypatch.setattr(trainer_module, "chunked_lm_loss", recorded)
-    trainer = make_trainer(tiny_data_dir, tmp_path, max_steps=2, save_strategy="no", optimizer_in_backward=in_backward)
-    trainer.train()
-    trainer.evaluate()
-    assert {in_place for grad, in_place in calls if grad} == {in_backward}
-    assert {in_place for grad, in_place in calls if not grad} == {False}
-
-
 @pytest.mark.parametrize("preset", ["debug", "transformer-debug"])
 def test_compiling_takes_each_decoder_layer_and_the_norms_outside_them(preset):
     from trainer_ext.training.compiling import compile_decoder_layers

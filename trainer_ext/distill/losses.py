@@ -158,7 +158,6 @@ def chunked_lm_loss(
     divergence: str = "forward_kl",
     jsd_beta: float = 0.5,
     chunk_size: int | None = None,
-    head_grad_in_place: bool = False,
 ) -> LossOutput:
     """(1 - alpha) * CE + alpha * T^2 * D, from hidden (B, T, H), head weight (V, H), labels (B, T).
 
@@ -167,17 +166,10 @@ def chunked_lm_loss(
     even at alpha = 0 (a CE-only run can still log its distance to the teacher). Supports one
     backward pass.
 
-    Peak memory: an fp32 V x H gradient accumulator (cast to the weight's dtype at the end), a
-    gradient the size of `hidden`, and per chunk about 1 (CE) to 12 (online teacher, JSD)
+    Peak memory: the head's V x H gradient, summed over the chunks in the weight's dtype (`_accumulate_head_grad`),
+    a gradient the size of `hidden`, and per chunk about 1 (CE) to 12 (online teacher, JSD)
     chunk_size x V fp32 temporaries. Halving chunk_size halves the latter at little speed cost
     while a chunk's matmul stays large; None takes `default_chunk_size(V)`.
-
-    `head_grad_in_place`: the head's gradient is cast to the weight's dtype inside the accumulator's own storage
-    (`_cast_in_place`), so the fp32 accumulator and its cast never exist side by side (0.76 GiB at V = 99,520 x 4096,
-    at the end of the forward pass where a step's activations peak: recurrent-3.3b's peak fell 0.38 GiB and moved into
-    the chunk loop), but the gradient then holds the accumulator's bytes until it is freed: for callers whose
-    optimizer consumes it as backward delivers it (the update in backward), not for gradients held through backward
-    or over several losses.
     """
     if chunk_size is None:
         logit_bytes = chunk_logit_bytes(lm_head_weight.dtype, lm_head_weight.device, isinstance(teacher, OnlineTeacher))
@@ -197,7 +189,6 @@ def chunked_lm_loss(
         vocab_limit=vocab_limit,
         grad_hidden=grad_enabled and hidden.requires_grad,
         grad_weight=grad_enabled and lm_head_weight.requires_grad,
-        head_grad_in_place=head_grad_in_place,
     )
     loss, ce, kd = _ChunkedLMLoss.apply(hidden, lm_head_weight, labels, teacher, options)
     return LossOutput(loss=loss, ce=ce, kd=kd)
@@ -213,7 +204,6 @@ class _Options:
     vocab_limit: int
     grad_hidden: bool
     grad_weight: bool
-    head_grad_in_place: bool = False
 
 
 class _ChunkedLMLoss(torch.autograd.Function):
@@ -257,9 +247,8 @@ def _forward_and_grads(hidden, weight, labels, teacher, options):
     needs_grad = options.grad_hidden or options.grad_weight
 
     grad_hidden = torch.empty_like(hidden_flat) if options.grad_hidden else None
-    # fp32 accumulation across chunks; cast to the weight's dtype once at the end.
     grad_weight = (
-        torch.zeros(weight.shape, dtype=torch.float32, device=device) if options.grad_weight else None
+        torch.zeros(weight.shape, dtype=_head_grad_dtype(weight.dtype), device=device) if options.grad_weight else None
     )
     ce_sum = torch.zeros((), dtype=torch.float32, device=device)
     kd_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -299,42 +288,30 @@ def _forward_and_grads(hidden, weight, labels, teacher, options):
     loss = (1.0 - options.alpha) * ce_mean + options.alpha * options.temperature**2 * kd_mean
     if grad_hidden is not None:
         grad_hidden = grad_hidden.view_as(hidden)
-    if grad_weight is not None and grad_weight.dtype != weight.dtype:
-        grad_weight = (_cast_in_place(grad_weight, weight.dtype) if options.head_grad_in_place
-                       else grad_weight.to(weight.dtype))
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
     return loss, ce_mean, kd_mean, grad_hidden, grad_weight
 
 
-def _cast_in_place(accumulator: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`accumulator` (fp32, contiguous) cast to `dtype` (2 bytes) in the first half of its own storage, rows front to
-    back. Rows [a, b) are written over the bytes of fp32 rows [a / 2, b / 2), which are read already where b <= 2a;
-    so the blocks double in size, and the first one, whose bytes overlap its own source, goes through a copy of
-    1/64 of the rows. Exactly `accumulator.to(dtype)`, without a second tensor of that size beside it."""
-    if accumulator.dtype != torch.float32 or dtype.itemsize != 2 or not accumulator.is_contiguous():
-        return accumulator.to(dtype)
-    rows = accumulator.shape[0]
-    source = accumulator.view(rows, -1)
-    target = accumulator.view(-1).view(dtype)[: accumulator.numel()].view(rows, -1)
-    start = max(1, rows // 64)
-    target[:start] = source[:start].to(dtype)
-    while start < rows:
-        stop = min(2 * start, rows)
-        target[start:stop] = source[start:stop]
-        start = stop
-    return target.view(accumulator.shape)
+def _head_grad_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the head's gradient is summed over the chunks in: the weight's where it has fp32's exponent range
+    (bf16, fp32), else fp32 (an fp16 sum would flush the small gradients of a large batch to zero)."""
+    return weight_dtype if weight_dtype in (torch.bfloat16, torch.float32) else torch.float32
 
 
 def _accumulate_head_grad(grad_weight, grad_logits, grad_cast, chunk_hidden):
-    """grad_weight (V, H) fp32 += grad_logits.T @ chunk_hidden, in place: no V x H temporary per chunk.
+    """grad_weight (V, H) += grad_logits.T @ chunk_hidden, in place: no V x H temporary per chunk.
 
-    A bf16 head on CUDA multiplies `grad_cast` (the logits' gradient in bf16) in bf16 with fp32 accumulation and
-    output (tensor cores at the bf16 rate, not TF32's half of it); elsewhere in fp32 (fp16 would flush the small
-    gradients of a large batch to zero).
+    A bf16 head's gradient is summed in bf16, as a bf16 weight's gradient from autograd and Liger's fused loss are:
+    each chunk's product accumulates in fp32 inside the GEMM and is added to the sum with one rounding (a relative
+    2**-9 at most per chunk), where an fp32 sum held 2 more bytes per head entry from the loss, at the end of the
+    forward pass where a step's activations peak, until backward had consumed it (0.5 GiB at 65,536 x 4,096). An
+    fp16 head multiplies in fp32 (`_head_grad_dtype`).
     """
-    if chunk_hidden.is_cuda and chunk_hidden.dtype == torch.bfloat16:
-        torch.addmm(grad_weight, grad_cast.T, chunk_hidden, out_dtype=torch.float32, out=grad_weight)
+    if grad_weight.dtype == grad_cast.dtype:
+        grad_weight.addmm_(grad_cast.T, chunk_hidden)
     else:
-        grad_weight.addmm_(grad_logits.T, chunk_hidden.float())
+        grad_weight.addmm_(grad_logits.T.float(), chunk_hidden.float())
 
 
 def _plain_ce(logits, targets, scale):

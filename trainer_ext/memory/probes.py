@@ -51,6 +51,11 @@ def usable_probes(records: list[dict]) -> list[dict]:
 ADJUSTED_OUTER_NORMS = "eager (adjusted)"
 
 
+# The `head_grad` of records measured since the loss sums a bf16 head's gradient in bf16 (`chunked_lm_loss`); earlier
+# records held it in an fp32 accumulator, 2 bytes more per head entry, until backward had consumed it.
+HEAD_GRAD_IN_WEIGHT_DTYPE = "summed in the weight's dtype"
+
+
 def holds_head_cast(record: dict) -> bool:
     """Whether a record was measured before the head's gradient was cast to bf16 inside its fp32 accumulator (the
     loss's `head_grad_in_place`): its peak held the cast beside the accumulator, V x H bf16. Those are the records

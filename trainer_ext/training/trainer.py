@@ -307,9 +307,6 @@ class RecurrentTrainer(StabilityMixin, Trainer):
             chunked_lm_loss, lm_head_weight=unwrapped.lm_head.weight, labels=targets, teacher=teacher,
             alpha=self.args.distill_alpha, temperature=self.args.distill_temperature,
             divergence=self.args.distill_divergence, chunk_size=self.args.loss_chunk_size,
-            # One head gradient a step, consumed where backward delivers it: cast within its accumulator's bytes.
-            head_grad_in_place=bool(training and supervision is None
-                                    and getattr(self.unwrapped_optimizer, "in_backward", False)),
         )
         with self.profiler.phase("loss"):
             out = (lm_loss(hidden) if supervision is None
