@@ -161,9 +161,9 @@ def test_verify_plans_a_cached_teacher_at_each_vocabulary_and_length_and_breaks_
     from benchmarks.memory_probe import main
 
     output = tmp_path / "verify.jsonl"
-    # Under 1.6 GiB (0.2 after the margin) no batch fits seq 65,536 (batch 1 is predicted at about 0.5 GiB): one
+    # Under 1.7 GiB (0.3 after the margin) no batch fits seq 65,536 (batch 1 is predicted at about 0.6 GiB): one
     # "no plan" row per vocabulary naming the fix, said while planning, and the shapes with a plan are still trained.
-    assert main(["--verify", "--presets", "debug", "--device", "cpu", "--cap_gib", "1.6", "--only_distill_probes",
+    assert main(["--verify", "--presets", "debug", "--device", "cpu", "--cap_gib", "1.7", "--only_distill_probes",
                  "--vocab_sizes", "512", "1024", "--seq_lens", "32", "65536", "64", "--breakdown", "--max_batch_size",
                  "2", "--steps", "3", "--compile_steps", "3", "--output", str(output)]) == 0
     lines = capsys.readouterr().out.splitlines()

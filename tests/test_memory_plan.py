@@ -18,7 +18,7 @@ from trainer_ext.training.arguments import RecurrentTrainingArguments
 from trainer_ext.memory.estimator import (FIT_OBJECTIVES, GIB, LARGE_MODEL_PARAMS, MIN_COMPILED_TIME_PROBES,
                                           Calibration, FamilyFit, ModelShape, fit_calibration, load_calibration,
                                           residuals, time_features)
-from trainer_ext.memory.probes import probe_recomputed, read_probes, usable_probes
+from trainer_ext.memory.probes import HEAD_GRAD_IN_WEIGHT_DTYPE, probe_recomputed, read_probes, usable_probes
 from trainer_ext.memory.plan import (
     MemoryPlanCallback,
     NoPlanError,
@@ -88,8 +88,10 @@ def test_a_cap_too_small_for_any_plan_names_the_smallest_peak_and_the_fix():
 
 
 def _synthetic_probes(calibration, transformer=False):
-    """Probe records of recurrent presets (or plain Transformers) whose peaks and times `calibration` predicts; every
-    third one from before the head's gradient was cast in place (no `outer_norms`), its peak holding that cast."""
+    """Probe records of recurrent presets (or plain Transformers) whose peaks and times `calibration` predicts: every
+    third one from before the head's gradient was cast in place (no `outer_norms`), its peak holding that cast beside
+    the fp32 accumulator, every third but one from before the gradient was summed in bf16 (no `head_grad`), holding
+    the accumulator, the rest written now."""
     records = []
     names = ("transformer-debug", "transformer-125m", "transformer-3.3b") if transformer else (
         "recurrent-125m", "recurrent-1b", "recurrent-3.3b", "recurrent-7b")
@@ -103,7 +105,7 @@ def _synthetic_probes(calibration, transformer=False):
         for momentum in (None, 0.0):
             shape = training_shape(config, momentum)
             for batch, seq, name, topk, compiled in specs:
-                old = len(records) % 3 == 0
+                age = len(records) % 3  # 0: cast beside the accumulator, 1: the accumulator, 2: now
                 if transformer and name not in ("all", "none"):
                     continue  # a Transformer recomputes every layer or none
                 chosen = RecomputeSet.named(name, shape, shape.graph_steps)
@@ -118,9 +120,10 @@ def _synthetic_probes(calibration, transformer=False):
                         "vocab_size", *(("num_hidden_layers",) if transformer else (
                             "n_prelude_layers", "n_core_layers", "n_coda_layers", "mean_recurrence",
                             "backprop_depth", "injection")))},
-                    **({} if old else {"outer_norms": "compiled" if compiled else "eager"}),
-                    "peak_reserved_bytes": calibration.peak_bytes(dataclasses.replace(shape, head_cast=old), batch,
-                                                                  seq, count, topk, compiled),
+                    **({} if age == 0 else {"outer_norms": "compiled" if compiled else "eager"}),
+                    **({"head_grad": HEAD_GRAD_IN_WEIGHT_DTYPE} if age == 2 else {}),
+                    "peak_reserved_bytes": calibration.peak_bytes(dataclasses.replace(shape, head_copies=2 - age),
+                                                                  batch, seq, count, topk, compiled),
                     "step_seconds": [seconds * 20, seconds, seconds, seconds, seconds]})
     return records
 
@@ -291,29 +294,33 @@ def test_step_times_are_fitted_to_the_calibrations_card_and_peaks_to_every_cards
     assert [mixed.info["residuals"][k] for k in summary] == [alone.info["residuals"][k] for k in summary]
 
 
-def test_the_head_cast_correction_is_a_term_of_old_records_only():
-    # Records measured before the head's gradient was cast inside its fp32 accumulator (no `outer_norms`, or adjusted
-    # by `as_measured_now`) held its bf16 copy, V x H, at their peak; a plan never does: the committed correction (about
-    # 2 bytes an element) adds nothing to a plan's peak and its coefficient x V x H to an old record's.
+def test_the_head_gradients_correction_is_a_term_of_old_records_only():
+    # Records measured before the loss summed a bf16 head's gradient in bf16 (no `head_grad`) held an fp32 accumulator,
+    # a bf16 V x H more than now, at their peak, and those from before its cast was made in place (no `outer_norms`, or
+    # adjusted by `as_measured_now`) the cast beside it, two; a plan never does: the committed correction (about 2
+    # bytes an element a copy) adds nothing to a plan's peak and its coefficient x V x H a copy to an old record's.
     from trainer_ext.memory.calibrate import as_measured_now
     from trainer_ext.memory.estimator import MEMORY_FEATURES, memory_features
 
     records = [r for r in read_probes(str(PROBES)) if r["preset"] == "recurrent-3.3b" and r.get("compile")]
-    old = next(r for r in records if "outer_norms" not in r)
-    assert ModelShape.from_record(old).head_cast and ModelShape.from_record(as_measured_now(old)).head_cast
-    assert not ModelShape.from_record(next(r for r in records if r.get("outer_norms") == "compiled")).head_cast
+    oldest = next(r for r in records if "outer_norms" not in r)
+    assert ModelShape.from_record(oldest).head_copies == 2
+    assert ModelShape.from_record(as_measured_now(oldest)).head_copies == 2
+    older = next(r for r in records if r.get("outer_norms") == "compiled" and "head_grad" not in r)
+    assert ModelShape.from_record(older).head_copies == 1
+    assert ModelShape.from_record({**older, "head_grad": HEAD_GRAD_IN_WEIGHT_DTYPE}).head_copies == 0
     plan_shape, calibration = _shape(), load_calibration()
-    marked = dataclasses.replace(plan_shape, head_cast=True)
-    cast = MEMORY_FEATURES.index("head_cast")
-    coefficient = calibration.families["recurrent"].memory_coefficients[cast]
-    assert not plan_shape.head_cast and 1.5 <= coefficient <= 2.5
+    marked = dataclasses.replace(plan_shape, head_copies=2)
+    copies = MEMORY_FEATURES.index("head_copies")
+    coefficient = calibration.families["recurrent"].memory_coefficients[copies]
+    assert plan_shape.head_copies == 0 and 1.5 <= coefficient <= 2.5
     head = plan_shape.vocab_size * plan_shape.hidden_size
     for compiled in (False, True):
-        assert memory_features(plan_shape, 3, 2048, 0, 0.5, compiled=compiled)[cast] == 0
-        assert memory_features(marked, 3, 2048, 0, 0.5, compiled=compiled)[cast] == pytest.approx(head / GIB)
+        assert memory_features(plan_shape, 3, 2048, 0, 0.5, compiled=compiled)[copies] == 0
+        assert memory_features(marked, 3, 2048, 0, 0.5, compiled=compiled)[copies] == pytest.approx(2 * head / GIB)
         extra = (calibration.peak_bytes(marked, 3, 2048, 0, 0, compiled)
                  - calibration.peak_bytes(plan_shape, 3, 2048, 0, 0, compiled))
-        assert extra == pytest.approx(coefficient * head, rel=1e-6)
+        assert extra == pytest.approx(2 * coefficient * head, rel=1e-6)
 
 
 def test_the_loss_holds_two_chunks_of_logits_at_most():
@@ -436,7 +443,7 @@ def test_cli_recalibrates_from_a_probe_file(tmp_path, capsys):
     old = {**json.loads(out.read_text()), "format_version": 1}
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert main(["--preset", "recurrent-3.3b", "--calibration", str(tmp_path / "old.json")]) != 0
-    assert re.search(r"format_version 1, expected 5.*hf-recurrent-plan-memory --calibrate", capsys.readouterr().err)
+    assert re.search(r"format_version 1, expected 6.*hf-recurrent-plan-memory --calibrate", capsys.readouterr().err)
 
 
 def test_defaults_resolve_to_no_plan_and_no_compile_on_cpu(tmp_path):
@@ -483,9 +490,8 @@ def test_memory_plan_auto_sets_batch_and_recompute_before_training(tmp_path, mon
     assert args.per_device_eval_batch_size == plan.per_device_train_batch_size
     assert getattr(args, CHECKPOINTING_FLAG) is True and recompute == plan.recompute and not recompute.empty
     assert plan.cap_gib == 24 and plan.predicted_peak_gib <= 24 - 1.4
-    # recurrent-3.3b's plan of keep or recompute keeps every activation (its subspace momentum leaves the room): no
-    # checkpointing at all.
-    callbacks = apply_memory_plan(kept, presets.get("recurrent-3.3b"), 2048, 2)
+    # recurrent-1b's plan of keep or recompute keeps every activation: no checkpointing at all.
+    callbacks = apply_memory_plan(kept, presets.get("recurrent-1b"), 2048, 2)
     plan = next(c for c in callbacks if isinstance(c, MemoryPlanCallback)).plan
     assert plan.recompute.empty and getattr(kept, CHECKPOINTING_FLAG) is False
     assert not any(isinstance(c, RecomputeCallback) for c in callbacks)

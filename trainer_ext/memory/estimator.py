@@ -18,8 +18,8 @@ loss runs in the fused kernels as plain CE does. The loss holds two chunks' logi
 default_chunk_size` positions each, bf16) once N has two, a chunk's made before the last one's are freed: the tenth
 term (without it transformer-125m's one-chunk batch was over-predicted by 22%). V x H on its own, the eleventh, is the
 head's constant part, which the eighth term's maximum had to carry (recurrent-125m's batch 32 was 20% over). The
-twelfth is a correction, not a term of any plan: records measured before the head's gradient was cast inside its fp32
-accumulator held its bf16 copy at their peak (`probes.holds_head_cast`; fitted at 2.0 bytes an element). A
+twelfth is a correction, not a term of any plan: V x H times the bf16 copies of the head's gradient beyond the step's
+own that a record's peak held (`probes.head_copies`; fitted at 2.0 bytes an element). A
 compiled step fuses elementwise work, so it keeps other buffers than an eager one: every term but N * H, H * I and the
 correction has a coefficient of its own for compiled steps (the features' `compiled_` entries; an eager
 configuration's are zero, and the other way round).
@@ -56,19 +56,19 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from trainer_ext.distill.losses import default_chunk_size
-from trainer_ext.memory.probes import PROBE_COMMAND, holds_head_cast, measured, probe_recomputed, steady_step_seconds, \
+from trainer_ext.memory.probes import PROBE_COMMAND, head_copies, measured, probe_recomputed, steady_step_seconds, \
     timed_depths, usable_probes
 
 GIB = 2**30
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 CALIBRATE_COMMAND = "hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json"
 _SHARED_FEATURES = ("constant", "kept_intermediate", "kept_hidden", "recomputed_hidden", "adapter", "unique_hidden",
-                    "distill_topk", "transient", "weight_matrix", "loss_logits", "head", "head_cast")
+                    "distill_topk", "transient", "weight_matrix", "loss_logits", "head", "head_copies")
 _COMPILE_DEPENDENT = (0, 1, 2, 3, 4, 6, 7, 9, 10)  # the features whose compiled counterparts follow the shared ones
 MEMORY_FEATURES = _SHARED_FEATURES + tuple(f"compiled_{_SHARED_FEATURES[i]}" for i in _COMPILE_DEPENDENT)
 TIME_FEATURES = ("constant", "training_flops", "recompute_flops", "flops_per_token", "layer_applications",
                  "parameters")
-FORMAT_VERSION = 5  # 4: no logits, head or head-cast terms; 3: least squares, fewer compiled terms, no weight matrix
+FORMAT_VERSION = 6  # 5: the head's cast alone corrected; 4: no logits or head terms; 3: least squares, fewer terms
 MIN_MEMORY_PROBES = len(MEMORY_FEATURES) - 1  # a family's fit: a probe per term (the head-cast correction is none)
 MIN_COMPILED_TIME_PROBES = 2 * len(TIME_FEATURES)  # compiled probes that get coefficients of their own
 # From this size up (recurrent-1b, not the 125M presets) a compiled step is bound by the device's work, below it by the
@@ -106,7 +106,7 @@ class ModelShape:
     num_processes: int = 1
     sharding: str | None = None
     process_terms: tuple[tuple[str, int], ...] = ()
-    head_cast: bool = False  # a record whose peak held the head gradient's cast (the last feature); never a plan
+    head_copies: int = 0  # a record's extra V x H bf16 copies of the head's gradient (the last feature); never a plan
 
     @property
     def fixed_bytes(self) -> int:
@@ -133,7 +133,7 @@ class ModelShape:
         from types import SimpleNamespace
 
         shape = cls.from_config(SimpleNamespace(**record["config"]), record["optimizer_state_bytes"], record["params"])
-        return replace(shape, head_cast=holds_head_cast(record))
+        return replace(shape, head_copies=head_copies(record))
 
     @property
     def graph_applications(self) -> int:
@@ -162,7 +162,7 @@ def memory_features(shape: ModelShape, batch_size: int, seq_len: int, recomputed
     logits = min(tokens, 2 * default_chunk_size(v, 2)) * v  # two chunks of the fused kernels' bf16 logits at most
     shared = np.array([GIB, tokens * kept * i, tokens * kept * h, tokens * recomputed * h,
                        tokens * shape.graph_steps * shape.adapter_width * h, tokens * h, tokens * distill_topk,
-                       max(theta * v * h, tokens * (h + i)), h * i, logits, v * h, v * h * shape.head_cast],
+                       max(theta * v * h, tokens * (h + i)), h * i, logits, v * h, v * h * shape.head_copies],
                       dtype=float) / GIB
     dependent = list(_COMPILE_DEPENDENT)
     own = np.zeros(len(dependent))

@@ -51,16 +51,17 @@ def usable_probes(records: list[dict]) -> list[dict]:
 ADJUSTED_OUTER_NORMS = "eager (adjusted)"
 
 
-# The `head_grad` of records measured since the loss sums a bf16 head's gradient in bf16 (`chunked_lm_loss`); earlier
-# records held it in an fp32 accumulator, 2 bytes more per head entry, until backward had consumed it.
+# The `head_grad` of records measured since the loss sums a bf16 head's gradient in bf16 (`chunked_lm_loss`).
 HEAD_GRAD_IN_WEIGHT_DTYPE = "summed in the weight's dtype"
 
 
-def holds_head_cast(record: dict) -> bool:
-    """Whether a record was measured before the head's gradient was cast to bf16 inside its fp32 accumulator (the
-    loss's `head_grad_in_place`): its peak held the cast beside the accumulator, V x H bf16. Those are the records
-    without `outer_norms` (written since the same change) or adjusted for them (`ADJUSTED_OUTER_NORMS`)."""
-    return record.get("outer_norms") in (None, ADJUSTED_OUTER_NORMS)
+def head_copies(record: dict) -> int:
+    """How many bf16 V x H tensors more than the step holds now a record's peak held for the head's gradient: records
+    without `head_grad` summed it in an fp32 accumulator (2 bytes an entry more: one), and those also without
+    `outer_norms` (or adjusted for them, `ADJUSTED_OUTER_NORMS`) held its bf16 cast beside the accumulator (two)."""
+    if record.get("head_grad") == HEAD_GRAD_IN_WEIGHT_DTYPE:
+        return 0
+    return 2 if record.get("outer_norms") in (None, ADJUSTED_OUTER_NORMS) else 1
 
 
 def probe_recomputed(record: dict, graph_steps: int | None = None) -> int:
