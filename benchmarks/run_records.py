@@ -63,7 +63,12 @@ def run_vocab_size(log: str, given: int | None, run_planned: dict) -> int:
 def run_record(args) -> dict:
     run_planned = run_plan(args.log)
     args.vocab_size = run_vocab_size(args.log, args.vocab_size, run_planned)
-    # Plan files before the field were written when the plan kept or recomputed only, unless `all` was asked for.
+    # Plan files before the field were written when the plan kept or recomputed only, unless `all` was asked for; a
+    # log without one does not say, and the default placements changed (selective since 2026-12-07).
+    if not (args.memory_placements or run_planned):
+        raise SystemExit(f"--log {args.log}: no {PLAN_FILE} beside it says the placements the run chose among; give "
+                         "--memory_placements: selective for a run with the defaults since 2026-12-07, recompute "
+                         "before.")
     placements = args.memory_placements or run_planned.get("placements", "recompute")
     plan = plan_for_preset(args.preset, args.seq_len, args.cap_gib, args.calibration, distill_topk=args.distill_topk,
                            vocab_size=args.vocab_size, rank_fraction=args.optimizer_momentum_rank_fraction,
@@ -114,8 +119,8 @@ def main(argv=None) -> int:
     parser.add_argument("--calibration", required=True, help="The calibration the run's plan was made with.")
     parser.add_argument("--batch_size", type=int, default=None, help="The run's batch size (checked).")
     parser.add_argument("--memory_placements", choices=PLACEMENT_CHOICES, default=None,
-                        help="The placements the run's plan chose among (default: its plan file's, else recompute, "
-                             "the default before plan files recorded them).")
+                        help="The placements the run's plan chose among (default: its plan file's; recompute where "
+                             "the plan file predates the field; required without a plan file).")
     parser.add_argument("--optimizer_momentum_rank_fraction", type=float, default=None,
                         help="The run's, if it gave one (1: full momentum; default: the size-based default); checked "
                              "against its plan file's optimizer state.")

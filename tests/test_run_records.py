@@ -29,8 +29,8 @@ def _record(tmp_path, log_path, *extra):
 
 
 def test_a_run_record_carries_the_runs_plan_and_its_largest_logged_peak(tmp_path):
-    # A log without a plan file beside it: a run from before plan files recorded their placements (keep or recompute),
-    # under a 22 GiB cap (where the plan recomputes some layers).
+    # A log without a plan file beside it: a run from before plan files recorded their placements (keep or recompute,
+    # which the record must be told), under a 22 GiB cap (where the plan recomputes some layers).
     plan = plan_for_preset("recurrent-3.3b", 2048, 22.0, None, distill_topk=64, vocab_size=99520,
                            placements="recompute")
     entries = _log_entries([18.4, 22.68, 22.5], [6017.0, 13890.0, 14000.0])
@@ -39,13 +39,16 @@ def test_a_run_record_carries_the_runs_plan_and_its_largest_logged_peak(tmp_path
     console = tmp_path / "console.log"  # the trainer's console lines: one Python dict per line
     console.write_text("Memory plan: ...\n" + "\n".join(repr(e) for e in entries) + "\n")
     batch = plan.per_device_train_batch_size
-    (record,) = _record(tmp_path, history, "--batch_size", str(batch), "--cap_gib", "22")
+    with pytest.raises(SystemExit, match="--memory_placements"):  # a log alone does not say which placements
+        _record(tmp_path, history, "--batch_size", str(batch), "--cap_gib", "22")
+    keep_or_recompute = ("--memory_placements", "recompute")
+    (record,) = _record(tmp_path, history, "--batch_size", str(batch), "--cap_gib", "22", *keep_or_recompute)
     assert record["batch_size"] == batch and record["recompute_set"] == plan.recompute.to_dict()
     assert record["distill_topk"] == 64 and record["config"]["vocab_size"] == 99520 and record["status"] == "ok"
     assert record["peak_reserved_bytes"] == int((22.68 + 0.005) * 2**30)  # the largest, rounded up
     assert record["step_seconds"] == [round(batch * 2048 / tps, 5) for tps in (6017.0, 13890.0, 14000.0)]
     assert ModelShape.from_record(record).vocab_size == 99520 and probe_recomputed(record) >= 1
-    again = _record(tmp_path, console, "--cap_gib", "22")[-1]
+    again = _record(tmp_path, console, "--cap_gib", "22", *keep_or_recompute)[-1]
     assert {k: v for k, v in again.items() if k != "log"} == {k: v for k, v in record.items() if k != "log"}
     # A run whose plan file records its placements (the default's, with selective recomputation) gets that plan.
     selective = plan_for_preset("recurrent-3.3b", 2048, 22.0, None, distill_topk=64, vocab_size=99520)
@@ -65,7 +68,7 @@ def test_a_run_is_timed_at_the_depths_it_sampled(tmp_path):
                                                                                      10000.0]), (12, 15, 2, 9, 12))]
     history = tmp_path / "log_history.json"
     history.write_text(json.dumps(entries))
-    (record,) = _record(tmp_path, history)
+    (record,) = _record(tmp_path, history, "--memory_placements", "recompute")
     assert record["depths"] == [12, 15, 2, 9, 12] and timed_depths(record) == [2, 9, 12]  # compiled: two warm-up steps
     assert steady_step_seconds(record) == pytest.approx(sum(record["step_seconds"][2:]) / 3)  # the mean, not median
     shape = ModelShape.from_record(record)
@@ -86,13 +89,13 @@ def test_a_run_planned_with_another_calibration_is_refused(tmp_path):
     history = tmp_path / "log_history.json"
     history.write_text(json.dumps(_log_entries([20.0, 20.0], [1000.0, 1000.0])))
     with pytest.raises(SystemExit, match="--calibration .* plans batch .* --batch_size 64"):
-        _record(tmp_path, history, "--batch_size", "64")
+        _record(tmp_path, history, "--batch_size", "64", "--memory_placements", "recompute")
     history.write_text(json.dumps(_log_entries([20.0], [1000.0])))
     with pytest.raises(SystemExit, match="2 steps"):
-        _record(tmp_path, history)
+        _record(tmp_path, history, "--memory_placements", "recompute")
     history.write_text(json.dumps([{"loss": "5.0", "step": 1}]))
     with pytest.raises(SystemExit, match="no peak_reserved_gib"):
-        _record(tmp_path, history)
+        _record(tmp_path, history, "--memory_placements", "recompute")
 
 
 def test_the_fit_bounds_a_training_run_above_its_probes(tmp_path):
@@ -101,10 +104,11 @@ def test_the_fit_bounds_a_training_run_above_its_probes(tmp_path):
     probes = read_probes(PROBES)
     probes = [p for p in probes if p.get("source") != "training run"]
     without = fit_calibration(probes, leave_one_out=False)
-    plan = plan_for_preset("recurrent-3.3b", 2048, 24.0, None, distill_topk=64, vocab_size=99520)
+    plan = plan_for_preset("recurrent-3.3b", 2048, 24.0, None, distill_topk=64, vocab_size=99520,
+                           placements="recompute")
     history = tmp_path / "log_history.json"
     history.write_text(json.dumps(_log_entries([1.0, 1.0, 1.0], [1000.0, 1000.0, 1000.0])))
-    (record,) = _record(tmp_path, history)
+    (record,) = _record(tmp_path, history, "--memory_placements", "recompute")  # the fit's placements
     shape = ModelShape.from_record(record)
     args = (shape, record["batch_size"], 2048, probe_recomputed(record), 64, True)
     record["peak_reserved_bytes"] = int(without.peak_bytes(*args) + 0.3 * 2**30)
