@@ -337,7 +337,7 @@ def test_the_loss_holds_two_chunks_of_logits_at_most():
 
 
 def test_the_committed_calibration_reproduces_the_committed_probes():
-    # No probe's peak predicted under its measured value (the allocator's cache included); within 7.5% everywhere, 3%
+    # No probe's peak predicted under its measured value (the allocator's cache included); within 7.6% everywhere, 3%
     # on average; the residuals it records are the ones its coefficients give.
     from trainer_ext.memory.calibrate import as_measured_now
 
@@ -353,12 +353,13 @@ def test_the_committed_calibration_reproduces_the_committed_probes():
     assert min(r["peak_error"] for r in found["per_probe"]) >= 0.0  # never under (the least-squares fit: 48 of 103)
     large = [r for r in found["per_probe"] if r["preset"].startswith("recurrent") and r["measured_peak_gib"] >= 8]
     assert len(large) >= 50 and min(r["peak_error"] for r in large) >= 0.0
-    # The fit minimises the worst probe's over-prediction: every probe within 7.5%, both cards, eager and compiled
-    # (7.46%; the summed-GiB fit of the features before the loss-logits, head and head-cast terms left the 125M probes
-    # 22.5% over and, with the 2026-12-07 verify records, the H200's compiled probes of 8 GiB or more 5.35%)
+    # The fit minimises the worst probe's over-prediction: every probe within 7.6%, both cards, eager and compiled
+    # (7.55% since the training runs of 2026-12-07 with the head's gradient summed in bf16 joined the fit; the
+    # summed-GiB fit of the features before the loss-logits, head and head-cast terms left the 125M probes 22.5% over
+    # and, with the 2026-12-07 verify records, the H200's compiled probes of 8 GiB or more 5.35%)
     planned = [r for r in found["per_probe"] if r["compile"] and r["measured_peak_gib"] >= 8]
     assert {r["preset"] for r in planned} >= {"recurrent-3.3b", "recurrent-7b"}
-    assert found["peak_max_relative_error"] <= 0.075 and max(r["peak_error"] for r in planned) <= 0.075
+    assert found["peak_max_relative_error"] <= 0.076 and max(r["peak_error"] for r in planned) <= 0.076
     for key in ("device_name", "torch", "transformers", "date", "probe_command", "fit_command"):
         assert calibration.info[key], key
     assert "NVIDIA" in calibration.info["device_name"]
