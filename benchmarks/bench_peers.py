@@ -22,7 +22,9 @@ Step time: the median after --warmup steps (the peers time each step; ours: the 
 --log_every steps, as a training logs every 20: each line waits for the GPU). Peer A's
 first step runs GaLore's SVD of every projection (242-247 s on an H200, once every 200 steps): it is recorded as
 `first_step_seconds`, left out of the median, and has its own budget (--peer_a_first_step_seconds) on top of peer A's
-share of the call, so one call of 540 s measures the peak, peer A, both presets and peer B. Every run is
+share of the call, so one call of 540 s measures the peak, peer A, both presets and peer B; while it runs, our presets
+compile (--precompile: a few untimed steps each, stopped before peer A's first step ends), so that their timed runs
+start from the compile cache even on a fresh machine. Every run is
 time-boxed: the peers stop timing 10 s before their share ends, ours stop training after the first step past their
 share minus 20 s (evaluation and exit), marked `time_boxed` when that was before --steps; on a fresh machine ours
 compile from cold (38 s against 9 for recurrent-3.3b on an H100). A run of ours stopped at its share after it wrote
@@ -65,7 +67,8 @@ PIP_NAMES = {"galore_torch": "galore-torch", "bitsandbytes": "bitsandbytes", "li
 SHARES = {"peak": 0.08, "peer-a": 0.14, "peer-b": 0.14, "peak-end": 0.02}
 PEAK_RUNS = ("peak", "peak-end")
 PRESET_SHARE = 0.28
-PEER_A_FIRST_STEP_SECONDS = 270.0  # the SVD step and the 6.74B model's start on an H200, with 20 s to spare
+# the SVD step and the 6.74B model's start: 242-247 s and about 20 on H200s, 264.5 and about 19 on an H100 (2026-12-07)
+PEER_A_FIRST_STEP_SECONDS = 290.0
 # The matmul peak's own budget (about 15 s on an H200): as a share alone, a call shorter than 540 s left it under the
 # 20 s a run needs once peer A's first step was set aside, and the call measured no peak (2026-12-05, 470 s).
 PEAK_SECONDS = 30.0
@@ -73,6 +76,14 @@ BAR = 1.05
 # What a run of ours needs after its last step: its evaluation (4 s for recurrent-3.3b on an H100), its log history
 # and its exit. Training stops after the first step past its share minus this, as the peers stop before theirs.
 OURS_EXIT_SECONDS = 20.0
+# While peer A's first step runs GaLore's SVD (minutes in which the card mostly waits on the solver), each of our
+# presets trains PRECOMPILE_STEPS untimed steps, one after another, so that its timed run later compiles from the cache
+# instead of from cold: on a fresh H100 the 3.3b's first step took 33 s (9 s warm), and its share of a 540 s call did
+# not hold it (2026-12-07). A precompile stops when peer A's log shows its first step done, or PRECOMPILE_SECONDS after
+# peer A started (its start and SVD took 260-284 s on H200s and an H100), so that no timed step shares the card; only
+# with one card large enough for two capped processes (`can_precompile`).
+PRECOMPILE_STEPS = 3
+PRECOMPILE_SECONDS = 200.0
 
 
 def run_timeout(runs: list[str], index: int, seconds_left: float, first_step_seconds: dict[str, float]) -> float:
@@ -288,19 +299,64 @@ def table(records: list[dict], summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _ours(preset: str, args, timeout: float) -> dict:
-    from benchmarks.bench_train import run_arguments, summarize
+def _ours_code(preset: str, args, out_dir: str, steps: int, deadline: float | None = None) -> str:
+    """The `python -c` code of one training of ours: the defaults under the cap (the planner is told the cap: on a
+    card of that size it is the default), `steps` steps, nothing saved."""
+    from benchmarks.bench_train import run_arguments
 
-    out_dir = os.path.join(args.output_dir, preset)
-    cuda = args.device == "cuda"  # the planner is told the cap: on a card of that size it is the default
-    run_args = [*run_arguments(preset, args.data_dir, out_dir, args.steps, args.warmup, args.cap_gib,
+    cuda = args.device == "cuda"
+    run_args = [*run_arguments(preset, args.data_dir, out_dir, steps, args.warmup, args.cap_gib,
                                log_every=args.log_every),
                 "--overwrite_output_dir", "true", "--peak_flops", str(args.trainer_peak_flops),
                 *(["--bf16", "true"] if cuda else ["--use_cpu", "true"])]
     cap = args.cap_gib if cuda else None
+    return f"from benchmarks.bench_train import child; child({cap!r}, {run_args!r}, deadline={deadline!r})"
+
+
+def can_precompile(total_bytes: int, cap_gib: float) -> bool:
+    """Whether a card of `total_bytes` holds peer A and a precompile beside it, each under the cap."""
+    return total_bytes >= (2 * cap_gib + 2) * 2**30
+
+
+def first_step_done(log_path: str) -> bool:
+    """Whether a peer's log (`peer_child` prints a line per step) shows its first step done."""
+    try:
+        with open(log_path, errors="replace") as log:
+            return any(line.startswith("step 1:") for line in log)
+    except FileNotFoundError:
+        return False
+
+
+def precompile(presets: list[str], args, peer_log: str, until: float) -> dict:
+    """Train each of `presets` PRECOMPILE_STEPS steps (module constants' comment), one after another, each stopped
+    as soon as `peer_log` shows peer A's first step done or `until` (a time.time()) comes; {preset: seconds it took,
+    or why it has none}."""
+    done = {}
+    for preset in presets:
+        if time.time() >= until or first_step_done(peer_log):
+            done[preset] = "not run: peer A's first step ended first"
+            continue
+        started = time.time()
+        process = _start(_ours_code(preset, args, os.path.join(args.output_dir, "precompile", preset),
+                                    PRECOMPILE_STEPS), os.path.join(args.output_dir, f"precompile-{preset}.log"))
+        while process.poll() is None and time.time() < until and not first_step_done(peer_log):
+            time.sleep(0.2)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            done[preset] = f"stopped after {time.time() - started:.0f} s: peer A's first step ended"
+        else:
+            done[preset] = round(time.time() - started, 1) if process.returncode == 0 else \
+                f"exit code {process.returncode}"
+    return done
+
+
+def _ours(preset: str, args, timeout: float) -> dict:
+    from benchmarks.bench_train import summarize
+
+    out_dir = os.path.join(args.output_dir, preset)
     started = time.time()
-    deadline = started + timeout - OURS_EXIT_SECONDS
-    code = f"from benchmarks.bench_train import child; child({cap!r}, {run_args!r}, deadline={deadline!r})"
+    code = _ours_code(preset, args, out_dir, args.steps, deadline=started + timeout - OURS_EXIT_SECONDS)
     error = _run(code, timeout, os.path.join(args.output_dir, f"{preset}.log"))
     # A run stopped after it wrote its log history (trained, evaluated; a fresh machine's first compile made the
     # 3.3b's run 74 s long, and it was stopped on its way out) has every figure: they are kept.
@@ -369,6 +425,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--peer_a_first_step_seconds", type=float, default=None,
                         help=f"Peer A's first step (GaLore's SVD) and start, on top of its share (default "
                              f"{PEER_A_FIRST_STEP_SECONDS:g} on CUDA, 0 on the CPU).")
+    parser.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"Our presets train {PRECOMPILE_STEPS} untimed steps each while peer A's first step runs "
+                             "(one card of twice the cap or more), so that their timed runs compile from the cache.")
     parser.add_argument("--peak_flops", type=float, default=None,
                         help="The peak MFU is computed against when the measured one is missing (peak run left out "
                              "or failed); the measured peak wins.")
@@ -408,7 +467,7 @@ def main(argv=None) -> list[dict]:
     first_step = {"peer-a": (PEER_A_FIRST_STEP_SECONDS if cuda else 0.0) if first_step is None else first_step,
                   **{run: PEAK_SECONDS if cuda else 0.0 for run in PEAK_RUNS}}
     first_step = {run: seconds for run, seconds in first_step.items() if run in runs and not skips.get(run)}
-    records = []
+    records, precompiled = [], None
     for i, run in enumerate(runs):
         timeout = run_timeout(runs, i, start + args.max_seconds - time.time(), first_step)
         out_path = os.path.join(args.output_dir, f"{run}.json")
@@ -420,10 +479,16 @@ def main(argv=None) -> list[dict]:
         elif skip:
             record = {"run": run, "label": PEERS[run]["label"], "skipped": skip}
         else:
+            started = time.time()
             process = _start_peer(run, args, seq_len, timeout) if run in PEERS else _start(
                 f"from benchmarks.bench_peers import peak_child; peak_child({args.device!r}, "
                 f"{8192 if cuda else 512}, {out_path!r}, run={run!r})", os.path.join(args.output_dir, f"{run}.log"))
-            record = _collect(run, args, process, timeout)
+            ours = [p for p in presets if p in runs]
+            if run == "peer-a" and ours and args.precompile and cuda and \
+                    can_precompile(torch.cuda.get_device_properties(0).total_memory, args.cap_gib):
+                precompiled = precompile(ours, args, os.path.join(args.output_dir, f"{run}.log"),
+                                         started + PRECOMPILE_SECONDS)
+            record = _collect(run, args, process, timeout - (time.time() - started))
         record.update(device=args.device, dry_run=not cuda)
         records.append(record)
         print(json.dumps(record), flush=True)
@@ -441,6 +506,8 @@ def main(argv=None) -> list[dict]:
     else:
         add_mfu(records, peak)
     summary = summarize_ratios(records, presets if "ours" in args.runs else [])  # ratios of the presets that ran
+    if precompiled is not None:
+        summary["precompiled"] = precompiled
     summary.update(peak_flops=peak, peak_measured=measured is not None, peaks_measured=sorted(peaks.items()),
                    dry_run=not cuda, seconds=round(time.time() - start, 1))
     with open(output, "w") as f:

@@ -185,3 +185,53 @@ def test_a_run_of_ours_stopped_after_its_log_history_keeps_its_figures_and_a_sta
     monkeypatch.setattr(bench, "_run", lambda code, timeout, log_path: "timeout after 74 s (raise --max_seconds)")
     assert bench._ours("recurrent-3.3b", args, 74.0) == {"run": "recurrent-3.3b", "label": "recurrent-3.3b, defaults",
                                                          "error": "timeout after 74 s (raise --max_seconds)"}
+
+
+def test_a_precompile_stops_when_peer_as_first_step_is_done_and_the_next_is_not_started(bench, tmp_path, monkeypatch):
+    """Our presets compile while peer A's first step runs, never beside a timed step: the running precompile is
+    ended as soon as peer A's log shows its first step, and the presets after it are not started."""
+    import subprocess
+    import sys
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    started = []
+
+    def start(code, log_path, gpu=None):  # a precompile that would train far longer than the peer's first step
+        started.append(log_path)
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+
+    monkeypatch.setattr(bench, "_start", start)
+    peer_log = tmp_path / "peer-a.log"
+    peer_log.write_text("loading\n")
+    threading.Timer(1.0, lambda: peer_log.write_text("loading\nstep 1: 1.00 s\n")).start()
+    args = SimpleNamespace(output_dir=str(tmp_path), data_dir=None, warmup=3, log_every=4, cap_gib=24.0,
+                           trainer_peak_flops=1e12, device="cpu")
+    begin = time.time()
+    done = bench.precompile(["recurrent-3.3b", "recurrent-7b"], args, str(peer_log), time.time() + 30)
+    assert time.time() - begin < 10  # stopped at the line, not at `until` or the sleep's end
+    assert done["recurrent-3.3b"].startswith("stopped after") and done["recurrent-7b"].startswith("not run")
+    assert len(started) == 1 and bench.first_step_done(str(peer_log))
+
+
+def test_a_precompile_that_finishes_is_timed_and_needs_a_card_for_two_capped_processes(bench, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    codes = []
+
+    def start(code, log_path, gpu=None):
+        codes.append(code)
+        return subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+
+    monkeypatch.setattr(bench, "_start", start)
+    args = SimpleNamespace(output_dir=str(tmp_path), data_dir="data", warmup=3, log_every=4, cap_gib=24.0,
+                           trainer_peak_flops=780e12, device="cuda")
+    done = bench.precompile(["recurrent-3.3b"], args, str(tmp_path / "missing.log"), float("inf"))
+    assert isinstance(done["recurrent-3.3b"], float) and not bench.first_step_done(str(tmp_path / "missing.log"))
+    # the same training as the timed run (the defaults under the cap, bf16), a few steps, no deadline
+    assert f"'--max_steps', '{bench.PRECOMPILE_STEPS}'" in codes[0] and "'--memory_cap_gib', '24.0'" in codes[0]
+    assert "'--bf16', 'true'" in codes[0] and "deadline=None" in codes[0]
+    assert bench.can_precompile(80 * 2**30, 24.0) and not bench.can_precompile(24 * 2**30, 24.0)
