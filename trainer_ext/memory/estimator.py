@@ -19,7 +19,7 @@ default_chunk_size` positions each, bf16) once N has two, a chunk's made before 
 term (without it transformer-125m's one-chunk batch was over-predicted by 22%). V x H on its own, the eleventh, is the
 head's constant part, which the eighth term's maximum had to carry (recurrent-125m's batch 32 was 20% over). The
 twelfth is a correction, not a term of any plan: V x H times the bf16 copies of the head's gradient beyond the step's
-own that a record's peak held (`probes.head_copies`; fitted at 2.0 bytes an element). A
+own that a record's peak held (`probes.head_copies`; fitted at about 2 bytes an element). A
 compiled step fuses elementwise work, so it keeps other buffers than an eager one: every term but N * H, H * I and the
 correction has a coefficient of its own for compiled steps (the features' `compiled_` entries; an eager
 configuration's are zero, and the other way round).
@@ -69,7 +69,7 @@ MEMORY_FEATURES = _SHARED_FEATURES + tuple(f"compiled_{_SHARED_FEATURES[i]}" for
 TIME_FEATURES = ("constant", "training_flops", "recompute_flops", "flops_per_token", "layer_applications",
                  "parameters")
 FORMAT_VERSION = 6  # 5: the head's cast alone corrected; 4: no logits or head terms; 3: least squares, fewer terms
-MIN_MEMORY_PROBES = len(MEMORY_FEATURES) - 1  # a family's fit: a probe per term (the head-cast correction is none)
+MIN_MEMORY_PROBES = len(MEMORY_FEATURES) - 1  # a family's fit: a probe per term (the head-copies correction is none)
 MIN_COMPILED_TIME_PROBES = 2 * len(TIME_FEATURES)  # compiled probes that get coefficients of their own
 # From this size up (recurrent-1b, not the 125M presets) a compiled step is bound by the device's work, below it by the
 # host's kernel launches (recurrent-125m's batch 8 ran faster than its batch 4 on the H200): no one linear model
