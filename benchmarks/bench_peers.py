@@ -468,6 +468,9 @@ def main(argv=None) -> list[dict]:
                   **{run: PEAK_SECONDS if cuda else 0.0 for run in PEAK_RUNS}}
     first_step = {run: seconds for run, seconds in first_step.items() if run in runs and not skips.get(run)}
     records, precompiled = [], None
+    # our presets that run, compiled while peer A's first step runs where the card holds both (`precompile`)
+    to_precompile = [p for p in presets if p in runs] if args.precompile and cuda and can_precompile(
+        torch.cuda.get_device_properties(0).total_memory, args.cap_gib) else []
     for i, run in enumerate(runs):
         timeout = run_timeout(runs, i, start + args.max_seconds - time.time(), first_step)
         out_path = os.path.join(args.output_dir, f"{run}.json")
@@ -483,10 +486,8 @@ def main(argv=None) -> list[dict]:
             process = _start_peer(run, args, seq_len, timeout) if run in PEERS else _start(
                 f"from benchmarks.bench_peers import peak_child; peak_child({args.device!r}, "
                 f"{8192 if cuda else 512}, {out_path!r}, run={run!r})", os.path.join(args.output_dir, f"{run}.log"))
-            ours = [p for p in presets if p in runs]
-            if run == "peer-a" and ours and args.precompile and cuda and \
-                    can_precompile(torch.cuda.get_device_properties(0).total_memory, args.cap_gib):
-                precompiled = precompile(ours, args, os.path.join(args.output_dir, f"{run}.log"),
+            if run == "peer-a" and to_precompile:
+                precompiled = precompile(to_precompile, args, os.path.join(args.output_dir, f"{run}.log"),
                                          started + PRECOMPILE_SECONDS)
             record = _collect(run, args, process, timeout - (time.time() - started))
         record.update(device=args.device, dry_run=not cuda)
