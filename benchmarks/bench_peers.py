@@ -289,13 +289,17 @@ def table(records: list[dict], summary: dict) -> str:
                      f"{pct(r.get('mfu_logged'))} |")
     dry = "dry run, not a result: " if summary.get("dry_run") else ""
     for preset, ratio in summary.items():
-        if isinstance(ratio, dict):
+        if isinstance(ratio, dict) and "ratio" in ratio:  # a preset's ratio (not the precompiles' seconds)
             if ratio["ratio"] is None:
                 lines.append(f"{preset} / peer-a: n/a ({ratio['why']})")
             else:
                 lines.append(f"{dry}{preset} / peer-a MFU: {ratio['ratio']:.3f}x like for like, "
                              f"{ratio['ratio_vs_mfu_6n']:.3f}x against its 6N MFU; the bar: >= {BAR}x "
                              f"({'met' if ratio['meets_bar'] else 'not met'})")
+    if summary.get("precompiled"):
+        lines.append("compiled during peer A's first step (untimed): " + ", ".join(
+            f"{preset} {done} s" if isinstance(done, float) else f"{preset} {done}"
+            for preset, done in summary["precompiled"].items()))
     return "\n".join(lines)
 
 

@@ -37,7 +37,10 @@ def test_mfu_ratio_is_like_for_like_against_the_measured_peak_and_the_table_says
     assert summary["recurrent-3.3b"] == {"ratio": round(0.585 / 0.5125, 3), "ratio_vs_mfu_6n": 1.17,
                                          "meets_bar": True}
     assert summary["recurrent-7b"] == {"ratio": None, "why": "no MFU for recurrent-7b"}
+    # as main() adds it after the precompiles: seconds, or why there are none
+    summary["precompiled"] = {"recurrent-3.3b": 50.5, "recurrent-7b": "exit code 1"}
     text = bench.table(records, summary)
+    assert "compiled during peer A's first step (untimed): recurrent-3.3b 50.5 s, recurrent-7b exit code 1" in text
     assert "| recurrent-7b: recurrent-7b | - | OOM, exit code 1 (log: x) |" in text
     assert "| peer-a: GaLore | 4 | 10,000 | 18.5 | 51.2% | 50.0% | - |" in text
     assert "recurrent-3.3b / peer-a MFU: 1.141x like for like, 1.170x against its 6N MFU; the bar: >= 1.05x (met)" \
