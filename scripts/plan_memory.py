@@ -7,9 +7,9 @@
 A mixed-integer program picks, per batch size, where each prelude / coda layer and core step keeps what backward
 needs (keep, recompute or recompute selectively; with --memory_placements all also offload to pinned host memory
 within --memory_host_gib), fastest under a predicted peak reserved memory <= cap - margin; the batch of highest
-predicted tokens/s wins. The package's calibration is an H200's; --device_profile scales its step times to another
-card's bf16 matmul rate and prices offload at its host-device bandwidth (rtx3090, rtx4090: datasheets; measure: this
-card, cached; or a file). Re-calibrate on yours:
+predicted tokens/s wins. The calibration is an H200's; --device_profile (rtx3090, rtx4090: datasheets; measure: this
+card, cached; or a file) scales its step times to the card's bf16 matmul rate and offers offload, priced at its
+host-device bandwidth (training offloads only when asked: the last line gives the flags). Re-calibrate on yours:
 
     python3 -m benchmarks.memory_probe --output probes.jsonl            # on the GPU, a few minutes
     hf-recurrent-plan-memory --calibrate probes.jsonl --calibration my_card.json   # then plan with --calibration
@@ -22,7 +22,7 @@ import sys
 from trainer_ext.memory.calibrate import write_calibration_from_probes
 from trainer_ext.memory.device_profile import SPEC_PROFILES, resolve_device_profile
 from trainer_ext.memory.estimator import load_calibration
-from trainer_ext.memory.placement import DEFAULT_PLACEMENTS, HOST_HELP, PLACEMENT_CHOICES, PLACEMENTS_HELP
+from trainer_ext.memory.placement import HOST_HELP, PLACEMENT_CHOICES, PLAN_PLACEMENTS_HELP
 from trainer_ext.memory.plan import DEFAULT_MARGIN_GIB, MAX_BATCH_SIZE, plan_for_preset
 
 
@@ -52,8 +52,7 @@ def main(argv=None) -> int:
                         help="accelerate's mixed_precision of an FSDP2 launch (accelerate_fsdp2_<N>x24gb.yaml: no): "
                              "other than no, accelerate keeps the shards as fp32 master weights.")
     parser.add_argument("--memory_host_gib", type=float, default=None, help=HOST_HELP)
-    parser.add_argument("--memory_placements", choices=PLACEMENT_CHOICES, default=DEFAULT_PLACEMENTS,
-                        help=PLACEMENTS_HELP)
+    parser.add_argument("--memory_placements", choices=PLACEMENT_CHOICES, default=None, help=PLAN_PLACEMENTS_HELP)
     parser.add_argument("--calibration", default=None,
                         help="Calibration file to use (default: the package's), or to write with --calibrate.")
     parser.add_argument("--calibrate", metavar="PROBES", default=None,
@@ -101,7 +100,8 @@ def main(argv=None) -> int:
                          f"--num_processes {args.num_processes} scripts/run_pretrain.py"}
     launch = launches.get(plan.sharding, "hf-recurrent-pretrain")
     print(f"{launch} --preset {args.preset} applies it on such a card (--memory_plan auto, the default on CUDA, "
-          f"plans for the memory free when the run starts; add {plan.exact_flags} for exactly this plan).")
+          f"plans for the memory free when the run starts; add {plan.exact_flags} for exactly this plan"
+          + (", offload included: training offloads only when asked" if plan.host_gib else "") + ").")
     return 0
 
 

@@ -43,9 +43,10 @@ def test_a_profile_scales_the_step_times_by_the_matmul_rates_and_keeps_the_memor
             assert scaled.families[name].compiled_time_coefficients == pytest.approx(
                 [c * factor for c in fit.compiled_time_coefficients])
         assert scaled.families[name].memory_coefficients == fit.memory_coefficients
-    # The default placements (keep / recompute / selective): their costs scale with the matmul rate alone.
+    # The training's default placements (keep / recompute / selective): their costs scale with the matmul rate alone.
     h200 = plan_for_preset("recurrent-7b", 2048, None)
-    rtx3090 = plan_for_preset("recurrent-7b", 2048, None, device_profile=SPEC_PROFILES["rtx3090"])
+    rtx3090 = plan_for_preset("recurrent-7b", 2048, None, device_profile=SPEC_PROFILES["rtx3090"],
+                              placements="selective")
     # The same card size gives the same plan (the memory model is the calibration's), at a 3090's speed.
     assert rtx3090.cap_gib == h200.cap_gib == 24.0
     assert rtx3090.per_device_train_batch_size == h200.per_device_train_batch_size
@@ -66,14 +67,46 @@ def test_cli_prints_the_plan_a_3090_would_get_with_its_tokens_per_second(preset,
     (line,) = [line for line in out.splitlines() if "tokens/s" in line]
     assert "speed on NVIDIA GeForce RTX 3090 (datasheet: 71.0 TFLOP/s bf16, 31.5 GB/s host-device, 24 GiB)" in line
     assert "the step times of NVIDIA H200 x 9.37" in line
-    # With the default placements (keep / recompute / selective) the plans differ in the step-time scale only.
-    assert main(["--device_profile", "rtx3090", "--preset", preset, "--json"]) == 0
+    # With the training's default placements (keep / recompute / selective) the plans differ in the step-time scale
+    # only.
+    assert main(["--device_profile", "rtx3090", "--preset", preset, "--memory_placements", "selective", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert main(["--preset", preset, "--json"]) == 0
     h200 = json.loads(capsys.readouterr().out)
     assert plan["predicted_tokens_per_second"] == pytest.approx(h200["predicted_tokens_per_second"] / 9.3676, rel=1e-3)
     assert main(["--device_profile", "rtx3090", "--preset", preset, "--cap_gib", "22", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cap_gib"] == 22  # --cap_gib wins over the card's memory
+
+
+@pytest.mark.parametrize("preset", ["recurrent-7b", "recurrent-3.3b"])
+def test_a_cards_plan_offloads_by_default_where_its_balance_favours_it_and_names_the_flags_training_needs(preset,
+                                                                                                        capsys):
+    """Planned for a 3090 (compute about as slow as its copies) the flagless command offloads and prints the flags that
+    make training do the same; for a 4090's 7b (copies slower than its compute) and the calibration's card, offload
+    offered, it does not, and names no placements; --memory_placements given wins."""
+    from trainer_ext.cli.plan_memory import main
+
+    host = ["--memory_host_gib", "16"]  # the default bound is half of this machine's RAM
+    assert main(["--device_profile", "rtx3090", "--preset", preset, *host, "--json"]) == 0
+    rtx3090 = json.loads(capsys.readouterr().out)
+    assert rtx3090["placements"] == "all" and 0 < rtx3090["host_gib"] <= 16
+    assert any(rtx3090["placement"]["offload"].values())
+    assert main(["--device_profile", "rtx3090", "--preset", preset, *host, "--memory_placements", "selective",
+                 "--json"]) == 0
+    selective = json.loads(capsys.readouterr().out)
+    assert selective["host_gib"] == 0 and rtx3090["predicted_tokens_per_second"] > selective[
+        "predicted_tokens_per_second"]
+    assert main(["--device_profile", "rtx3090", "--preset", preset, *host]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert "add --memory_cap_gib 24 --memory_placements all --memory_host_gib 16 for exactly this plan, offload " \
+           "included: training offloads only when asked" in last
+    for flags in (["--device_profile", "rtx4090", "--preset", "recurrent-7b"],
+                  ["--preset", preset, "--memory_placements", "all"]):  # the calibration's H200: offload never pays
+        assert main([*flags, *host, "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["host_gib"] == 0 and not any(plan["placement"]["offload"].values())
+        assert main([*flags, *host]) == 0
+        assert "add --memory_cap_gib 24 for exactly this plan)." in capsys.readouterr().out.splitlines()[-1]
 
 
 @pytest.mark.parametrize("value, message", [

@@ -229,18 +229,21 @@ def test_a_training_with_the_defaults_applies_its_plans_selective_applications(t
 
 def test_by_default_the_plan_may_recompute_selectively_and_only_asked_for_all_it_offloads(tmp_path, capsys):
     """Selective recomputation is calibrated by GPU probe pairs and chosen by default; offload would pin many GiB of
-    host memory on a consumer card and is chosen only with `all`, even where the program predicts it faster (a 3090
-    with host memory for it); `recompute` leaves selective out."""
+    host memory on a consumer card and training chooses it only with `all`, even where the program predicts it faster
+    (a 3090 with host memory for it); `recompute` leaves selective out. Planning for a card (a device profile) offers
+    offload unless told otherwise."""
     from trainer_ext.cli.plan_memory import main
 
+    assert RecurrentTrainingArguments(output_dir=str(tmp_path)).memory_placements == "selective"
     profile = dict(device_profile=SPEC_PROFILES["rtx3090"], memory_host_gib=32)
-    default = plan_for_preset("recurrent-3.3b", 2048, None, **profile)
+    default = plan_for_preset("recurrent-3.3b", 2048, None, placements="selective", **profile)
     only_recompute = plan_for_preset("recurrent-3.3b", 2048, None, placements="recompute", **profile)
     every = plan_for_preset("recurrent-3.3b", 2048, None, placements="all", **profile)
     assert _offloaded(default) == 0 and any(default.placement["selective"].values())
     assert not any(only_recompute.placement["selective"].values()) and _offloaded(only_recompute) == 0
     assert default.predicted_tokens_per_second > only_recompute.predicted_tokens_per_second
     assert _offloaded(every) > 0 and every.predicted_tokens_per_second > default.predicted_tokens_per_second
+    assert plan_for_preset("recurrent-3.3b", 2048, None, **profile).placement == every.placement
     # The flags that give exactly a plan name its placements where they are not the default's.
     assert "--memory_placements" not in default.exact_flags
     assert "--memory_placements recompute" in only_recompute.exact_flags

@@ -34,15 +34,16 @@ selectively and in full in one process; `estimator.fit_selective`, run by the ca
 selective application holds over a full recompute's input, as a multiple of S (the largest over the pairs, an upper
 bound like the peaks), and the share of a full recompute's time it still costs (the median), kept in the
 calibration's `selective` entry. Without pairs S and SELECTIVE_TIME_FRACTION stand as above. Offload's time is the
-model above with its fixed time fitted (on an H100, 24 offloaded probes of recurrent-3.3b and 7b at batch 1-4 over
-two days, as a ratio to the same step recomputed: 0.01 ms an application; the first day's within 2.8% at the median
-and 8.1% at most, the second's, out of sample before they joined, within 7% at batch 2 and 4); its window is measured
+model above with its fixed time fitted (on H100s, 36 offloaded probes of recurrent-3.3b and 7b at batch 1-4 in three
+sets, as a ratio to the same step recomputed: 0.36 ms an application; each set within 5.5% at the median, each out of
+sample before it joined, the largest errors at batch 1, where the host's work sets the step); its window is measured
 (above).
 By default the program chooses among keep, recompute and selective recomputation (`--memory_placements selective`,
 PLACEMENT_CHOICES; `recompute` leaves selective out): selective is priced by probe pairs, and recurrent-3.3b's plan
 with it (batch 3, most applications selective, against batch 2 with nothing recomputed) trained 7.5% faster on an
-H100. Offload is offered only when asked for (`all`): by default it would pin many GiB of host memory on a consumer
-card, which WSL2 may refuse mid-training, and no such card has run a plan with it yet.
+H100. Training offers offload only when asked for (`all`): by default it would pin many GiB of host memory on a
+consumer card, which WSL2 may refuse mid-training, and no such card has run a plan with it yet; hf-recurrent-plan-memory
+offers it by default when planning for another card (`--device_profile`), and prints the flags.
 The bandwidths are the device profile's (`--device_profile`), or for the calibration's own device the datasheet link
 in CALIBRATION_DEVICE_HOST_DEVICE_BYTES_PER_SECOND; where neither is known, offload is not offered. Host memory: the
 pinned memory all processes of the host may use (`--memory_host_gib`, default HOST_FRACTION of the machine's RAM;
@@ -70,6 +71,8 @@ PLACEMENTS_HELP = ("The placements the memory plan may choose per layer applicat
                    "selective (also selective recomputation: the products' and attention's outputs kept, the rest "
                    "run again; priced by the calibration's probe pairs; the default) or all (also offload to pinned "
                    "host memory, priced by an analytic time model and the device memory offloaded probes measured).")
+PLAN_PLACEMENTS_HELP = (f"{PLACEMENTS_HELP} Default here: {OFFLOAD_PLACEMENTS} with --device_profile (the card's "
+                        f"compute and link decide whether offload pays), else {DEFAULT_PLACEMENTS}, the training's.")
 # PCIe 5.0 x16: 32 GT/s per lane, 128b/130b encoding (PCI-SIG, PCI Express Base Specification 5.0), each way.
 CALIBRATION_DEVICE_HOST_DEVICE_BYTES_PER_SECOND = {"NVIDIA H200": 32e9 * 16 * 128 / 130 / 8}
 HOST_HELP = ("Pinned host memory, GiB, that activation offload may use on this machine, all processes together "

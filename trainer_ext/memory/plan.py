@@ -25,8 +25,8 @@ from transformers import TrainerCallback
 from trainer_ext.memory.device_profile import DeviceProfile, for_device, training_profile
 from trainer_ext.memory.estimator import GIB, Calibration, ModelShape, load_calibration
 from trainer_ext.memory.probes import default_allocator
-from trainer_ext.memory.placement import DEFAULT_PLACEMENTS, Program, application_counts, describe_table, \
-    host_bytes_for, placement_table
+from trainer_ext.memory.placement import DEFAULT_PLACEMENTS, OFFLOAD_PLACEMENTS, Program, application_counts, \
+    describe_table, host_bytes_for, placement_table
 from trainer_ext.memory.processes import FP32_BYTES, layout_of, per_rank_shape, resolve_sharding
 from trainer_ext.memory.recompute import Applications, RecomputeCallback, RecomputeSet
 
@@ -87,9 +87,10 @@ class MemoryPlan:
 
     @property
     def exact_flags(self) -> str:
-        """The training flags that give exactly this plan (its cap; the placements where they are not the default's,
-        the host bound where it offloads)."""
-        choices = f" --memory_placements {self.placements}" if self.placements != DEFAULT_PLACEMENTS else ""
+        """The training flags that give exactly this plan (its cap; the placements where they are not the default's
+        and matter: offload's only where the plan offloads; the host bound where it does)."""
+        same = self.placements == DEFAULT_PLACEMENTS or (self.placements == OFFLOAD_PLACEMENTS and not self.host_gib)
+        choices = "" if same else f" --memory_placements {self.placements}"
         host = f" --memory_host_gib {self.host_cap_gib * self.num_processes:g}" if self.host_gib else ""
         return f"--memory_cap_gib {self.cap_gib:g}" + choices + host
 
@@ -229,12 +230,13 @@ def plan_for_preset(preset: str, seq_len: int, cap_gib: float | None, calibratio
                     max_batch_size: int = MAX_BATCH_SIZE, num_processes: int = 1, sharding: str | None = None,
                     mixed_precision: str = "no", device_profile: DeviceProfile | None = None,
                     vocab_size: int | None = None, memory_host_gib: float | None = None,
-                    placements: str = DEFAULT_PLACEMENTS) -> MemoryPlan:
+                    placements: str | None = None) -> MemoryPlan:
     """The plan of a named preset (its default vocabulary, or a head of `vocab_size` entries, e.g. a tokenizer's) for
     one rank of `num_processes` with `sharding` ("ddp", "fsdp2"; None: one process, or data parallel for several)
     under accelerate's `mixed_precision`, on the card of `device_profile` (default: the calibration's; its memory is
-    the default cap, else DEFAULT_CAP_GIB), with `placements` and `memory_host_gib` as `plan_memory`; checks first
-    (ValueError naming the fix)."""
+    the default cap, else DEFAULT_CAP_GIB), with `placements` and `memory_host_gib` as `plan_memory` (default:
+    offload offered on a profiled card, whose compute and link decide whether it pays, else the training's default);
+    checks first (ValueError naming the fix)."""
     from hf_recurrent import presets
 
     if preset not in presets.NAMES:
@@ -254,7 +256,8 @@ def plan_for_preset(preset: str, seq_len: int, cap_gib: float | None, calibratio
                            sharded_weight_bytes=FP32_BYTES if upcast else None)
     plan = plan_memory(shape, seq_len, cap_gib, calibration, margin_gib, range(1, max_batch_size + 1),
                        compiled=compiled, distill_topk=distill_topk, preset=preset, calibration_path=calibration_path,
-                       memory_host_gib=memory_host_gib, placements=placements)
+                       memory_host_gib=memory_host_gib,
+                       placements=placements or (OFFLOAD_PLACEMENTS if device_profile else DEFAULT_PLACEMENTS))
     plan.device_profile = profiled
     return plan
 
