@@ -35,9 +35,9 @@ selective application holds over a full recompute's input, as a multiple of S (t
 bound like the peaks), and the share of a full recompute's time it still costs (the median), kept in the
 calibration's `selective` entry. Without pairs S and SELECTIVE_TIME_FRACTION stand as above. Offload's time is the
 model above with its fixed time fitted (on H100s, 36 offloaded probes of recurrent-3.3b and 7b at batch 1-4 in three
-sets, as a ratio to the same step recomputed: 0.36 ms an application; each set within 5.5% at the median, each out of
-sample before it joined, the largest errors at batch 1, where the host's work sets the step); its window is measured
-(above).
+sets, as a ratio to the same step recomputed: 0.36 ms an application; the sets within 3.2%, 6.3% and 4.7% at the
+median, the third 5.5% out of sample before it joined; the largest errors at batch 1, where the host's work sets the
+step); its window is measured (above).
 By default the program chooses among keep, recompute and selective recomputation (`--memory_placements selective`,
 PLACEMENT_CHOICES; `recompute` leaves selective out): selective is priced by probe pairs, and recurrent-3.3b's plan
 with it (batch 3, most applications selective, against batch 2 with nothing recomputed) trained 7.5% faster on an
