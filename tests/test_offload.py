@@ -92,6 +92,47 @@ def test_offloaded_activations_give_the_same_gradients_and_come_back():
     assert bounded.host_bytes == 0
 
 
+class Refusing(OffloadActivations):
+    """Pinning refused after `allowed` host buffers, as WSL2 may refuse cudaHostAlloc mid-training."""
+
+    def __init__(self, *args, allowed=2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.allowed = allowed
+
+    def _host_buffer(self, tensor, pinned):
+        if self.allowed == 0:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        self.allowed -= 1
+        return super()._host_buffer(tensor, pinned)
+
+
+def test_refused_pinning_keeps_the_tensors_on_the_device_lowers_the_bound_and_names_the_flag(caplog):
+    from trainer_ext.memory.offload import OffloadedForward
+
+    model, x = two_blocks()
+    reference = grads(model, x, model)
+    forward = OffloadedForward(min_bytes=1024)
+    forward.context = Refusing(1024, allowed=2)
+
+    def offloaded(inputs):
+        return forward(model, inputs)
+
+    with caplog.at_level("WARNING", logger="trainer_ext.memory.offload"):
+        got = grads(model, x, offloaded)
+    for a, b in zip(got, reference):  # the step goes on with the refused tensors kept on the device
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    refused = forward.context
+    assert refused.offloaded == 2 and refused.max_host_bytes > 0 and refused.host_bytes == 0
+    (record,) = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert "--memory_host_gib" in record.getMessage() and "--memory_placements selective" in record.getMessage()
+    forward.renew()  # the next forward pins at most what this one could
+    assert forward.context.max_host_bytes == refused.max_host_bytes == forward.max_host_bytes
+    got = grads(model, x, offloaded)
+    for a, b in zip(got, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert forward.context.offloaded == 2  # under the lowered bound: as many as were pinned before
+
+
 def test_backward_fetches_one_application_ahead_not_more():
     """Backward brings back the application before the one it is in, whole, and nothing further: the tensors kept on
     the device (small ones) are unpacked too, and fetching one tensor ahead per unpack ran far ahead of backward."""

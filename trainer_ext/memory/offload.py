@@ -18,7 +18,9 @@ device copy of the weight and as many bytes moved each way as the layer's activa
 tokens. On a CPU the "host" copy is a plain copy, so the bookkeeping and the gradients are tested anywhere.
 Host memory in use is bounded (`max_host_bytes`): a tensor that would pass it stays on the device. Under WSL2 the
 pinned memory a CUDA application can hold is limited (NVIDIA's CUDA on WSL notes) and the VM has only part of the
-machine's RAM, which is why the bound exists.
+machine's RAM, which is why the bound exists. Where pinning is refused all the same, the tensor stays on the device,
+the bound becomes what was pinned for every later forward (the allocator's cached pinned blocks serve them), and a
+warning names the flag to lower (the step may then need more device memory than its plan).
 
 `selective_policy` is the recomputation that keeps the expensive outputs: under `torch.utils.checkpoint` with
 `create_selective_checkpoint_contexts`, the outputs of matrix products and attention are saved and everything else
@@ -34,9 +36,12 @@ from __future__ import annotations
 
 import bisect
 import functools
+import logging
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+logger = logging.getLogger(__name__)
 
 MIN_OFFLOAD_BYTES = 1 << 20  # smaller saved tensors stay on the device: their copies cost more than they free
 
@@ -138,7 +143,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             self._stored[key] = ("kept", tensor)
             return key
         stream = self._copy_stream(tensor.device)
-        host, event = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=stream is not None), None  # dense
+        try:
+            host, event = self._host_buffer(tensor, pinned=stream is not None), None
+        except RuntimeError as error:  # pinning refused (WSL2): this one and what would pass the new bound stay
+            self._refused(error)
+            self._stored[key] = ("kept", tensor)
+            return key
         if stream is None:  # CPU: the same bookkeeping, a plain copy
             host.copy_(tensor)
         else:
@@ -153,6 +163,19 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.host_bytes += size
         self.offloaded += 1
         return key
+
+    @staticmethod
+    def _host_buffer(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)  # dense
+
+    def _refused(self, error: RuntimeError) -> None:
+        """Pinned memory refused: the bound becomes what this forward pinned (module docstring)."""
+        self.max_host_bytes = self.host_bytes
+        logger.warning("Activation offload: pinning host memory was refused after %.2f GiB (%s); the rest of this "
+                       "forward's tensors stay on the GPU, which may not hold them, and later forwards pin at most "
+                       "that much. WSL2 limits what CUDA may pin: give --memory_host_gib %.1f or less so that the "
+                       "plan accounts for it, or --memory_placements selective to train without offload.",
+                       self.host_bytes / 2**30, error, self.host_bytes / 2**30)
 
     def _unpack(self, key: int) -> torch.Tensor:
         tensor = self._take(key)
@@ -215,7 +238,10 @@ class OffloadedForward:
         self.context: OffloadActivations | None = None
 
     def renew(self, *hook_args) -> None:
-        """A fresh context for the next forward; the previous one lives on in its graph until backward empties it."""
+        """A fresh context for the next forward, under the bound the previous one ended with (lowered where pinning was
+        refused); the previous one lives on in its graph until backward empties it."""
+        if self.context is not None:
+            self.max_host_bytes = self.context.max_host_bytes
         self.context = OffloadActivations(self.min_bytes, self.max_host_bytes)
 
     def __call__(self, function, *args):
