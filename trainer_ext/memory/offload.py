@@ -173,8 +173,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.max_host_bytes = self.host_bytes
         logger.warning("Activation offload: pinning host memory was refused after %.2f GiB (%s); the rest of this "
                        "forward's tensors stay on the GPU, which may not hold them, and later forwards pin at most "
-                       "that much. WSL2 limits what CUDA may pin: give --memory_host_gib %.1f or less so that the "
-                       "plan accounts for it, or --memory_placements selective to train without offload.",
+                       "that much. WSL2 limits what CUDA may pin: give --memory_host_gib %.1f or less (times the "
+                       "launch's processes) so that the plan accounts for it, or --memory_placements selective to "
+                       "train without offload.",
                        self.host_bytes / 2**30, error, self.host_bytes / 2**30)
 
     def _unpack(self, key: int) -> torch.Tensor:
