@@ -35,7 +35,7 @@ def test_mfu_ratio_is_like_for_like_against_the_measured_peak_and_the_table_says
     assert ours["mfu"] == pytest.approx(0.6 * 780 / 800, abs=1e-4) and "mfu_6n" not in ours  # 0.585
     summary = bench.summarize_ratios(records, ["recurrent-3.3b", "recurrent-7b"])
     assert summary["recurrent-3.3b"] == {"ratio": round(0.585 / 0.5125, 3), "ratio_vs_mfu_6n": 1.17,
-                                         "meets_bar": True}
+                                         "meets_bar": False}  # 1.141 < 1.2
     assert summary["recurrent-7b"] == {"ratio": None, "why": "no MFU for recurrent-7b"}
     # as main() adds it after the precompiles: seconds, or why there are none
     summary["precompiled"] = {"recurrent-3.3b": 50.5, "recurrent-7b": "exit code 1"}
@@ -43,7 +43,7 @@ def test_mfu_ratio_is_like_for_like_against_the_measured_peak_and_the_table_says
     assert "compiled during peer A's first step (untimed): recurrent-3.3b 50.5 s, recurrent-7b exit code 1" in text
     assert "| recurrent-7b: recurrent-7b | - | OOM, exit code 1 (log: x) |" in text
     assert "| peer-a: GaLore | 4 | 10,000 | 18.5 | 51.2% | 50.0% | - |" in text
-    assert "recurrent-3.3b / peer-a MFU: 1.141x like for like, 1.170x against its 6N MFU; the bar: >= 1.05x (met)" \
+    assert "recurrent-3.3b / peer-a MFU: 1.141x like for like, 1.170x against its 6N MFU; the bar: >= 1.2x (not met)" \
         in text
     assert "pip install bitsandbytes" in text
     # no peer A: no ratio, and why
