@@ -287,14 +287,14 @@ def table(records: list[dict], summary: dict) -> str:
         lines.append(f"| {r['run']}: {r.get('label', r['run'])} | {r.get('batch_size', '-')} | {tokens} | "
                      f"{r.get('peak_reserved_gib') or '-'} | {pct(r.get('mfu'))} | {pct(r.get('mfu_6n'))} | "
                      f"{pct(r.get('mfu_logged'))} |")
-    dry = "dry run, not a result: " if summary.get("dry_run") else ""
+    dry, bar = "dry run, not a result: " if summary.get("dry_run") else "", summary.get("bar", BAR)
     for preset, ratio in summary.items():
         if isinstance(ratio, dict) and "ratio" in ratio:  # a preset's ratio (not the precompiles' seconds)
             if ratio["ratio"] is None:
                 lines.append(f"{preset} / peer-a: n/a ({ratio['why']})")
             else:
                 lines.append(f"{dry}{preset} / peer-a MFU: {ratio['ratio']:.3f}x like for like, "
-                             f"{ratio['ratio_vs_mfu_6n']:.3f}x against its 6N MFU; the bar: >= {summary.get('bar', BAR)}x "
+                             f"{ratio['ratio_vs_mfu_6n']:.3f}x against its 6N MFU; the bar: >= {bar}x "
                              f"({'met' if ratio['meets_bar'] else 'not met'})")
     if summary.get("precompiled"):
         lines.append("compiled during peer A's first step (untimed): " + ", ".join(
