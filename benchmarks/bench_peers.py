@@ -336,15 +336,18 @@ def precompile(presets: list[str], args, peer_log: str, until: float) -> dict:
     """Train each of `presets` PRECOMPILE_STEPS steps (module constants' comment), one after another, each stopped
     as soon as `peer_log` shows peer A's first step done or `until` (a time.time()) comes; {preset: seconds it took,
     or why it has none}."""
+    def peer_done() -> bool:
+        return time.time() >= until or first_step_done(peer_log)
+
     done = {}
     for preset in presets:
-        if time.time() >= until or first_step_done(peer_log):
+        if peer_done():
             done[preset] = "not run: peer A's first step ended first"
             continue
         started = time.time()
         process = _start(_ours_code(preset, args, os.path.join(args.output_dir, "precompile", preset),
                                     PRECOMPILE_STEPS), os.path.join(args.output_dir, f"precompile-{preset}.log"))
-        while process.poll() is None and time.time() < until and not first_step_done(peer_log):
+        while process.poll() is None and not peer_done():
             time.sleep(0.2)
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
