@@ -2,6 +2,7 @@
 offload written and read (old plan files too), carried out in the model with the loss and gradients of keeping
 everything, chosen by the program where the card's balance favours them, and host memory bounded."""
 
+import bisect
 import contextlib
 import dataclasses
 import json
@@ -98,6 +99,57 @@ def test_offloaded_layers_hold_no_more_host_memory_than_the_bound():
         assert held > 0 and (bound is None and held > 20_000 or bound is not None and held <= bound)
         output.loss.backward()
         assert context.host_bytes == 0
+
+
+@pytest.mark.parametrize("spent_by", ["the bound", "a refused pin"])
+def test_past_the_host_memory_the_forwards_later_offloaded_layers_are_recomputed(spent_by, caplog, monkeypatch):
+    """A forward whose host memory is spent (its bound reached, or pinning refused as WSL2 may) recomputes its later
+    offloaded applications instead of keeping their tensors on the device: the loss and gradients of keeping
+    everything, those applications' matrix products run again (offload alone runs none again), no tensor of them
+    held, and one warning over two steps."""
+    from test_offload import CountMatmuls
+    from trainer_ext.memory.offload import _is_parameter
+
+    torch.manual_seed(0)
+    config = presets.get("debug", depth_distribution="fixed")
+    model = AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    reference_loss, reference, kept_products = loss_and_grads(model, ids, None)
+    everything = RecomputeSet(offload=Applications(prelude=(0,), core_steps=tuple(range(4)), coda=(0,)))
+    assert loss_and_grads(model, ids, everything, offload_min_bytes=0)[2] == kept_products  # offload: none again
+    bound = 20_000
+    if spent_by == "a refused pin":  # refused once 20,000 bytes are pinned, under no bound of its own
+        buffer, sizes = OffloadActivations._host_buffer, []
+
+        def refusing(tensor, pinned):
+            if sum(sizes) + tensor.numel() * tensor.element_size() > bound:
+                raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+            sizes.append(tensor.numel() * tensor.element_size())
+            return buffer(tensor, pinned)
+
+        monkeypatch.setattr(OffloadActivations, "_host_buffer", staticmethod(refusing))
+    set_checkpointing(model, True)
+    everything.apply(model, max_host_bytes=None if spent_by == "a refused pin" else bound, offload_min_bytes=0)
+    forward = model.model.coda[0]._gradient_checkpointing_func
+    with caplog.at_level("WARNING", logger="trainer_ext.memory.offload"):
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            if spent_by == "a refused pin":
+                sizes.clear()  # the allocator's cached pinned blocks serve the next step
+            with CountMatmuls() as products:
+                output = model(ids, labels=ids, num_steps=4)
+                context = forward.context
+                assert context.exhausted and 0 < context.host_bytes <= bound
+                kept = {bisect.bisect_right(context._starts, key) - 1 for key, (kind, *held) in context._stored.items()
+                        if kind == "kept" and not _is_parameter(held[0])}  # applications with activations kept
+                output.loss.backward()
+            assert context.host_bytes == 0 and products.count > kept_products
+            assert torch.equal(output.loss.detach(), reference_loss)
+            for name, parameter in model.named_parameters():
+                torch.testing.assert_close(parameter.grad, reference[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert len(kept) == 1  # activations kept: those of the application in which the host memory ran out, no more
+    recomputed = [r for r in caplog.records if "recomputed instead" in r.getMessage()]
+    assert len(recomputed) == 1 and "--memory_host_gib" in recomputed[0].getMessage()
 
 
 def _with_bandwidth(rate: float) -> Calibration:

@@ -16,11 +16,14 @@ copies would cost more launches than they free. So do parameters and views of th
 for its input's gradient): the device keeps them anyway, so a host copy frees nothing, and the copy back is a second
 device copy of the weight and as many bytes moved each way as the layer's activations at a batch of a few thousand
 tokens. On a CPU the "host" copy is a plain copy, so the bookkeeping and the gradients are tested anywhere.
-Host memory in use is bounded (`max_host_bytes`): a tensor that would pass it stays on the device. Under WSL2 the
-pinned memory a CUDA application can hold is limited (NVIDIA's CUDA on WSL notes) and the VM has only part of the
-machine's RAM, which is why the bound exists. Where pinning is refused all the same, the tensor stays on the device,
-the bound becomes what was pinned for every later forward (the allocator's cached pinned blocks serve them), and a
-warning names the flag to lower (the step may then need more device memory than its plan).
+Host memory in use is bounded (`max_host_bytes`): a tensor that would pass it stays on the device, and the
+forward's host memory is then spent (`exhausted`): `OffloadedForward` recomputes the forward's later offloaded layer
+applications instead (their input alone stays on the device, less than the plan's window holds), so a forward that
+runs out of host memory is slower than its plan but needs no more device memory. Under WSL2 the pinned memory a CUDA
+application can hold is limited (NVIDIA's CUDA on WSL notes) and the VM has only part of the machine's RAM, which is
+why the bound exists. Where pinning is refused all the same, the tensor stays on the device, the forward's host memory
+is spent, the bound becomes what was pinned for every later forward (the allocator's cached pinned blocks serve them),
+and a warning names the flag to lower.
 
 `selective_policy` is the recomputation that keeps the expensive outputs: under `torch.utils.checkpoint` with
 `create_selective_checkpoint_contexts`, the outputs of matrix products and attention are saved and everything else
@@ -91,6 +94,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES, max_host_bytes: int | None = None):
         self.min_bytes, self.max_host_bytes = min_bytes, max_host_bytes
         self.host_bytes = 0  # held on the host now
+        self.exhausted = False  # a tensor found no host memory (the bound, or pinning refused): module docstring
         self.offloaded = 0  # tensors moved to the host, over the context's life
         self._stored: dict[int, tuple] = {}  # key -> (host tensor, device, copy event, stride) or ("kept", tensor)
         self._leaving: dict[int, tuple] = {}  # key -> (device tensor, copy event): copies not known to be done
@@ -138,17 +142,17 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, tensor: torch.Tensor):
         key, self._next_key = self._next_key, self._next_key + 1
         size = tensor.numel() * tensor.element_size()
-        full = self.max_host_bytes is not None and self.host_bytes + size > self.max_host_bytes
-        if size < self.min_bytes or full or _is_parameter(tensor):
-            self._stored[key] = ("kept", tensor)
-            return key
+        if size < self.min_bytes or _is_parameter(tensor):
+            return self._keep(key, tensor)
+        if self.max_host_bytes is not None and self.host_bytes + size > self.max_host_bytes:
+            self.exhausted = True
+            return self._keep(key, tensor)
         stream = self._copy_stream(tensor.device)
         try:
             host, event = self._host_buffer(tensor, pinned=stream is not None), None
         except RuntimeError as error:  # pinning refused (WSL2): this one and what would pass the new bound stay
             self._refused(error)
-            self._stored[key] = ("kept", tensor)
-            return key
+            return self._keep(key, tensor)
         if stream is None:  # CPU: the same bookkeeping, a plain copy
             host.copy_(tensor)
         else:
@@ -164,17 +168,20 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.offloaded += 1
         return key
 
+    def _keep(self, key: int, tensor: torch.Tensor) -> int:
+        self._stored[key] = ("kept", tensor)
+        return key
+
     @staticmethod
     def _host_buffer(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
         return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)  # dense
 
     def _refused(self, error: RuntimeError) -> None:
         """Pinned memory refused: the bound becomes what this forward pinned (module docstring)."""
-        self.max_host_bytes = self.host_bytes
-        logger.warning("Activation offload: pinning host memory was refused after %.2f GiB (%s); the rest of this "
-                       "forward's tensors stay on the GPU, which may not hold them, and later forwards pin at most "
-                       "that much. WSL2 limits what CUDA may pin: give --memory_host_gib %.1f or less (times the "
-                       "launch's processes) so that the plan accounts for it, or --memory_placements selective to "
+        self.max_host_bytes, self.exhausted = self.host_bytes, True
+        logger.warning("Activation offload: pinning host memory was refused after %.2f GiB (%s); later forwards pin "
+                       "at most that much. WSL2 limits what CUDA may pin: give --memory_host_gib %.1f or less (times "
+                       "the launch's processes) so that the plan accounts for it, or --memory_placements selective to "
                        "train without offload.",
                        self.host_bytes / 2**30, error, self.host_bytes / 2**30)
 
@@ -232,11 +239,14 @@ class OffloadedForward:
     model (`renew`, a forward pre-hook), not one per layer: backward's prefetch then runs across layers, and
     `max_host_bytes` bounds the host memory of the whole step. Not traced by torch.compile (`recursive=False`): the
     context is entered eagerly and the layer's forward inside it stays compiled, so the compiled graph's saved
-    tensors pass through the hooks (torchtune's pattern: hooks outside the compiled region)."""
+    tensors pass through the hooks (torchtune's pattern: hooks outside the compiled region). Once a forward's host
+    memory is spent (`OffloadActivations.exhausted`), its later applications run under `recompute` (the layers' full
+    checkpoint function) instead, where one is given."""
 
-    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES, max_host_bytes: int | None = None):
-        self.min_bytes, self.max_host_bytes = min_bytes, max_host_bytes
+    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES, max_host_bytes: int | None = None, recompute=None):
+        self.min_bytes, self.max_host_bytes, self.recompute = min_bytes, max_host_bytes, recompute
         self.context: OffloadActivations | None = None
+        self._recomputed = False  # whether a forward has run out of host memory yet (warned once)
 
     def renew(self, *hook_args) -> None:
         """A fresh context for the next forward, under the bound the previous one ended with (lowered where pinning was
@@ -248,6 +258,14 @@ class OffloadedForward:
     def __call__(self, function, *args):
         if self.context is None:
             self.renew()
+        if self.context.exhausted and self.recompute is not None:
+            if not self._recomputed:
+                self._recomputed = True
+                logger.warning("Activation offload: a forward ran out of host memory after %.2f GiB; its later "
+                               "offloaded layer applications are recomputed instead, as in every such forward (slower "
+                               "than the plan, no more GPU memory); --memory_host_gib sets the host memory offload may "
+                               "pin.", self.context.host_bytes / 2**30)
+            return self.recompute(function, *args)
         with self.context:
             self.context.layer_boundary()
             return function(*args)

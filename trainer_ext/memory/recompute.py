@@ -139,7 +139,8 @@ class RecomputeSet:
         does it when `activation_checkpointing` is on), so that each layer has its checkpoint function. Offloaded
         applications share one `OffloadActivations` per forward of the model, holding at most `max_host_bytes`."""
         base = _base_model(model)
-        for layer in (*base.prelude, *base.core, *base.coda):
+        layers = (*base.prelude, *base.core, *base.coda)
+        for layer in layers:
             if not hasattr(layer, "_full_checkpointing_func"):  # the function checkpointing was enabled with
                 layer._full_checkpointing_func = getattr(layer, "_gradient_checkpointing_func", None)
         handle = getattr(base, "_offload_renewal", None)
@@ -148,7 +149,9 @@ class RecomputeSet:
             base._offload_renewal = None
         offloaded = None
         if self.offload:
-            offloaded = OffloadedForward(offload_min_bytes, max_host_bytes)
+            # past the host memory, an application is recomputed (`OffloadedForward`): every layer's full function
+            full = next((layer._full_checkpointing_func for layer in layers if layer._full_checkpointing_func), None)
+            offloaded = OffloadedForward(offload_min_bytes, max_host_bytes, recompute=full)
             base._offload_renewal = base.register_forward_pre_hook(offloaded.renew)
 
         def function_of(kind: str, layer):
