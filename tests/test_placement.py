@@ -142,12 +142,12 @@ def test_past_the_host_memory_the_forwards_later_offloaded_layers_are_recomputed
                 assert context.exhausted and 0 < context.host_bytes <= bound
                 kept = {bisect.bisect_right(context._starts, key) - 1 for key, (kind, *held) in context._stored.items()
                         if kind == "kept" and not _is_parameter(held[0])}  # applications with activations kept
+                assert len(kept) == 1  # those of the application in which the host memory ran out, no more
                 output.loss.backward()
             assert context.host_bytes == 0 and products.count > kept_products
             assert torch.equal(output.loss.detach(), reference_loss)
             for name, parameter in model.named_parameters():
                 torch.testing.assert_close(parameter.grad, reference[name], rtol=1e-5, atol=1e-6, msg=name)
-    assert len(kept) == 1  # activations kept: those of the application in which the host memory ran out, no more
     recomputed = [r for r in caplog.records if "recomputed instead" in r.getMessage()]
     assert len(recomputed) == 1 and "--memory_host_gib" in recomputed[0].getMessage()
 
